@@ -1,0 +1,50 @@
+"""Process bookkeeping for tests: every process a test starts carries a tag in
+its environment, so leaks are found even after re-parenting to init."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import psutil
+
+TAG_VAR = "LATTICE_TEST_TAG"
+
+
+def install_tag() -> str:
+    tag = os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+    return tag
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02, message: str = "condition"):
+    """Polls predicate until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,69 @@
+import asyncio
+import os
+
+import msgspec
+import pytest
+
+from ipc.framing import HEADER, MAX_FRAME, FrameTooLarge, decode_payload, encode_frame, read_frame_async, read_payload, write_frame
+from ipc.messages import Cancel, Generate, Message, SetAdapter, Shutdown, Stats
+
+MESSAGES = [
+    Generate(rid=1, prompt="hi", seed=3, stop=["\n"], id_json='"a"'),
+    Generate(rid=2, messages=[Message("user", "héllo")], temperature=0.0),
+    Cancel(rid=1),
+    SetAdapter(path="/x/adapter.safetensors"),
+    SetAdapter(path=None),
+    Stats(),
+    Shutdown(),
+]
+
+
+def test_sync_roundtrip_over_a_pipe():
+    r, w = os.pipe()
+    try:
+        for msg in MESSAGES:
+            write_frame(w, msg)
+        for msg in MESSAGES:
+            assert decode_payload(read_payload(r)) == msg
+        os.close(w)
+        w = -1
+        assert read_payload(r) is None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_asyncio_roundtrip():
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(encode_frame(m) for m in MESSAGES))
+        reader.feed_eof()
+        return [await read_frame_async(reader) for _ in range(len(MESSAGES) + 1)]
+
+    assert asyncio.run(main()) == MESSAGES + [None]
+
+
+def test_malformed_payloads_raise_msgspec_errors():
+    with pytest.raises(msgspec.DecodeError):
+        decode_payload(b"\xc1")
+    with pytest.raises(msgspec.ValidationError):
+        decode_payload(msgspec.msgpack.encode({"type": "generate"}))
+    with pytest.raises(msgspec.ValidationError):
+        decode_payload(msgspec.msgpack.encode({"type": "nope"}))
+
+
+def test_oversized_frame_is_skipped_whole(monkeypatch):
+    import ipc.framing as framing
+
+    monkeypatch.setattr(framing, "MAX_FRAME", 16)
+    r, w = os.pipe()
+    try:
+        os.write(w, HEADER.pack(40) + b"x" * 40 + encode_frame(Stats()))
+        with pytest.raises(FrameTooLarge):
+            read_payload(r)
+        assert decode_payload(read_payload(r)) == Stats()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert MAX_FRAME > 16

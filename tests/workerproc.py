@@ -1,0 +1,122 @@
+"""A real worker process driven directly over its pipes (no supervisor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ipc.framing import encode_frame
+from ipc.messages import ToWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+class WorkerProc:
+    def __init__(self, model: Path, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--model", str(model), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=child_env(),
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[bytes | None] = queue.Queue()
+        self.stderr = bytearray()
+        self._pumps = [threading.Thread(target=self._pump, daemon=True), threading.Thread(target=self._pump_err, daemon=True)]
+        for t in self._pumps:
+            t.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _pump_err(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr += line
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, msg: ToWorker) -> None:
+        self.send_raw(encode_frame(msg))
+
+    def send_raw(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def next_line(self, timeout: float = 60.0) -> bytes | None:
+        return self.lines.get(timeout=timeout)
+
+    def next_event(self, timeout: float = 60.0, skip=(b"heartbeat",)) -> dict | None:
+        """The next event as a dict, skipping internal heartbeats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next_line(max(deadline - time.monotonic(), 0.001))
+            if line is None:
+                return None
+            assert line.startswith(b"@@lattice {") and line.endswith(b"}\n"), line
+            event = json.loads(line[len(b"@@lattice ") :])
+            if event["ev"].encode() not in skip:
+                event["_line"] = line
+                return event
+
+    def wait_ready(self, timeout: float = 120.0) -> dict:
+        while True:
+            event = self.next_event(timeout)
+            assert event is not None, f"worker exited before ready: {self.stderr.decode(errors='replace')}"
+            if event["ev"] == "ready":
+                return event
+
+    def collect(self, timeout: float = 120.0) -> list[dict]:
+        """Events up to and including the next terminal one."""
+        events = []
+        while True:
+            event = self.next_event(timeout)
+            assert event is not None, f"worker exited mid-request: {self.stderr.decode(errors='replace')}"
+            events.append(event)
+            if event["ev"] == "error" or (event["ev"] == "gen_token" and event["done"]):
+                return events
+
+    def close(self) -> int:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            rc = self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(timeout=20)
+        for t in self._pumps:
+            t.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return rc
+
+
+def text_of(events: list[dict]) -> str:
+    return "".join(e["token"] for e in events if e["ev"] == "gen_token")
+
+
+def terminal(events: list[dict]) -> dict:
+    finals = [e for e in events if e["ev"] == "error" or (e["ev"] == "gen_token" and e["done"])]
+    assert len(finals) == 1, events
+    assert events[-1] is finals[0]
+    return finals[0]

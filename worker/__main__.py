@@ -1,0 +1,83 @@
+"""`python -m worker --model DIR`: one model behind a msgpack request pipe.
+
+stdin carries length-prefixed msgpack frames (ipc.framing); stdout carries
+`@@lattice` event lines only; logs go to stderr. Exit code 78 (EX_CONFIG)
+means the model dir (or adapter) is unusable, so restarting cannot help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+EX_CONFIG = 78
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, type=Path, help="model directory")
+    p.add_argument("--name", help="model name used in events (default: the dir name)")
+    p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+    p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model.expanduser().resolve()
+    name = args.name or model_dir.name
+    logging.basicConfig(
+        level=os.environ.get("LATTICE_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s worker model={name} pid={os.getpid()}: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("worker")
+
+    from worker.channel import EventChannel
+    from worker.lifeline import bind_to_parent
+
+    channel = EventChannel.take_stdout()
+    ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
+    bind_to_parent(int(ppid) if ppid else None)
+
+    from ipc.events import encode_event
+    from worker.engine import Engine
+    from worker.loader import ModelDirError, load
+    from worker.server import WorkerServer
+    from worker.text import TextCodec, TokenizerError
+
+    server = WorkerServer(name, channel)
+    server.start_heartbeat(args.heartbeat)
+    server.start_reader()
+
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        channel.write(encode_event("loading", model=name, bytes_loaded=done, bytes_total=total))
+
+    try:
+        loaded = load(model_dir, progress)
+        codec = TextCodec((args.tokenizer_dir or model_dir).expanduser().resolve(), loaded.config)
+    except (ModelDirError, TokenizerError) as exc:
+        print(f"lattice-pool worker: bad model dir: {exc}", file=sys.stderr, flush=True)
+        return EX_CONFIG
+    engine = Engine(loaded, codec, prefill_step=args.prefill_step)
+    engine.warm_up()
+    server.engine = engine
+    server.format = loaded.format
+    load_ms = int((time.perf_counter() - t0) * 1000)
+    log.info("ready: format=%s weights=%d bytes load_ms=%d", loaded.format, loaded.weights_bytes, load_ms)
+    channel.write(
+        encode_event("ready", model=name, format=loaded.format, lora=None, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
+    )
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

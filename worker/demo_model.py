@@ -1,0 +1,266 @@
+"""`lattice-pool demo-model DIR`: a tiny, real Qwen3.5 model built locally.
+
+The directory looks like a Hugging Face download (config.json with a
+`text_config`, HF tensor names, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json` with a ChatML template), so the worker loads it
+through the same path as a real checkpoint. `--q4` writes MLX's 4-bit form
+instead, as `mlx_lm.convert -q` would.
+
+The tokenizer is a byte-level BPE trained on the corpus shipped in
+worker/data. The weights are seeded noise, except the embedding and the LM
+head, which hold a low-rank factorisation of the corpus' bigram log-probs:
+the residual stream stays close to the current token's embedding, so the
+model writes corpus-flavoured text instead of uniform noise. Everything is
+deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# Qwen's ChatML template, reduced to roles and content: earlier turns' reasoning
+# is dropped, as Qwen3 templates do, and the generation prompt opens a think
+# block.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+SIZES = {
+    # name: (hidden, layers, intermediate, heads, kv_heads, head_dim)
+    "tiny": (128, 4, 384, 4, 2, 32),
+    "small": (256, 8, 768, 8, 2, 32),
+}
+
+
+def corpus_text() -> str:
+    return resources.files("worker").joinpath("data/demo_corpus.txt").read_text("utf-8")
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus_text()
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def text_config(size: str, vocab_size: int, eos_id: int) -> dict:
+    hidden, layers, inter, heads, kv_heads, head_dim = SIZES[size]
+    return {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+        },
+        "eos_token_id": eos_id,
+    }
+
+
+def bigram_factors(tok, vocab: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Embedding and LM-head rows whose product approximates log P(next | token)."""
+    counts = np.zeros((vocab, vocab), dtype=np.float64)
+    for line in corpus_text().splitlines(keepends=True):
+        ids = tok.encode(line).ids
+        np.add.at(counts, (ids[:-1], ids[1:]), 1.0)
+    logp = np.log((counts + 0.05) / (counts + 0.05).sum(axis=1, keepdims=True))
+    logp -= logp.mean(axis=1, keepdims=True)
+    u, s, vt = np.linalg.svd(logp)
+    root = np.sqrt(s[:rank])
+    return u[:, :rank] * root, vt[:rank].T * root
+
+
+def hf_name(mlx_name: str) -> str:
+    if mlx_name.startswith("language_model.model."):
+        return "model.language_model." + mlx_name[len("language_model.model.") :]
+    return mlx_name[len("language_model.") :]
+
+
+# Norms that HF stores as (weight - 1); mlx-lm's sanitize adds the 1 back.
+_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def build_weights(config: dict, tok, seed: int) -> dict[str, np.ndarray]:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_5
+
+    tc = config["text_config"]
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(seed)
+    embed, head = bigram_factors(tok, tc["vocab_size"], tc["hidden_size"])
+    # Large embeddings keep the residual stream dominated by the current token.
+    embed = embed / np.sqrt((embed**2).mean(axis=1, keepdims=True) + 1e-6) * 8.0
+    out: dict[str, np.ndarray] = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        shape = tuple(param.shape)
+        hf = hf_name(name)
+        if name.endswith("embed_tokens.weight"):
+            value = embed
+        elif name.endswith("lm_head.weight"):
+            value = head
+        elif name.endswith("A_log"):
+            value = np.log(rng.uniform(1.0, 16.0, size=shape))
+        elif name.endswith("dt_bias"):
+            value = np.ones(shape)
+        elif name.endswith(_OFFSET_NORMS) and not name.endswith("linear_attn.norm.weight"):
+            value = rng.normal(0.0, 0.02, size=shape)
+        elif name.endswith("linear_attn.norm.weight"):
+            value = 1.0 + rng.normal(0.0, 0.02, size=shape)
+        elif name.endswith("conv1d.weight"):
+            # MLX keeps (C, K, 1); the HF checkpoint layout is (C, 1, K).
+            value = rng.normal(0.0, 0.2, size=shape).transpose(0, 2, 1)
+        else:
+            value = rng.normal(0.0, 0.02, size=shape)
+        out[hf] = value.astype(np.float32)
+    return out
+
+
+def save_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    import mlx.core as mx
+
+    tensors = {}
+    for name, value in arrays.items():
+        arr = mx.array(value)
+        # A_log stays fp32 in Qwen3.5 checkpoints; everything else is bf16.
+        tensors[name] = arr if name.endswith("A_log") else arr.astype(mx.bfloat16)
+    mx.save_safetensors(str(path), tensors, metadata={"format": "pt"})
+
+
+def write_tokenizer_files(out: Path, tok, eos: str) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    added = {}
+    for token in SPECIAL_TOKENS:
+        added[str(tok.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            # Qwen marks think tags as ordinary added tokens, so they are shown.
+            "special": token not in ("<think>", "</think>"),
+        }
+    config = {
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": eos,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 32768,
+        "tokenizer_class": "Qwen2Tokenizer",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny") -> Path:
+    tok = train_tokenizer(vocab_size=1024)
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    eos = "<|im_end|>"
+    eos_id = tok.token_to_id(eos)
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_config(size, vocab, eos_id),
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_id,
+        "lattice_demo": {"seed": seed, "size": size},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
+    try:
+        if q4:
+            bf16 = staging / "bf16"
+            build(bf16, seed=seed, size=size)
+            quantize_dir(bf16, staging / "model")
+        else:
+            model_dir = staging / "model"
+            model_dir.mkdir()
+            save_safetensors(model_dir / "model.safetensors", build_weights(config, tok, seed))
+            (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            write_tokenizer_files(model_dir, tok, eos)
+        for item in (staging / "model").iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def quantize_dir(src: Path, dst: Path, bits: int = 4, group_size: int = 64) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(src)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    dst.mkdir(parents=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    quant = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    config["quantization"] = quant
+    config["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lattice-pool demo-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="directory to write the model into")
+    parser.add_argument("--q4", action="store_true", help="write MLX 4-bit weights")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default tiny)")
+    args = parser.parse_args(argv)
+    out = build(args.dir.expanduser().resolve(), q4=args.q4, seed=args.seed, size=args.size)
+    print(f"demo model written to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Model directories: validation, loading through mlx-lm's architectures, format."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+Progress = Callable[[int, int], None]
+
+_DTYPE_NAMES = {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}
+
+
+class ModelDirError(Exception):
+    """The directory is not a loadable model; the worker exits 78 (EX_CONFIG)."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: dict
+    path: Path
+    format: str
+    weights_bytes: int
+
+
+def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise ModelDirError(f"model dir {path} does not exist or is not a directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(f"{path} has no config.json")
+    try:
+        config = json.loads(config_path.read_text("utf-8"))
+    except ValueError as exc:
+        raise ModelDirError(f"cannot parse {config_path}: {exc}") from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelDirError(f"{config_path} has no model_type")
+    if not any(path.glob("model*.safetensors")):
+        raise ModelDirError(f"{path} has no model*.safetensors weights")
+    return config
+
+
+def model_format(config: dict, model: nn.Module) -> str:
+    quant = config.get("quantization") or {}
+    if quant:
+        mode = quant.get("mode", "affine")
+        return f"q{quant.get('bits', 4)}" if mode == "affine" else str(mode)
+    counts: dict[str, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        name = _DTYPE_NAMES.get(p.dtype)
+        if name:
+            counts[name] = counts.get(name, 0) + p.size
+    return max(counts, key=counts.get) if counts else "unknown"
+
+
+def load(path: Path, progress: Progress | None = None) -> LoadedModel:
+    """Loads the weights lazily, then materialises them in slices so that
+    `progress(bytes_loaded, bytes_total)` can report as the file is read."""
+    from mlx_lm.utils import load_model
+
+    read_config(path)
+    try:
+        # Any failure here (unknown architecture, torn safetensors, shape
+        # mismatch) is a property of the directory: retrying cannot help.
+        model, config = load_model(path, lazy=True)
+        _materialise(model, progress)
+    except Exception as exc:
+        raise ModelDirError(f"cannot load {path}: {exc}") from exc
+    total = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    return LoadedModel(model=model, config=config, path=path, format=model_format(config, model), weights_bytes=total)
+
+
+def _materialise(model: nn.Module, progress: Progress | None) -> None:
+    params = [p for _, p in tree_flatten(model.parameters())]
+    total = sum(p.nbytes for p in params)
+    loaded = 0
+    batch: list[mx.array] = []
+    batch_bytes = 0
+    step = max(total // 20, 1)
+    for p in params:
+        batch.append(p)
+        batch_bytes += p.nbytes
+        if batch_bytes >= step:
+            mx.eval(batch)
+            loaded += batch_bytes
+            batch, batch_bytes = [], 0
+            if progress:
+                progress(loaded, total)
+    if batch:
+        mx.eval(batch)
+        if progress:
+            progress(total, total)

@@ -1,0 +1,23 @@
+"""Measured memory of this worker: the process as the OS sees it, and MLX's own view."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import psutil
+
+_process = psutil.Process()
+
+
+def memory_figures() -> dict[str, int]:
+    try:
+        info = _process.memory_full_info()
+        rss, uss = info.rss, getattr(info, "uss", info.rss)
+    except psutil.Error:
+        rss = uss = 0
+    return {
+        "rss_bytes": int(rss),
+        "uss_bytes": int(uss),
+        "mlx_active_bytes": int(mx.get_active_memory()),
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "mlx_cache_bytes": int(mx.get_cache_memory()),
+    }
