@@ -62,7 +62,7 @@ class Pool:
         self.done_listeners: list[Callable[[WorkerHandle, int, float, float], None]] = []
         self._rids = itertools.count(1)
         self._active: dict[str, Job] = {}
-        self._idless: collections.deque[Job] = collections.deque()
+        self._idless: collections.deque[Job | bytes] = collections.deque()
         self._idless_running: Job | None = None
         self._tasks: set[asyncio.Task] = set()
         self._admission = asyncio.Lock()
@@ -124,7 +124,14 @@ class Pool:
 
     def reject(self, code: str, msg: str, id_json: str | None) -> None:
         self.note_error(None, code)
-        self.output.write(encode_error(msg, code, id_json))
+        line = encode_error(msg, code, id_json)
+        if id_json is None and (self._idless_running is not None or self._idless):
+            # An id-less error is the answer to an id-less line: it waits its
+            # turn, or a chat_metal client would read it as the running
+            # request's failure.
+            self._idless.append(line)
+            return
+        self.output.write(line)
 
     def submit(self, msg: ClientLine) -> None:
         """A validated generation request: route it, or end it with an error."""
@@ -173,6 +180,9 @@ class Pool:
     def _pump_idless(self) -> None:
         while self._idless_running is None and self._idless:
             job = self._idless.popleft()
+            if isinstance(job, bytes):
+                self.output.write(job)
+                continue
             self._idless_running = job
             self.handle_for(job.spec).submit(job)
 
@@ -345,7 +355,7 @@ class Pool:
             "mlx_cache_bytes": s.get("mlx_cache_bytes", 0),
             "weights_bytes": s.get("weights_bytes", 0),
             "adapter_bytes": s.get("adapter_bytes", 0),
-            "queued": len(h.queue) + sum(1 for j in self._idless if j.spec.key == h.spec.key),
+            "queued": len(h.queue) + sum(1 for j in self._idless if isinstance(j, Job) and j.spec.key == h.spec.key),
             "in_flight": 1 if h.current is not None else 0,
             "served": h.served,
             "tokens": h.tokens,
@@ -403,8 +413,11 @@ class Pool:
                 log.info("shutdown: cancelling requests that are still running")
         while self._idless:
             job = self._idless.popleft()
-            self.output.write(encode_error("the pool is shutting down", SHUTTING_DOWN, job.id_json))
-            self.note_error(None, SHUTTING_DOWN)
+            if isinstance(job, bytes):
+                self.output.write(job)
+            else:
+                self.output.write(encode_error("the pool is shutting down", SHUTTING_DOWN, job.id_json))
+                self.note_error(None, SHUTTING_DOWN)
         handles = list(self.handles.values())
         self.handles.clear()
         await asyncio.gather(*(h.stop("the pool is shutting down", SHUTTING_DOWN) for h in handles))
