@@ -52,8 +52,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace: Annotated[float, Meta(ge=0)] = 30.0
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
-    metrics_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
-    control_socket: str | None = None
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 
