@@ -56,7 +56,6 @@ class AdapterError(Exception):
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    path: str
     sha256: str
     format: str  # "peft" | "mlx" | "mlx-lm"
     # `layers.N.<module>` -> (A (d_in, r), scale * B (r, d_out)), float32.
@@ -107,7 +106,7 @@ def _read(path: Path, targets: Targets) -> AdapterWeights:
     for module, pair in pairs.items():
         a, b = _oriented(style, tensors[pair.a], tensors[pair.b])
         out[module] = (a, b * np.float32(scales[module]))
-    return AdapterWeights(path=str(path), sha256=digest.hexdigest(), format=fmt, pairs=out)
+    return AdapterWeights(sha256=digest.hexdigest(), format=fmt, pairs=out)
 
 
 def _weights_file(path: Path) -> Path:
@@ -211,8 +210,8 @@ def _check_shapes(tensors: Mapping[str, np.ndarray], style: str, pairs: Mapping[
         if a.ndim != 2 or b.ndim != 2:
             wrong.append(f"{pair.a} {a.shape} / {pair.b} {b.shape} are not matrices")
             continue
-        # Rank is A's short side in either layout; B must agree with it.
-        r = a.shape[0] if style == "peft" else a.shape[1]
+        # A's rank axis sets r (axis 0 in PEFT, 1 in MLX); B must agree with it.
+        r = _rank(style, a)
         want_a = (r, d_in) if style == "peft" else (d_in, r)
         want_b = (d_out, r) if style == "peft" else (r, d_out)
         if a.shape != want_a:
