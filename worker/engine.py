@@ -70,6 +70,9 @@ class Engine:
         self.prefill_step = prefill_step
         self.max_positions = _max_positions(loaded.config)
         self.vocab_size = _vocab(loaded.config) or codec.vocab_size
+        # Content sha256 of the active LoRA adapter (None: none). Anything
+        # cached from model state must be keyed by it, never by the path.
+        self.adapter_key: str | None = None
 
     def prompt_ids(self, req: Generate) -> list[int]:
         if req.prompt is not None:
