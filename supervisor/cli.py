@@ -41,6 +41,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
+    p.add_argument("--log-level", help="stderr log level: DEBUG, INFO (default), WARNING, ERROR")
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
@@ -288,7 +289,6 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lattice-pool", description="A pool of warm MLX model workers behind one stdin endpoint.")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="the stdin endpoint: NDJSON requests in, @@lattice events out")

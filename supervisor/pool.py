@@ -19,6 +19,7 @@ from typing import Callable, Coroutine
 import psutil
 
 from ipc.events import (
+    ADAPTER_ERROR,
     BAD_REQUEST,
     INSUFFICIENT_MEMORY,
     SHUTTING_DOWN,
@@ -27,6 +28,7 @@ from ipc.events import (
     encode_event,
 )
 from ipc.messages import Generate
+from supervisor.adapter_watch import AdapterWatcher
 from supervisor.config import Config, parse_duration, parse_size
 from supervisor.handle import Job, WorkerHandle
 from supervisor.logs import relay_worker_stderr
@@ -56,6 +58,7 @@ class Pool:
         self.memory_budget = parse_size(config.memory_budget)
         self.stats_interval = parse_duration(config.stats_interval)
         self.handles: dict[tuple, WorkerHandle] = {}
+        self.watchers: dict[tuple, AdapterWatcher] = {}
         self.accepting = True
         self.error_counts: collections.Counter[str] = collections.Counter()
         self.adapter_events: collections.Counter[str] = collections.Counter()
@@ -119,6 +122,34 @@ class Pool:
 
     def note_adapter_event(self, handle: WorkerHandle, name: str) -> None:
         self.adapter_events[name] += 1
+        watcher = self.watchers.get(handle.spec.key)
+        if watcher is not None:
+            watcher.result(name == "adapter_loaded")
+
+    def _watch_adapter(self, handle: WorkerHandle) -> None:
+        if handle.spec.lora is None or handle.spec.key in self.watchers:
+            return
+
+        def missing() -> None:
+            self.output.write(
+                encode_event(
+                    "adapter_error",
+                    model=handle.name,
+                    lora=handle.lora,
+                    code=ADAPTER_ERROR,
+                    msg=f"adapter {handle.lora} was deleted; the worker keeps the version it loaded",
+                )
+            )
+
+        watcher = AdapterWatcher(handle.spec.lora, lambda: handle.set_adapter(handle.lora), missing)
+        self.watchers[handle.spec.key] = watcher
+        watcher.start()
+
+    def _unwatch(self, handle: WorkerHandle) -> None:
+        watcher = self.watchers.get(handle.spec.key)
+        # A replacement handle for the same key may own the watch by now.
+        if watcher is not None and self.handles.get(handle.spec.key) is None:
+            self.watchers.pop(handle.spec.key).stop()
 
     # -- requests ------------------------------------------------------------------
 
@@ -254,8 +285,9 @@ class Pool:
                     for key in decision.victims:
                         victim = self.handles.pop(key, None)
                         if victim is not None:
-                            await victim.stop(f"evicted to make room for {handle.name!r}")
+                            await self._stop(victim, f"evicted to make room for {handle.name!r}")
                     await handle.start("admitted")
+                    self._watch_adapter(handle)
                     return
                 self._room.clear()
             log.info("model=%s waits for room: %s", handle.name, decision.reason)
@@ -269,6 +301,7 @@ class Pool:
         self.spawn(self._stop(handle, reason))
 
     async def _stop(self, handle: WorkerHandle, reason: str) -> None:
+        self._unwatch(handle)
         await handle.stop(reason)
         self._room.set()
 
@@ -420,6 +453,9 @@ class Pool:
                 self.note_error(None, SHUTTING_DOWN)
         handles = list(self.handles.values())
         self.handles.clear()
+        for watcher in self.watchers.values():
+            watcher.stop()
+        self.watchers.clear()
         await asyncio.gather(*(h.stop("the pool is shutting down", SHUTTING_DOWN) for h in handles))
         for task in list(self._tasks):
             task.cancel()
