@@ -117,6 +117,7 @@ class WorkerHandle:
         self._kill_reason: str | None = None
         self._current_done = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._retired = False  # stopped for good: a handle is never reused
         self.settled = asyncio.Event()  # set once the first start ended: ready or failed
 
     # -- identity and state --------------------------------------------------
@@ -158,6 +159,10 @@ class WorkerHandle:
 
     async def start(self, reason: str) -> None:
         """Spawns the worker; `ready` from it moves the state on."""
+        if self._retired:
+            # A restart or load scheduled just before the handle was stopped.
+            log.info("%s: not started (%s): the model was unloaded", self._describe(), reason)
+            return
         self.sm.to(State.LOADING, reason)
         self.ready_line = None
         self._kill_reason = None
@@ -170,7 +175,8 @@ class WorkerHandle:
         except OSError as exc:
             log.error("%s: cannot start worker: %s", self._describe(), exc)
             self.proc = None
-            self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
+            if self.state == State.LOADING:
+                self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
             return
         proc.pause_reading(self.pool.output.paused)
         log.info("%s: worker started", self._describe())
@@ -298,7 +304,9 @@ class WorkerHandle:
 
     def _on_stderr(self, data: bytes) -> None:
         self.last_heard = time.monotonic()
-        for raw in data.splitlines():
+        keep = self.stderr_tail.maxlen
+        # Only the last lines can stay in the tail, so a flood costs no Python per line.
+        for raw in data.rsplit(b"\n", keep)[-keep:]:
             text = raw.decode("utf-8", "replace").strip()
             if text:
                 self.stderr_tail.append(text)
@@ -352,6 +360,17 @@ class WorkerHandle:
         self.proc.kill()
 
     def check_stall(self, now: float, stall_timeout: float) -> None:
+        proc = self.proc
+        if proc is None or proc.exited.is_set() or self.state not in LIVE:
+            return
+        blocked = proc.write_blocked_since
+        if blocked is not None and now - blocked > stall_timeout:
+            self.kill(f"it has not read its request pipe for {now - blocked:.0f}s (stall_timeout {stall_timeout:g}s)")
+            return
+        if proc.reading_paused:
+            # A slow client made us stop reading this worker: the silence is ours.
+            self.last_heard = now
+            return
         if self.state in (State.LOADING, State.BUSY) and now - self.last_heard > stall_timeout:
             self.kill(f"no event or heartbeat for {now - self.last_heard:.0f}s (stall_timeout {stall_timeout:g}s)")
 
@@ -418,6 +437,7 @@ class WorkerHandle:
     async def stop(self, reason: str, queued_code: str = UNLOADED) -> None:
         """Ends queued requests with `queued_code`, cancels the running one
         (finish_reason cancelled), stops the process and emits `unloaded`."""
+        self._retired = True
         if self.state == State.STOPPING:
             await self._stopped.wait()
             return

@@ -4,17 +4,16 @@ grandchildren holding pipes, workers that stop reading, boot failures."""
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
-import sys
+import threading
+import time
 
 import psutil
 import pytest
 
-from tests.faults import FAKE_ENV, FakeModels
-from tests.poolproc import is_terminal
+from tests.faults import FAKE_ENV, FakeModels, RawPool
 from tests.procs import pid_alive, wait_for
-from tests.workerproc import ROOT, child_env
 
 PARTIAL = '@@lattice {"ev":"gen_token","token":"cut off'
 
@@ -139,3 +138,206 @@ class TestDeathDetection:
         assert err["code"] == "worker_crashed"
         assert len(tokens_of(pool, "r1")) == 2000
         assert pool.close() == 0
+
+
+class TestWatchdog:
+    def test_a_hung_busy_worker_is_killed_and_restarted(self, fakes, fake_pool):
+        fakes.add("a", [{"hang_after": 2}, {}])
+        pool = fake_pool("stall_timeout = 1")
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 5})
+        err = pool.terminal("r1", timeout=60)
+        assert err["code"] == "worker_crashed" and "no event or heartbeat" in err["msg"]
+        assert len(tokens_of(pool, "r1")) == 2
+        pool.wait_ev("ready", model="a")
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 5})
+        assert pool.terminal("r2")["gen_tokens"] == 5
+        assert pool.close() == 0
+
+    def test_a_loading_worker_is_killed_only_when_it_goes_silent(self, fakes, fake_pool):
+        """Loading for 5x the stall timeout is fine while loading events and
+        heartbeats come; a silent load is killed and restarted."""
+        fakes.add("slow", {"load_delay": 5})
+        fakes.add("silent", [{"load_delay": 600, "load_silent": True}, {}])
+        pool = fake_pool("stall_timeout = 1")
+        restarting = pool.wait_ev("restarting", model="silent", timeout=60)
+        assert "no event or heartbeat" in restarting["reason"]
+        pool.wait_ev("ready", model="silent")
+        pool.wait_ev("ready", model="slow", timeout=60)
+        assert len(fakes.starts("slow")) == 1
+        assert not [e for e in pool.events if e["ev"] in ("restarting", "failed") and e["model"] == "slow"]
+        assert pool.close() == 0
+
+    def test_a_worker_that_stops_reading_its_pipe_cannot_block_the_pool(self, fakes, fake_pool):
+        """Its request frame does not fit the pipe; sends never wait, other
+        models keep serving, and the worker is restarted once the pipe has
+        stayed full for the stall timeout (heartbeats alone do not save it)."""
+        fakes.add("a", [{"stop_reading": True}, {}])
+        fakes.add("b")
+        pool = fake_pool("stall_timeout = 1")
+        pool.wait_ev("ready", model="a")
+        pool.send({"model": "a", "id": "big", "prompt": "x" * (1 << 20), "max_tokens": 3})
+        pool.send({"model": "b", "id": "other", "prompt": "x", "max_tokens": 3})
+        assert pool.terminal("other")["gen_tokens"] == 3
+        restarting = pool.wait_ev("restarting", model="a", timeout=60)
+        assert "request pipe" in restarting["reason"]
+        assert pool.terminal("big")["gen_tokens"] == 3
+        assert pool.close() == 0
+
+
+class TestFloods:
+    def test_a_flood_is_relayed_byte_for_byte(self, fakes, fake_pool):
+        fakes.add("a", {"tokens": 200_000, "token": "fl\u00f6\u00f6d \\"})
+        pool = fake_pool()
+        pool.send({"model": "a", "id": "f", "prompt": "x", "max_tokens": 1})
+        assert pool.terminal("f")["gen_tokens"] == 200_000
+        lines = [e["_line"] for e in tokens_of(pool, "f")]
+        assert len(lines) == 200_000
+        assert set(lines) == {'@@lattice {"ev":"gen_token","token":"fl\u00f6\u00f6d \\\\","done":false,"id":"f"}\n'.encode()}
+        assert pool.close() == 0
+
+    def test_an_overlong_line_is_an_error_and_a_restart(self, fakes, fake_pool):
+        fakes.add("a", [{"long_line": 5 << 20}, {"long_line": 5 << 20}, {}])
+        pool = fake_pool()
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 3})
+        err = pool.terminal("r1")
+        assert err["code"] == "worker_crashed" and "longer than" in err["msg"]
+        assert "longer than" in pool.wait_ev("restarting", model="a")["reason"]
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 3})
+        assert pool.terminal("r2")["gen_tokens"] == 3
+        assert len(fakes.starts("a")) == 3
+        assert pool.close() == 0
+
+    def test_a_slow_client_bounds_memory_and_is_not_taken_for_a_stall(self, fakes):
+        """The client stops reading while a worker floods ~40 MB: the pool
+        stops reading the worker (its writes block), keeps its own memory to
+        the output buffer, and does not kill the worker as stalled although
+        nothing is heard from it for many stall timeouts."""
+        fakes.add("a", {"tokens": 800_000})
+        pool = RawPool(fakes.config("heartbeat_interval = 0.1\nstall_timeout = 0.5\n"))
+        try:
+            ready = pool.read_until(b'"ev":"ready"')
+            supervisor, worker = psutil.Process(pool.proc.pid), psutil.Process(ready["pid"])
+            before = supervisor.memory_info().rss
+            pool.send({"model": "a", "id": "f", "prompt": "x", "max_tokens": 1})
+            wait_for(blocked_for(worker, 6 * 0.5), 60, message="the worker's writes to block")
+            grown = supervisor.memory_info().rss - before
+            done = pool.read_until(b'"done":true')
+            assert pool.close() == 0
+        finally:
+            pool.kill()
+        assert done["id"] == "f" and done["gen_tokens"] == 800_000
+        assert pool.out.count(b'"done":false,"id":"f"}\n') == 800_000
+        assert b'"restarting"' not in pool.out and b"worker_crashed" not in pool.out
+        assert grown < 16 << 20, f"supervisor RSS grew by {grown} bytes"
+
+    def test_a_stderr_flood_with_an_unread_stderr_neither_blocks_nor_grows(self, fakes):
+        """Nobody reads the pool's stderr; a worker writes 32 MB to its own.
+        Requests go on, and the pool keeps a bounded backlog, dropping the rest."""
+        fakes.add("a", {"request_stderr": 32 << 20})
+        pool = RawPool(fakes.config("heartbeat_interval = 0.1"), stderr=subprocess.PIPE)
+        try:
+            pool.read_until(b'"ev":"ready"')
+            supervisor = psutil.Process(pool.proc.pid)
+            before = supervisor.memory_info().rss
+            pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 3})
+            assert pool.read_until(b'"done":true')["id"] == "r1"
+            grown = supervisor.memory_info().rss - before
+            assert grown < 16 << 20, f"supervisor RSS grew by {grown} bytes"
+            pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 3})
+            assert pool.read_until(b'"done":true')["id"] == "r2"
+            stderr = bytearray()
+
+            def read_stderr() -> None:
+                while chunk := os.read(pool.proc.stderr.fileno(), 1 << 20):
+                    stderr.extend(chunk)
+
+            reader = threading.Thread(target=read_stderr)
+            reader.start()
+            wait_for(lambda: b"stderr writes dropped" in stderr, 30, message="the drop notice")
+            assert pool.close() == 0
+            reader.join(30)
+        finally:
+            pool.kill()
+
+
+def blocked_for(proc: psutil.Process, seconds: float):
+    """A predicate: the process has written nothing for `seconds`."""
+    seen = {"chars": -1, "since": 0.0}
+
+    def check() -> bool:
+        chars = proc.io_counters().write_chars
+        now = time.monotonic()
+        if chars != seen["chars"]:
+            seen.update(chars=chars, since=now)
+        return now - seen["since"] > seconds
+
+    return check
+
+
+class TestGivingUp:
+    def test_exit_78_fails_at_once_and_an_explicit_load_resets_it(self, fakes, fake_pool):
+        fakes.add("a", [{"boot_exit": 78}, {}])
+        pool = fake_pool(preload=False)
+        pool.send({"model": "a", "id": "r0", "prompt": "x"})
+        failed = pool.wait_ev("failed", model="a")
+        assert "78" in failed["reason"] and "failing at boot" in failed["reason"]
+        assert pool.terminal("r0")["code"] == "load_failed"
+        pool.send({"model": "a", "id": "r1", "prompt": "x"})
+        assert pool.terminal("r1")["code"] == "model_failed"
+        assert len(fakes.starts("a")) == 1
+        pool.send({"op": "load", "model": "a"})
+        pool.wait_ev("ready", model="a")
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 2})
+        assert pool.terminal("r2")["gen_tokens"] == 2
+        assert pool.close() == 0
+
+    def test_a_crash_loop_ends_in_failed_while_other_models_serve(self, fakes, fake_pool):
+        """Six crashes within 300 s: five restarts with doubling, jittered
+        delays, then `failed`; requests get model_failed until a load."""
+        fakes.add("a", [{"exit_after_ready": 1}] * 6 + [{}])
+        fakes.add("b", {"token_interval": 0.01})
+        pool = fake_pool()
+        pool.send({"model": "b", "id": "steady", "prompt": "x", "max_tokens": 1000})
+        restarts = [pool.wait_ev("restarting", model="a", timeout=60) for _ in range(5)]
+        assert [r["attempt"] for r in restarts] == [1, 2, 3, 4, 5]
+        for n, r in enumerate(restarts):
+            assert 0.8 * 0.5 * 2**n <= r["delay_s"] <= 1.2 * 0.5 * 2**n
+        failed = pool.wait_ev("failed", model="a", timeout=60)
+        assert "6 crashes within 300s" in failed["reason"]
+        pool.send({"model": "a", "id": "r1", "prompt": "x"})
+        assert pool.terminal("r1")["code"] == "model_failed"
+        assert pool.terminal("steady")["gen_tokens"] == 1000
+        crashed = set(fakes.starts("a"))
+        assert len(crashed) == 6
+        pool.send({"op": "load", "model": "a"})
+        pool.wait_for(lambda e: e["ev"] == "ready" and e["model"] == "a" and e["pid"] not in crashed)
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 2})
+        assert pool.terminal("r2")["gen_tokens"] == 2
+        assert pool.close() == 0
+
+
+class TestNoOrphans:
+    def test_shutdown_kills_a_worker_that_ignores_sigterm_and_eof(self, fakes, fake_pool):
+        fakes.add("a", {"ignore_sigterm": True, "ignore_eof": True, "grandchild": True})
+        pool = fake_pool("shutdown_grace = 0")
+        ready = pool.wait_ev("ready", model="a")
+        pool.send({"op": "shutdown"})
+        assert pool.close() == 0
+        assert not pid_alive(ready["pid"]) and not pid_alive(ready["grandchild_pid"])
+
+    def test_supervisor_sigkill_leaves_no_worker_20_rounds(self, fakes, spawn_pool):
+        """loky's leak test: SIGKILL the supervisor with one worker busy and
+        one idle; both go (PDEATHSIG, pipe EOF). Twenty rounds."""
+        fakes.add("a", {"token_interval": 0.001})
+        fakes.add("b")
+        config = fakes.config("heartbeat_interval = 0.1")
+        for _ in range(20):
+            pool = spawn_pool("--config", config, env=FAKE_ENV)
+            pids = [pool.wait_ev("ready", model=m)["pid"] for m in ("a", "b")]
+            pool.send({"model": "a", "id": "busy", "prompt": "x", "max_tokens": 1_000_000})
+            pool.wait_for(lambda e: e.get("id") == "busy")
+            pool.proc.kill()
+            pool.proc.wait()
+            wait_for(lambda: not any(pid_alive(p) for p in pids), 10, message=f"workers {pids} to die with their supervisor")
+            pool.kill()
+        assert fakes.all_gone()
