@@ -341,3 +341,22 @@ class TestNoOrphans:
             wait_for(lambda: not any(pid_alive(p) for p in pids), 10, message=f"workers {pids} to die with their supervisor")
             pool.kill()
         assert fakes.all_gone()
+
+    def test_a_model_unloaded_while_waiting_for_an_eviction_never_starts(self, fakes, fake_pool):
+        """Under max_loaded = 1, b's admission waits while idle a is evicted
+        (slowly: a ignores EOF, so it takes a SIGTERM). b is unloaded during
+        that wait; its admission must not start a worker nobody owns."""
+        fakes.add("a", {"ignore_eof": True})
+        fakes.add("b")
+        pool = fake_pool("max_loaded = 1", preload=False)
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 1})
+        pool.terminal("r1")
+        pool.send({"model": "b", "id": "r2", "prompt": "x", "max_tokens": 1})
+        wait_for(lambda: b"evicted to make room" in pool.stderr, 30, message="the eviction to begin")
+        pool.send({"op": "unload", "model": "b"})
+        assert pool.terminal("r2")["code"] == "unloaded"
+        pool.wait_ev("unloaded", model="a", timeout=30)
+        pool.send({"op": "status"})
+        assert [row["model"] for row in pool.wait_ev("status")["models"]] == []
+        assert pool.close() == 0
+        assert fakes.starts("b") == []
