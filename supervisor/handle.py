@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lattice.worker")
 
 _TOKEN_PREFIX = b'@@lattice {"ev":"gen_token","token":'
-_ANY_PREFIX = b'@@lattice {"ev":"'
+_TOKEN_LINE_START = b"\n" + _TOKEN_PREFIX
 _FINAL = b'"done":true'
 
 # How long a cancelled request may take to end before its worker is killed.
@@ -62,7 +62,7 @@ class _ErrorLine(msgspec.Struct):
 
 _final_decoder = msgspec.json.Decoder(_Final)
 _error_decoder = msgspec.json.Decoder(_ErrorLine)
-_stats_decoder = msgspec.json.Decoder(dict)
+_object_decoder = msgspec.json.Decoder(dict)
 
 
 @dataclass(eq=False)
@@ -107,6 +107,7 @@ class WorkerHandle:
         self.restarts = 0
         self.served = 0
         self.tokens = 0
+        self.malformed_lines = 0
         self.last_used = time.monotonic()
         self.last_heard = time.monotonic()
         self.ready_line: bytes | None = None
@@ -233,26 +234,48 @@ class WorkerHandle:
     # -- worker output -----------------------------------------------------------
 
     def _on_lines(self, block: bytes) -> None:
+        if self._kill_reason is not None:
+            return  # being killed as broken: nothing it writes counts any more
         self.last_heard = time.monotonic()
         job = self.current
-        # Fast path: a block of plain token lines for the running request is
-        # relayed whole; bytes.count runs in C, so floods cost no Python per line.
-        if job is not None and _FINAL not in block and block.count(_ANY_PREFIX) == block.count(_TOKEN_PREFIX):
+        # Fast path: a block in which every line starts as a token line and
+        # none is final is relayed whole. The searches run in C, so a flood
+        # costs no Python per line; anything else (a stray line included)
+        # goes line by line.
+        if (
+            job is not None
+            and block.startswith(_TOKEN_PREFIX)
+            and _FINAL not in block
+            and block.count(_TOKEN_LINE_START) == block.count(b"\n") - 1
+        ):
             job.emitted = True
             self.pool.output.write(block)
             return
         for line in block.splitlines(keepends=True):
             self._on_line(line)
+            if self._kill_reason is not None:
+                return
 
     def _on_line(self, line: bytes) -> None:
+        # Token lines are relayed as the worker wrote them (its EventChannel
+        # writes whole lines); every other line is checked before it can
+        # reach the client, and a terminal line we cannot read means the
+        # worker is broken: it is killed, so the request still ends once.
         name = event_name(line)
-        if name == b"gen_token":
+        if not name or not line.endswith(b"}\n"):
+            self._malformed(line)
+        elif name == b"gen_token":
             job = self.current
             if job is None:
                 log.warning("%s: token line with no request in flight dropped", self._describe())
                 return
             if is_final_token(line):
-                self._finish(job, line, _final_decoder.decode(line[10:]))
+                try:
+                    final = _final_decoder.decode(line[10:])
+                except msgspec.DecodeError as exc:
+                    self.kill(f"it wrote a malformed final line ({exc})")
+                    return
+                self._finish(job, line, final)
             else:
                 job.emitted = True
                 self.pool.output.write(line)
@@ -261,18 +284,39 @@ class WorkerHandle:
         elif name == WORKER_STATS:
             self._got_stats(line)
         elif name == b"error":
+            try:
+                code = _error_decoder.decode(line[10:]).code
+            except msgspec.DecodeError as exc:
+                if self.current is not None:
+                    self.kill(f"it wrote a malformed error line ({exc})")
+                else:
+                    self._malformed(line)
+                return
             job = self.current
             if job is None:
                 self.pool.output.write(line)
                 return
-            self.pool.note_error(self, _error_decoder.decode(line[10:]).code)
+            self.pool.note_error(self, code)
             self._finish(job, line, None)
+        elif not self._is_object(line):
+            self._malformed(line)
         elif name == b"ready":
             self._on_ready(line)
         else:
             self.pool.output.write(line)
             if name == b"adapter_loaded" or name == b"adapter_error":
                 self.pool.note_adapter_event(self, name.decode())
+
+    def _is_object(self, line: bytes) -> bool:
+        try:
+            _object_decoder.decode(line[10:])
+        except msgspec.DecodeError:
+            return False
+        return True
+
+    def _malformed(self, line: bytes) -> None:
+        self.malformed_lines += 1
+        log.warning("%s: malformed line from the worker dropped: %r", self._describe(), line[:120])
 
     def _finish(self, job: Job, line: bytes, final: _Final | None) -> None:
         self.current = None
@@ -336,7 +380,11 @@ class WorkerHandle:
             return self.stats
 
     def _got_stats(self, line: bytes) -> None:
-        self.stats = _stats_decoder.decode(line[10:])
+        try:
+            self.stats = _object_decoder.decode(line[10:])
+        except msgspec.DecodeError:
+            self._malformed(line)
+            return
         waiters, self._stats_waiters = self._stats_waiters, []
         for future in waiters:
             if not future.done():

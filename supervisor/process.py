@@ -34,6 +34,12 @@ class _Protocol(asyncio.SubprocessProtocol):
     def __init__(self, proc: "WorkerProcess"):
         self._proc = proc
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Comes before any pipe data, which can arrive (even a `ready`, with
+        # requests dispatched on it) before subprocess_exec returns.
+        self._proc.transport = transport
+        self._proc.pid = transport.get_pid()
+
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         if fd == 1:
             self._proc._stdout(data)

@@ -30,6 +30,8 @@ Knobs (all optional):
     hang_after        after this many tokens go silent: no line, no heartbeat
     sigstop_after     after this many tokens SIGSTOP itself
     long_line         write one line of this many bytes before the tokens
+    garbage           lines (latin-1 text) written before the tokens
+    bad_final         end requests with a final line of the wrong shape
     request_stderr    bytes of log lines written to stderr per request
     exit_after_ready  exit with this code right after `ready`
 """
@@ -164,6 +166,8 @@ class FakeWorker:
         t0 = time.monotonic()
         if k.get("request_stderr"):
             log_lines(k["request_stderr"], f"request {req.rid}")
+        for text in k.get("garbage", []):
+            self.out.write(text.encode("latin-1"))
         if k.get("long_line"):
             self.out.write(b'@@lattice {"ev":"gen_token","token":"' + b"x" * k["long_line"] + b'","done":false}\n')
         total = k.get("tokens", req.max_tokens)
@@ -193,6 +197,9 @@ class FakeWorker:
         if sent in stops:
             self.fault(sent)
         total_ms = int((time.monotonic() - t0) * 1000)
+        if k.get("bad_final"):
+            self.out.write(b'@@lattice {"ev":"gen_token","token":"","done":true,"gen_tokens":"many"}\n')
+            return
         self.out.write(
             encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json)
         )

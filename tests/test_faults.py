@@ -360,3 +360,48 @@ class TestNoOrphans:
         assert [row["model"] for row in pool.wait_ev("status")["models"]] == []
         assert pool.close() == 0
         assert fakes.starts("b") == []
+
+
+class TestMalformedOutput:
+    GARBAGE = [
+        "hello from a stray print\n",
+        '@@lattice {"ev":"loading",broken}\n',
+        '@@lattice {"ev":"gen_tok\n',
+        '@@lattice {"ev":"loading","model":"\xff"}\n',
+        '@@lattice {"ev":"mystery","model":"a"}\n',
+    ]
+
+    def test_only_well_formed_lines_reach_the_client(self, fakes, fake_pool):
+        """Lines that are not events, or not JSON objects, or not UTF-8 are
+        dropped and logged; a well-formed event of an unknown kind passes."""
+        fakes.add("a", {"garbage": self.GARBAGE})
+        pool = fake_pool()
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 3})
+        assert pool.terminal("r1")["gen_tokens"] == 3
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 3})
+        assert pool.terminal("r2")["gen_tokens"] == 3
+        assert pool.close() == 0
+        assert [e["ev"] for e in pool.events if e["ev"] not in ("gen_token", "loading", "ready", "unloaded")] == ["mystery", "mystery"]
+        assert pool.stderr.count(b"malformed line from the worker dropped") == 8
+        assert b"restarting" not in b"".join(e["_line"] for e in pool.events)
+
+    @pytest.mark.parametrize(
+        "starts, reason",
+        [
+            # Tokens reached the client first: no retry.
+            ([{"bad_final": True}, {}], "malformed final line"),
+            # Nothing did: one retry, broken again.
+            ([{"garbage": ['@@lattice {"ev":"error","msg":3,"code":[]}\n'], "tokens": 0}] * 2 + [{}], "malformed error line"),
+        ],
+    )
+    def test_a_terminal_line_of_the_wrong_shape_ends_the_request_once(self, fakes, fake_pool, starts, reason):
+        """The worker is killed as broken; its request still gets one terminal."""
+        fakes.add("a", starts)
+        pool = fake_pool()
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 3})
+        err = pool.terminal("r1")
+        assert err["code"] == "worker_crashed" and reason in err["msg"]
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 3})
+        assert pool.terminal("r2")["gen_tokens"] == 3
+        assert len(fakes.starts("a")) == len(starts)
+        assert pool.close() == 0

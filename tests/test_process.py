@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from ipc.messages import Generate, Stats
 from supervisor.process import WorkerProcess
 from tests.procs import pid_alive
 from tests.workerproc import child_env
@@ -91,8 +92,6 @@ def test_a_full_request_pipe_is_noticed_without_blocking():
         rec = Recorder()
         proc = rec.process()
         await proc.start(python("import time; time.sleep(60)"), child_env())
-        from ipc.messages import Generate
-
         assert proc.write_blocked_since is None
         for rid in range(4):
             assert proc.send(Generate(rid=rid, prompt="x" * 100_000))
@@ -101,3 +100,33 @@ def test_a_full_request_pipe_is_noticed_without_blocking():
         return blocked
 
     assert asyncio.run(main()) is not None
+
+
+def test_a_line_that_arrives_during_the_spawn_can_be_answered():
+    """A fast child's first line is delivered before subprocess_exec returns;
+    a request sent from that callback (as `ready` dispatches queued ones)
+    used to be dropped as "pipe closed". The child answers once it has read
+    four bytes."""
+
+    async def main():
+        answered = 0
+        for _ in range(5):
+            rec = Recorder()
+            proc = rec.process()
+
+            def on_lines(block: bytes) -> None:
+                rec.lines.append(block)
+                if block == b"ready\n":
+                    proc.send(Stats())
+
+            proc.on_lines = on_lines
+            await proc.start(["/bin/sh", "-c", "echo ready; head -c 4 >/dev/null; echo got; cat >/dev/null"], child_env())
+            for _ in range(3000):
+                if b"got\n" in b"".join(rec.lines):
+                    answered += 1
+                    break
+                await asyncio.sleep(0.01)
+            await proc.stop(timeout=5)
+        return answered
+
+    assert asyncio.run(main()) == 5
