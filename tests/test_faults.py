@@ -5,6 +5,7 @@ grandchildren holding pipes, workers that stop reading, boot failures."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -292,9 +293,9 @@ class TestGivingUp:
         assert pool.close() == 0
 
     def test_a_crash_loop_ends_in_failed_while_other_models_serve(self, fakes, fake_pool):
-        """Six crashes within 300 s: five restarts with doubling, jittered
-        delays, then `failed`; requests get model_failed until a load."""
-        fakes.add("a", [{"exit_after_ready": 1}] * 6 + [{}])
+        """Six crashes at boot within 300 s: five restarts with doubling,
+        jittered delays, then `failed`; requests get model_failed until a load."""
+        fakes.add("a", [{"boot_exit": 1}] * 6 + [{}])
         fakes.add("b", {"token_interval": 0.01})
         pool = fake_pool()
         pool.send({"model": "b", "id": "steady", "prompt": "x", "max_tokens": 1000})
@@ -321,7 +322,7 @@ class TestNoOrphans:
         fakes.add("a", {"ignore_sigterm": True, "ignore_eof": True, "grandchild": True})
         pool = fake_pool("shutdown_grace = 0")
         ready = pool.wait_ev("ready", model="a")
-        pool.send({"op": "shutdown"})
+        pool.proc.send_signal(signal.SIGTERM)
         assert pool.close() == 0
         assert not pid_alive(ready["pid"]) and not pid_alive(ready["grandchild_pid"])
 
@@ -404,4 +405,23 @@ class TestMalformedOutput:
         pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 3})
         assert pool.terminal("r2")["gen_tokens"] == 3
         assert len(fakes.starts("a")) == len(starts)
+        assert pool.close() == 0
+
+
+class TestOpsDuringRecovery:
+    def test_unload_during_backoff_and_load_during_loading_spawn_nothing_extra(self, fakes, fake_pool):
+        """Unloaded while waiting to restart: no restart comes. Loaded twice
+        while loading (slowly, for longer than that backoff): one worker."""
+        fakes.add("a", [{"exit_after_ready": 1}, {"load_delay": 2}])
+        pool = fake_pool()
+        restarting = pool.wait_ev("restarting", model="a")
+        pool.send({"op": "unload", "model": "a"})
+        pool.wait_ev("unloaded", model="a")
+        pool.send({"op": "load", "model": "a"})
+        pool.send({"op": "load", "model": "a"})
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 2})
+        ready = pool.wait_for(lambda e: e["ev"] == "ready" and e["load_ms"] == 2000)
+        assert restarting["delay_s"] < 2
+        assert pool.terminal("r1")["gen_tokens"] == 2
+        assert fakes.starts("a") == [fakes.starts("a")[0], ready["pid"]]
         assert pool.close() == 0
