@@ -44,6 +44,7 @@ log = logging.getLogger("lattice.worker")
 _TOKEN_PREFIX = b'@@lattice {"ev":"gen_token","token":'
 _TOKEN_LINE_START = b"\n" + _TOKEN_PREFIX
 _FINAL = b'"done":true'
+_IDLE_BEAT = b'"busy":false'
 
 # How long a cancelled request may take to end before its worker is killed.
 CANCEL_GRACE = 5.0
@@ -116,6 +117,8 @@ class WorkerHandle:
         self._stats_waiters: list[asyncio.Future] = []
         self._restart_timer: asyncio.TimerHandle | None = None
         self._kill_reason: str | None = None
+        # Since when a worker with a request dispatched says it is idle.
+        self._idle_since: float | None = None
         self._current_done = asyncio.Event()
         self._stopped = asyncio.Event()
         self._retired = False  # stopped for good: a handle is never reused
@@ -197,6 +200,7 @@ class WorkerHandle:
             return
         job = self.queue.popleft()
         self.current = job
+        self._idle_since = None
         self._current_done.clear()
         self.sm.to(State.BUSY, f"request {job.label}")
         if not self.proc.send(job.generate):
@@ -280,7 +284,10 @@ class WorkerHandle:
                 job.emitted = True
                 self.pool.output.write(line)
         elif name == HEARTBEAT:
-            return
+            if self.current is None or _IDLE_BEAT not in line:
+                self._idle_since = None
+            elif self._idle_since is None:
+                self._idle_since = time.monotonic()
         elif name == WORKER_STATS:
             self._got_stats(line)
         elif name == b"error":
@@ -414,6 +421,11 @@ class WorkerHandle:
         blocked = proc.write_blocked_since
         if blocked is not None and now - blocked > stall_timeout:
             self.kill(f"it has not read its request pipe for {now - blocked:.0f}s (stall_timeout {stall_timeout:g}s)")
+            return
+        if self.state == State.BUSY and self._idle_since is not None and now - self._idle_since > stall_timeout:
+            # Alive (heartbeats) but it never picked up the request: its
+            # request pipe is stuck, short of full.
+            self.kill(f"its heartbeats say idle {now - self._idle_since:.0f}s after a request was sent (stall_timeout {stall_timeout:g}s)")
             return
         if proc.reading_paused:
             # A slow client made us stop reading this worker: the silence is ours.

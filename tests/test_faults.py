@@ -168,20 +168,28 @@ class TestWatchdog:
         assert not [e for e in pool.events if e["ev"] in ("restarting", "failed") and e["model"] == "slow"]
         assert pool.close() == 0
 
-    def test_a_worker_that_stops_reading_its_pipe_cannot_block_the_pool(self, fakes, fake_pool):
-        """Its request frame does not fit the pipe; sends never wait, other
-        models keep serving, and the worker is restarted once the pipe has
-        stayed full for the stall timeout (heartbeats alone do not save it)."""
+    @pytest.mark.parametrize(
+        "prompt, reason",
+        [
+            # The frame does not fit the pipe: the pipe stays full.
+            ("x" * (1 << 20), "has not read its request pipe"),
+            # It fits: heartbeats go on, saying idle although a request was sent.
+            ("x", "heartbeats say idle"),
+        ],
+    )
+    def test_a_worker_that_stops_reading_its_pipe_cannot_block_the_pool(self, fakes, fake_pool, prompt, reason):
+        """Sends never wait, other models keep serving, and the worker is
+        restarted after the stall timeout although it still sends heartbeats."""
         fakes.add("a", [{"stop_reading": True}, {}])
         fakes.add("b")
         pool = fake_pool("stall_timeout = 1")
         pool.wait_ev("ready", model="a")
-        pool.send({"model": "a", "id": "big", "prompt": "x" * (1 << 20), "max_tokens": 3})
+        pool.send({"model": "a", "id": "stuck", "prompt": prompt, "max_tokens": 3})
         pool.send({"model": "b", "id": "other", "prompt": "x", "max_tokens": 3})
         assert pool.terminal("other")["gen_tokens"] == 3
         restarting = pool.wait_ev("restarting", model="a", timeout=60)
-        assert "request pipe" in restarting["reason"]
-        assert pool.terminal("big")["gen_tokens"] == 3
+        assert reason in restarting["reason"]
+        assert pool.terminal("stuck")["gen_tokens"] == 3
         assert pool.close() == 0
 
 
