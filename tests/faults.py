@@ -81,10 +81,14 @@ class RawPool:
                 raise AssertionError(f"pool exited before {needle!r}")
             self.out += chunk
 
-    def close(self, timeout: float = 60) -> int:
-        self.proc.stdin.close()
+    def drain_stdout(self) -> None:
+        """Reads stdout to EOF (in a thread, while another writes stdin)."""
         while chunk := os.read(self.proc.stdout.fileno(), 1 << 20):
             self.out += chunk
+
+    def close(self, timeout: float = 60) -> int:
+        self.proc.stdin.close()
+        self.drain_stdout()
         rc = self.proc.wait(timeout)
         self.proc.stdout.close()
         return rc

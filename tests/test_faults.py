@@ -434,3 +434,48 @@ class TestOpsDuringRecovery:
         assert pool.terminal("r1")["gen_tokens"] == 2
         assert fakes.starts("a") == [fakes.starts("a")[0], ready["pid"]]
         assert pool.close() == 0
+
+
+class TestClientBackpressure:
+    def test_a_client_that_sends_without_reading_is_held_back(self, fakes):
+        """150,000 invalid lines and nothing read back: once its output
+        buffer is full the pool stops reading stdin, so the client waits in
+        its write and the pool's memory stays bounded; then every line still
+        gets its error."""
+        fakes.add("a")
+        pool = RawPool(fakes.config("heartbeat_interval = 60"))
+        total = 150_000
+        try:
+            pool.read_until(b'"ev":"ready"')
+            supervisor = psutil.Process(pool.proc.pid)
+            before = supervisor.memory_info().rss
+            data = b"".join(b'{"prompt": 1, "id": %d}\n' % i for i in range(total))
+            writer = threading.Thread(target=pool.proc.stdin.write, args=(data,))
+            writer.start()
+            wait_for(reads_stalled(supervisor, 1.0), 60, message="the pool to stop reading stdin")
+            grown = supervisor.memory_info().rss - before
+            assert writer.is_alive(), "the client was never held back"
+            assert grown < 10 << 20, f"supervisor RSS grew by {grown} bytes"
+            drained = threading.Thread(target=pool.drain_stdout)
+            drained.start()
+            writer.join(60)
+            pool.proc.stdin.close()
+            drained.join(60)
+            assert pool.proc.wait(60) == 0
+        finally:
+            pool.kill()
+        assert pool.out.count(b'"code":"bad_request"') == total
+
+
+def reads_stalled(proc: psutil.Process, seconds: float):
+    """A predicate: the process has read nothing for `seconds`."""
+    seen = {"chars": -1, "since": 0.0}
+
+    def check() -> bool:
+        chars = proc.io_counters().read_chars
+        now = time.monotonic()
+        if chars != seen["chars"]:
+            seen.update(chars=chars, since=now)
+        return now - seen["since"] > seconds
+
+    return check
