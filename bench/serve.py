@@ -5,8 +5,11 @@ the demo model, in one run.
 
 Both sides decode greedily from the same prompt with the same weights.
 "serve" is seen as a client sees it: the arrival times of token lines on
-the pool's stdout, the worker behind the supervisor. "mlx-lm" is
-mlx_lm.stream_generate in this process, timed at each yielded token.
+the pool's stdout, the worker behind the supervisor. "worker" is the same
+worker program driven over its own pipes, no supervisor, timed the same
+way: serve/worker is the supervisor's share, worker/mlx-lm the engine's.
+"mlx-lm" is mlx_lm.stream_generate in this process, timed at each yielded
+token.
 Decode rate = (tokens - 1) / (last token time - first token time), so
 prompt processing stays out of it. Rounds alternate; each side warms up
 first. The goal (issue 4) is serve >= 0.98x mlx-lm.
@@ -29,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import NOISY, machine, summary, write  # noqa: E402
-from tests.workerproc import child_env  # noqa: E402
+from ipc.messages import Generate  # noqa: E402
+from tests.workerproc import WorkerProc, child_env  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -89,6 +93,30 @@ class Serve:
         self.proc.stdout.close()
 
 
+class Worker:
+    """The worker program over its own pipes, as the supervisor drives it."""
+
+    def __init__(self, model: Path):
+        self.w = WorkerProc(model)
+        self.w.wait_ready()
+        self.rid = 0
+
+    def decode(self, tokens: int) -> tuple[float, int]:
+        self.rid += 1
+        self.w.send(Generate(rid=self.rid, prompt=PROMPT, max_tokens=tokens, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0))
+        times = []
+        while True:
+            line = self.w.next_line()
+            at = time.perf_counter()
+            if line.startswith(b'@@lattice {"ev":"gen_token"'):
+                if b'"done":true' in line:
+                    return (len(times) - 1) / (times[-1] - times[0]), len(times)
+                times.append(at)
+
+    def close(self) -> None:
+        self.w.close()
+
+
 class Direct:
     """mlx-lm's own generation loop, in this process."""
 
@@ -116,26 +144,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
-    serve_rates, direct_rates, worker_rates, counts = [], [], [], {"serve": set(), "mlx_lm": set()}
+    serve_rates, direct_rates, worker_rates, bare_rates = [], [], [], []
+    counts: dict[str, set] = {"serve": set(), "worker": set(), "mlx_lm": set()}
     with tempfile.TemporaryDirectory(prefix="lattice-bench-serve-") as tmp:
         model = Path(tmp) / "demo"
         subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model), "--size", args.size],
                        check=True, env=child_env(), cwd=ROOT, capture_output=True)
         direct = Direct(model)
         serve = Serve(model)
+        bare = Worker(model)
         try:
             serve.decode(16)
+            bare.decode(16)
             direct.decode(16)
             for _ in range(args.rounds):
                 rate, n, own = serve.decode(args.tokens)
                 serve_rates.append(rate)
                 worker_rates.append(own)
                 counts["serve"].add(n)
+                rate, n = bare.decode(args.tokens)
+                bare_rates.append(rate)
+                counts["worker"].add(n)
                 rate, n = direct.decode(args.tokens)
                 direct_rates.append(rate)
                 counts["mlx_lm"].add(n)
         finally:
             serve.close()
+            bare.close()
 
     ratio = statistics.median(serve_rates) / statistics.median(direct_rates)
     paired = statistics.median(s / d for s, d in zip(serve_rates, direct_rates))
@@ -148,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tok_s": {
             "serve_client_side": summary(serve_rates, 2),
             "serve_worker_reported": summary(worker_rates, 2),
+            "worker_without_supervisor": summary(bare_rates, 2),
             "mlx_lm_direct": summary(direct_rates, 2),
         },
+        "serve_over_worker_without_supervisor": round(statistics.median(serve_rates) / statistics.median(bare_rates), 3),
+        "worker_without_supervisor_over_mlx_lm": round(statistics.median(bare_rates) / statistics.median(direct_rates), 3),
         "serve_over_mlx_lm": round(ratio, 3),
         "serve_over_mlx_lm_paired_median": round(paired, 3),
         "goal": 0.98,
@@ -159,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     print(NOISY)
     print(f"demo model {args.size} ({result['model']['format']}), {args.tokens} tokens, greedy")
     print(f"decode tok/s  serve {d['serve_client_side']['median']} (worker says {d['serve_worker_reported']['median']})  "
-          f"mlx-lm {d['mlx_lm_direct']['median']}  ratio {result['serve_over_mlx_lm']} (paired {result['serve_over_mlx_lm_paired_median']}; "
-          f"goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'})")
+          f"worker alone {d['worker_without_supervisor']['median']}  mlx-lm {d['mlx_lm_direct']['median']}")
+    print(f"serve/mlx-lm {result['serve_over_mlx_lm']} (paired {result['serve_over_mlx_lm_paired_median']}; "
+          f"goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'}) = supervisor share {result['serve_over_worker_without_supervisor']}"
+          f" x engine share {result['worker_without_supervisor_over_mlx_lm']}")
     write("serve", result, args.out)
     return 0
 
