@@ -253,6 +253,7 @@ class WorkerHandle:
             and block.count(_TOKEN_LINE_START) == block.count(b"\n") - 1
         ):
             job.emitted = True
+            self._idle_since = None
             self.pool.output.write(block)
             return
         for line in block.splitlines(keepends=True):
@@ -282,6 +283,7 @@ class WorkerHandle:
                 self._finish(job, line, final)
             else:
                 job.emitted = True
+                self._idle_since = None
                 self.pool.output.write(line)
         elif name == HEARTBEAT:
             if self.current is None or _IDLE_BEAT not in line:
@@ -422,14 +424,17 @@ class WorkerHandle:
         if blocked is not None and now - blocked > stall_timeout:
             self.kill(f"it has not read its request pipe for {now - blocked:.0f}s (stall_timeout {stall_timeout:g}s)")
             return
+        if proc.reading_paused:
+            # A slow client made us stop reading this worker: its silence is
+            # ours, and its last heartbeat may be stale.
+            self.last_heard = now
+            if self._idle_since is not None:
+                self._idle_since = now
+            return
         if self.state == State.BUSY and self._idle_since is not None and now - self._idle_since > stall_timeout:
             # Alive (heartbeats) but it never picked up the request: its
             # request pipe is stuck, short of full.
             self.kill(f"its heartbeats say idle {now - self._idle_since:.0f}s after a request was sent (stall_timeout {stall_timeout:g}s)")
-            return
-        if proc.reading_paused:
-            # A slow client made us stop reading this worker: the silence is ours.
-            self.last_heard = now
             return
         if self.state in (State.LOADING, State.BUSY) and now - self.last_heard > stall_timeout:
             self.kill(f"no event or heartbeat for {now - self.last_heard:.0f}s (stall_timeout {stall_timeout:g}s)")

@@ -20,6 +20,7 @@ Knobs (all optional):
     ignore_sigterm    ignore SIGTERM
     ignore_eof        keep running when the request pipe closes
     stop_reading      never read the request pipe (heartbeats go on)
+    start_delay       seconds a request waits before it starts (heartbeats say idle)
     tokens            token lines per request (default: max_tokens)
     token             token text (default "tok"); "{t}" becomes the send
                       time in ns of time.monotonic_ns(), for latency benches
@@ -150,6 +151,7 @@ class FakeWorker:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, Generate):
+                time.sleep(self.knobs.get("start_delay", 0))
                 with self.lock:
                     if msg.rid in self.cancelled:
                         self.cancelled.discard(msg.rid)

@@ -220,8 +220,9 @@ class TestFloods:
         """The client stops reading while a worker floods ~40 MB: the pool
         stops reading the worker (its writes block), keeps its own memory to
         the output buffer, and does not kill the worker as stalled although
-        nothing is heard from it for many stall timeouts."""
-        fakes.add("a", {"tokens": 800_000})
+        nothing is heard from it for many stall timeouts (and its last
+        heartbeats, from before the request started, said idle)."""
+        fakes.add("a", {"tokens": 800_000, "start_delay": 0.3})
         pool = RawPool(fakes.config("heartbeat_interval = 0.1\nstall_timeout = 0.5\n"))
         try:
             ready = pool.read_until(b'"ev":"ready"')
