@@ -117,5 +117,8 @@ async def serve_stdin(pool: Pool, fd: int = 0) -> None:
         if lines is None:
             log.info("stdin closed")
             return
+        # Every line gets an answer on stdout: a client that sends without
+        # reading waits in its write, instead of growing our output buffer.
+        await pool.output.wait_writable()
         for line in lines:
             dispatch(pool, line)

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("lattice.worker")
 
 _TOKEN_PREFIX = b'@@lattice {"ev":"gen_token","token":'
-_ANY_PREFIX = b'@@lattice {"ev":"'
+_TOKEN_LINE_START = b"\n" + _TOKEN_PREFIX
 _FINAL = b'"done":true'
+_IDLE_BEAT = b'"busy":false'
 
 # How long a cancelled request may take to end before its worker is killed.
 CANCEL_GRACE = 5.0
@@ -62,7 +63,7 @@ class _ErrorLine(msgspec.Struct):
 
 _final_decoder = msgspec.json.Decoder(_Final)
 _error_decoder = msgspec.json.Decoder(_ErrorLine)
-_stats_decoder = msgspec.json.Decoder(dict)
+_object_decoder = msgspec.json.Decoder(dict)
 
 
 @dataclass(eq=False)
@@ -107,6 +108,7 @@ class WorkerHandle:
         self.restarts = 0
         self.served = 0
         self.tokens = 0
+        self.malformed_lines = 0
         self.last_used = time.monotonic()
         self.last_heard = time.monotonic()
         self.ready_line: bytes | None = None
@@ -115,8 +117,11 @@ class WorkerHandle:
         self._stats_waiters: list[asyncio.Future] = []
         self._restart_timer: asyncio.TimerHandle | None = None
         self._kill_reason: str | None = None
+        # Since when a worker with a request dispatched says it is idle.
+        self._idle_since: float | None = None
         self._current_done = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._retired = False  # stopped for good: a handle is never reused
         self.settled = asyncio.Event()  # set once the first start ended: ready or failed
 
     # -- identity and state --------------------------------------------------
@@ -158,6 +163,10 @@ class WorkerHandle:
 
     async def start(self, reason: str) -> None:
         """Spawns the worker; `ready` from it moves the state on."""
+        if self._retired:
+            # A restart or load scheduled just before the handle was stopped.
+            log.info("%s: not started (%s): the model was unloaded", self._describe(), reason)
+            return
         self.sm.to(State.LOADING, reason)
         self.ready_line = None
         self._kill_reason = None
@@ -170,7 +179,8 @@ class WorkerHandle:
         except OSError as exc:
             log.error("%s: cannot start worker: %s", self._describe(), exc)
             self.proc = None
-            self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
+            if self.state == State.LOADING:
+                self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
             return
         proc.pause_reading(self.pool.output.paused)
         log.info("%s: worker started", self._describe())
@@ -190,6 +200,7 @@ class WorkerHandle:
             return
         job = self.queue.popleft()
         self.current = job
+        self._idle_since = None
         self._current_done.clear()
         self.sm.to(State.BUSY, f"request {job.label}")
         if not self.proc.send(job.generate):
@@ -227,46 +238,94 @@ class WorkerHandle:
     # -- worker output -----------------------------------------------------------
 
     def _on_lines(self, block: bytes) -> None:
+        if self._kill_reason is not None:
+            return  # being killed as broken: nothing it writes counts any more
         self.last_heard = time.monotonic()
         job = self.current
-        # Fast path: a block of plain token lines for the running request is
-        # relayed whole; bytes.count runs in C, so floods cost no Python per line.
-        if job is not None and _FINAL not in block and block.count(_ANY_PREFIX) == block.count(_TOKEN_PREFIX):
+        # Fast path: a block in which every line starts as a token line and
+        # none is final is relayed whole. The searches run in C, so a flood
+        # costs no Python per line; anything else (a stray line included)
+        # goes line by line.
+        if (
+            job is not None
+            and block.startswith(_TOKEN_PREFIX)
+            and _FINAL not in block
+            and block.count(_TOKEN_LINE_START) == block.count(b"\n") - 1
+        ):
             job.emitted = True
+            self._idle_since = None
             self.pool.output.write(block)
             return
         for line in block.splitlines(keepends=True):
             self._on_line(line)
+            if self._kill_reason is not None:
+                return
 
     def _on_line(self, line: bytes) -> None:
+        # Token lines are relayed as the worker wrote them (its EventChannel
+        # writes whole lines); every other line is checked before it can
+        # reach the client, and a terminal line we cannot read means the
+        # worker is broken: it is killed, so the request still ends once.
         name = event_name(line)
-        if name == b"gen_token":
+        if not name or not line.endswith(b"}\n"):
+            self._malformed(line)
+        elif name == b"gen_token":
             job = self.current
             if job is None:
                 log.warning("%s: token line with no request in flight dropped", self._describe())
                 return
             if is_final_token(line):
-                self._finish(job, line, _final_decoder.decode(line[10:]))
+                try:
+                    final = _final_decoder.decode(line[10:])
+                except msgspec.DecodeError as exc:
+                    self.kill(f"it wrote a malformed final line ({exc})")
+                    return
+                self._finish(job, line, final)
             else:
                 job.emitted = True
+                self._idle_since = None
                 self.pool.output.write(line)
         elif name == HEARTBEAT:
-            return
+            if self.current is None or _IDLE_BEAT not in line:
+                self._idle_since = None
+            elif self._idle_since is None:
+                self._idle_since = time.monotonic()
         elif name == WORKER_STATS:
             self._got_stats(line)
         elif name == b"error":
+            try:
+                code = _error_decoder.decode(line[10:]).code
+            except msgspec.DecodeError as exc:
+                if self.current is not None:
+                    self.kill(f"it wrote a malformed error line ({exc})")
+                else:
+                    self._malformed(line)
+                return
             job = self.current
             if job is None:
                 self.pool.output.write(line)
                 return
-            self.pool.note_error(self, _error_decoder.decode(line[10:]).code)
+            self.pool.note_error(self, code)
             self._finish(job, line, None)
+        elif not self._is_object(line):
+            self._malformed(line)
         elif name == b"ready":
             self._on_ready(line)
         else:
             self.pool.output.write(line)
             if name == b"adapter_loaded" or name == b"adapter_error":
                 self.pool.note_adapter_event(self, name.decode())
+
+    def _is_object(self, line: bytes) -> bool:
+        try:
+            _object_decoder.decode(line[10:])
+        except msgspec.DecodeError:
+            return False
+        return True
+
+    def _malformed(self, line: bytes) -> None:
+        self.malformed_lines += 1
+        log.warning("%s: malformed line from the worker dropped: %r", self._describe(), line[:120])
 
     def _finish(self, job: Job, line: bytes, final: _Final | None) -> None:
         self.current = None
@@ -298,7 +357,9 @@ class WorkerHandle:
 
     def _on_stderr(self, data: bytes) -> None:
         self.last_heard = time.monotonic()
-        for raw in data.splitlines():
+        keep = self.stderr_tail.maxlen
+        # Only the last lines can stay in the tail, so a flood costs no Python per line.
+        for raw in data.rsplit(b"\n", keep)[-keep:]:
             text = raw.decode("utf-8", "replace").strip()
             if text:
                 self.stderr_tail.append(text)
@@ -328,7 +389,11 @@ class WorkerHandle:
             return self.stats
 
     def _got_stats(self, line: bytes) -> None:
-        self.stats = _stats_decoder.decode(line[10:])
+        try:
+            self.stats = _object_decoder.decode(line[10:])
+        except msgspec.DecodeError:
+            self._malformed(line)
+            return
         waiters, self._stats_waiters = self._stats_waiters, []
         for future in waiters:
             if not future.done():
@@ -352,6 +417,25 @@ class WorkerHandle:
         self.proc.kill()
 
     def check_stall(self, now: float, stall_timeout: float) -> None:
+        proc = self.proc
+        if proc is None or proc.exited.is_set() or self.state not in LIVE:
+            return
+        blocked = proc.write_blocked_since
+        if blocked is not None and now - blocked > stall_timeout:
+            self.kill(f"it has not read its request pipe for {now - blocked:.0f}s (stall_timeout {stall_timeout:g}s)")
+            return
+        if proc.reading_paused:
+            # A slow client made us stop reading this worker: its silence is
+            # ours, and its last heartbeat may be stale.
+            self.last_heard = now
+            if self._idle_since is not None:
+                self._idle_since = now
+            return
+        if self.state == State.BUSY and self._idle_since is not None and now - self._idle_since > stall_timeout:
+            # Alive (heartbeats) but it never picked up the request: its
+            # request pipe is stuck, short of full.
+            self.kill(f"its heartbeats say idle {now - self._idle_since:.0f}s after a request was sent (stall_timeout {stall_timeout:g}s)")
+            return
         if self.state in (State.LOADING, State.BUSY) and now - self.last_heard > stall_timeout:
             self.kill(f"no event or heartbeat for {now - self.last_heard:.0f}s (stall_timeout {stall_timeout:g}s)")
 
@@ -418,6 +502,7 @@ class WorkerHandle:
     async def stop(self, reason: str, queued_code: str = UNLOADED) -> None:
         """Ends queued requests with `queued_code`, cancels the running one
         (finish_reason cancelled), stops the process and emits `unloaded`."""
+        self._retired = True
         if self.state == State.STOPPING:
             await self._stopped.wait()
             return

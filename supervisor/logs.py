@@ -14,27 +14,40 @@ import threading
 import time
 
 _MAX_QUEUED = 10_000
+# Worker stderr arrives in chunks of up to 256 KiB, so the count alone would
+# let a flood pin gigabytes; bytes are bounded too.
+_MAX_QUEUED_BYTES = 4 * 1024 * 1024
 
 
 class _StderrSink:
     def __init__(self, fd: int = 2):
         self._fd = fd
         self._queue: queue.Queue[bytes] = queue.Queue(_MAX_QUEUED)
+        self._lock = threading.Lock()
+        self._queued_bytes = 0
         self.dropped = 0
         threading.Thread(target=self._drain, name="stderr", daemon=True).start()
 
     def put(self, data: bytes) -> None:
-        try:
-            self._queue.put_nowait(data)
-        except queue.Full:
-            self.dropped += 1
+        with self._lock:
+            if self._queued_bytes + len(data) > _MAX_QUEUED_BYTES:
+                self.dropped += 1
+                return
+            try:
+                self._queue.put_nowait(data)
+            except queue.Full:
+                self.dropped += 1
+                return
+            self._queued_bytes += len(data)
 
     def _drain(self) -> None:
         while True:
             data = self._queue.get()
-            if self.dropped:
-                data = f"[lattice-pool: {self.dropped} stderr lines dropped]\n".encode() + data
-                self.dropped = 0
+            with self._lock:
+                self._queued_bytes -= len(data)
+                dropped, self.dropped = self.dropped, 0
+            if dropped:
+                data = f"[lattice-pool: {dropped} stderr writes dropped]\n".encode() + data
             try:
                 view = memoryview(data)
                 while view:

@@ -40,6 +40,8 @@ class Output:
     def __init__(self, fd: int = 1):
         self.fd = fd
         self.closed = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
         self.paused = False
         self._transport: asyncio.WriteTransport | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -71,8 +73,16 @@ class Output:
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
+        if paused:
+            self._writable.clear()
+        else:
+            self._writable.set()
         for listener in self._listeners:
             listener(paused)
+
+    async def wait_writable(self) -> None:
+        """Returns once the client has read us back under the high-water mark."""
+        await self._writable.wait()
 
     def _lost(self, exc: Exception | None) -> None:
         if not self.closed.is_set():

@@ -37,7 +37,7 @@ from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
 from supervisor.requests import ClientLine, encode_id, stop_list
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
 from supervisor.states import LIVE, State
-from supervisor.workerexec import worker_argv, worker_env
+from supervisor.workerexec import pool_worker_module, worker_argv, worker_env
 
 log = logging.getLogger("lattice.pool")
 
@@ -95,7 +95,7 @@ class Pool:
             args += ["--lora", str(spec.lora)]
         if spec.tokenizer_dir is not None:
             args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
-        return worker_argv("worker", *args)
+        return worker_argv(pool_worker_module(), *args)
 
     def worker_env(self) -> dict[str, str]:
         return worker_env({"LATTICE_SUPERVISOR_PID": str(os.getpid())})

@@ -25,10 +25,20 @@ log = logging.getLogger("lattice.process")
 # broken or hostile worker, not a protocol we speak.
 MAX_WORKER_LINE = 4 * 1024 * 1024
 
+# What is read from a dead worker's pipes before they are closed: everything
+# it wrote before dying, but not an endless stream from a grandchild.
+_EXIT_DRAIN_LIMIT = 4 * 1024 * 1024
+
 
 class _Protocol(asyncio.SubprocessProtocol):
     def __init__(self, proc: "WorkerProcess"):
         self._proc = proc
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Comes before any pipe data, which can arrive (even a `ready`, with
+        # requests dispatched on it) before subprocess_exec returns.
+        self._proc.transport = transport
+        self._proc.pid = transport.get_pid()
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         if fd == 1:
@@ -38,6 +48,13 @@ class _Protocol(asyncio.SubprocessProtocol):
 
     def process_exited(self) -> None:
         self._proc._exited()
+
+    def pause_writing(self) -> None:
+        # The request pipe is full: the worker is not reading it.
+        self._proc.write_blocked_since = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self._proc.write_blocked_since = None
 
 
 class WorkerProcess:
@@ -57,20 +74,26 @@ class WorkerProcess:
         self.returncode: int | None = None
         self.exited = asyncio.Event()
         self.started_at = time.monotonic()
+        self.reading_paused = False
+        self.write_blocked_since: float | None = None
+        self._spawned = asyncio.Event()
         self._partial = b""
         self._dead = False
 
     async def start(self, argv: list[str], env: dict[str, str]) -> None:
         loop = asyncio.get_running_loop()
-        self.transport, _ = await loop.subprocess_exec(
-            lambda: _Protocol(self),
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            env=env,
-        )
+        try:
+            self.transport, _ = await loop.subprocess_exec(
+                lambda: _Protocol(self),
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                env=env,
+            )
+        finally:
+            self._spawned.set()
         self.pid = self.transport.get_pid()
         self.started_at = time.monotonic()
 
@@ -89,12 +112,35 @@ class WorkerProcess:
             self.on_lines(buf[:end])
 
     def _exited(self) -> None:
+        # The exit status can arrive before the loop has read the last lines
+        # the worker wrote; they are in the pipe now, so read them first.
+        if not self._dead:
+            self._drain(1, self._stdout)
+        self._drain(2, self.on_stderr)
         self._dead = True
         # A line cut off by the death is never relayed.
         self._partial = b""
         self.returncode = self.transport.get_returncode() if self.transport else None
         self.exited.set()
         self.on_exit(self.returncode)
+
+    def _drain(self, fd: int, deliver: Callable[[bytes], None]) -> None:
+        pipe = self.transport.get_pipe_transport(fd) if self.transport else None
+        if pipe is None or pipe.is_closing():
+            return
+        fileno = pipe.get_extra_info("pipe").fileno()
+        left = _EXIT_DRAIN_LIMIT
+        while left > 0:
+            try:
+                data = os.read(fileno, min(left, 1 << 18))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            left -= len(data)
+            deliver(data)
 
     def send(self, msg: ToWorker) -> bool:
         """Queues a frame without waiting: a worker that stops reading must
@@ -108,6 +154,7 @@ class WorkerProcess:
         return True
 
     def pause_reading(self, paused: bool) -> None:
+        self.reading_paused = paused
         if self.transport is None or self._dead:
             return
         pipe = self.transport.get_pipe_transport(1)
@@ -134,6 +181,9 @@ class WorkerProcess:
     async def stop(self, timeout: float = 5.0) -> None:
         """EOF on the request pipe (the worker exits by itself), then SIGTERM,
         then SIGKILL to the whole group."""
+        # Stopped while it was being spawned: let the spawn finish, or the
+        # new process would be left running with nobody owning it.
+        await self._spawned.wait()
         if self.transport is None:
             return
         pipe = self.transport.get_pipe_transport(0)

@@ -64,6 +64,15 @@ class Resolver:
 
     def resolve(self, ref: str | None, lora: str | None = None) -> ModelSpec:
         """A configured name, a directory under the model cache, or a path."""
+        try:
+            return self._resolve(ref, lora)
+        except (OSError, ValueError) as exc:
+            # Client text becomes a path here: a NUL byte or an over-long name
+            # is a bad reference, not a reason for the endpoint to fail.
+            what = f"model {ref!r}" + (f" with lora {lora!r}" if lora is not None else "")
+            raise UnknownModel(f"{what} is not a usable path: {exc}") from exc
+
+    def _resolve(self, ref: str | None, lora: str | None) -> ModelSpec:
         if ref is None:
             ref = self.default_ref()
             if ref is None:

@@ -12,6 +12,15 @@ from pathlib import Path
 # child's path so a source checkout works without an install.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
+# Test and benchmark hook, read only here: the module the pool runs as its
+# workers (fault-injection tests and bench/relay.py set it to
+# tests.fakeworker). Unset in production.
+WORKER_MODULE_VAR = "LATTICE_WORKER_MODULE"
+
+
+def pool_worker_module() -> str:
+    return os.environ.get(WORKER_MODULE_VAR) or "worker"
+
 
 def worker_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
