@@ -42,10 +42,6 @@ LIFECYCLE = frozenset({b"loading", b"ready", b"unloaded", b"restarting", b"faile
 _TOKEN_LINE = b'@@lattice {"ev":"gen_token"'
 
 
-class SocketInUse(ConfigError):
-    pass
-
-
 def default_socket_path() -> Path:
     """$LATTICE_CONTROL_SOCKET, else $XDG_RUNTIME_DIR/lattice-pool.sock (a
     per-user 0700 directory), else ~/.lattice/pool.sock."""
@@ -88,7 +84,7 @@ def _clear_stale(path: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"control socket {path}: a file that is not a socket is in the way; not replacing it")
     if _probe(path):
-        raise SocketInUse(f"control socket {path} is in use by another running pool")
+        raise ConfigError(f"control socket {path} is in use by another running pool")
     log.info("removing stale control socket %s", path)
     try:
         os.unlink(path)
@@ -98,9 +94,12 @@ def _clear_stale(path: Path) -> None:
 
 def bind_private(path: Path) -> socket.socket:
     """A listening unix socket that is mode 0600 from the moment `path` names it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _clear_stale(path)
-    private = tempfile.mkdtemp(prefix=".lp", dir=path.parent)  # mode 0700
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _clear_stale(path)
+        private = tempfile.mkdtemp(prefix=".lp", dir=path.parent)  # mode 0700
+    except OSError as exc:
+        raise ConfigError(f"control socket {path}: {exc.strerror or exc}") from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         tmp = os.path.join(private, "s")
@@ -112,7 +111,7 @@ def bind_private(path: Path) -> socket.socket:
         os.link(tmp, path)
     except FileExistsError:
         sock.close()
-        raise SocketInUse(f"control socket {path} was taken by another pool starting at the same time") from None
+        raise ConfigError(f"control socket {path} was taken by another pool starting at the same time") from None
     except OSError as exc:
         sock.close()
         raise ConfigError(f"control socket {path}: cannot create it: {exc.strerror or exc}") from exc
@@ -158,9 +157,9 @@ class ControlServer:
             return None
         try:
             sock = bind_private(path)
-        except SocketInUse as exc:
+        except ConfigError as exc:
             if config.control_socket is True:
-                log.warning("%s; running without a control socket (`lattice-pool ps` will find the other pool)", exc)
+                log.warning("%s; running without a control socket", exc)
                 return None
             raise
         return cls(path, sock)

@@ -4,7 +4,9 @@ its control socket with a `status` op (so every figure is measured now)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
 from pathlib import Path
 
 from ipc.events import PREFIX
@@ -27,9 +29,13 @@ def query_status(path: Path, timeout: float = TIMEOUT) -> dict:
         except FileNotFoundError:
             raise NoPool(f"no lattice-pool is running (no control socket at {path})") from None
         except ConnectionRefusedError:
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise NoPool(f"{path} is not a socket") from None
             raise NoPool(f"no lattice-pool is running ({path} was left by a pool that has ended)") from None
         except PermissionError:
             raise NoPool(f"cannot connect to {path}: permission denied (a pool of another user?)") from None
+        except OSError as exc:
+            raise NoPool(f"cannot connect to {path}: {exc.strerror or exc}") from None
         sock.sendall(b'{"op":"status"}\n')
         sock.shutdown(socket.SHUT_WR)
         return _read_status(sock, path)
