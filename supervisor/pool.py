@@ -325,6 +325,10 @@ class Pool:
             self._refuse(UNKNOWN_MODEL, str(exc), id_json, answer)
             return None
         if msg.op == "load":
+            if not self.accepting:
+                # A worker started now could outlive the stop of all workers.
+                self._refuse(SHUTTING_DOWN, "the pool is shutting down", id_json, answer)
+                return None
             self.load(spec, answer)
         elif msg.op == "unload":
             self.unload(spec, "unloaded on request", answer)

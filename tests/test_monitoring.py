@@ -10,6 +10,8 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from supervisor.sinks import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
 from tests.procs import pid_alive, wait_for
 from tests.test_cli import cli
+from tests.workerproc import ROOT, child_env
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -34,10 +37,10 @@ def tensor_bytes(model_dir: Path) -> int:
     return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
 
 
-def write_config(tmp_path: Path, models: dict, extra: str = "") -> str:
+def write_config(tmp_path: Path, models: dict, extra: str = "", lazy: tuple = ()) -> str:
     text = extra + "\n"
     for name, (path, lora) in models.items():
-        text += f'[[models]]\nname = "{name}"\npath = "{path}"\npreload = true\n'
+        text += f'[[models]]\nname = "{name}"\npath = "{path}"\npreload = {str(name not in lazy).lower()}\n'
         if lora:
             text += f'lora = "{lora}"\n'
     path = tmp_path / "pool.toml"
@@ -266,6 +269,31 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
     # Socket replies went to the socket only: stdout stays Studio's.
     assert not [e for e in pool.events if e["ev"] == "status" or (e["ev"] == "error" and e.get("id") is None)]
     assert not path.exists()
+
+
+def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_pool):
+    path = tmp_path / "ctl.sock"
+    extra = f'control_socket = "{path}"\nshutdown_grace = 600'
+    pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}, extra, lazy=("b",)))
+    pool.wait_ev("ready", model="a")
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.wait_for(lambda e: e.get("id") == "long")
+    with ControlClient(path) as client:
+        pool.proc.stdin.close()  # the grace period now waits for "long"
+        wait_for(lambda: b"shutting down (stdin closed)" in pool.stderr, 30, message="shutdown to begin")
+        client.send({"op": "load", "model": "b"})
+        assert client.wait_ev("error")["code"] == "shutting_down"
+        client.send({"op": "cancel", "id": "long"})
+        client.wait_ev("unloaded", model="a")
+    assert pool.close() == 0
+    assert pool.terminal("long")["finish_reason"] == "cancelled"
+    assert not [e for e in pool.events if e["ev"] in ("loading", "ready") and e["model"] == "b"]
+
+
+def test_supervisor_imports_neither_mlx_nor_worker():
+    probe = "import sys, supervisor.cli, supervisor.metrics; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'worker')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, env=child_env(), cwd=ROOT, check=True)
+    assert out.stdout == b"[]\n"
 
 
 def test_ps_without_a_running_pool(tmp_path):
