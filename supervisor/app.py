@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from supervisor.config import Config
+
+from supervisor.config import Config, ConfigError
+from supervisor.control import ControlServer
 from supervisor.endpoint import serve_stdin
 from supervisor.output import Output
 from supervisor.pool import Pool
@@ -25,9 +27,25 @@ async def run_pool(
     settle_first: read stdin only once preloaded models are ready (or have
     failed), as chat_metal did, so its clients see `ready` before anything."""
     loop = asyncio.get_running_loop()
+    # The socket and the port before any worker starts: one that cannot be
+    # had fails the start rather than leaving a pool nobody can reach.
+    control = ControlServer.bind(config)
     output = Output()
     await output.open()
     pool = Pool(config, output)
+    metrics = None
+    if config.metrics_port is not None:
+        from supervisor.metrics import MetricsServer  # prometheus-client only when asked for
+
+        try:
+            metrics = MetricsServer.start(pool, config.metrics_port)
+        except ConfigError:
+            output.close()
+            if control is not None:
+                await control.close()
+            raise
+    if control is not None:
+        await control.start(pool)
     stopping = asyncio.Event()
 
     def on_signal() -> None:
@@ -56,6 +74,10 @@ async def run_pool(
     for task in waits:
         task.cancel()
     housekeeping.cancel()
+    if control is not None:
+        await control.close()
+    if metrics is not None:
+        await metrics.close()
     await output.drain()
     output.close()
     for sig in (signal.SIGTERM, signal.SIGINT):

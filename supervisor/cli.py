@@ -1,4 +1,4 @@
-"""`lattice-pool`: serve, run, chat, demo-model."""
+"""`lattice-pool`: serve, run, chat, ps, demo-model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import msgspec
 from ipc.messages import Message
 from supervisor import logs
 from supervisor.app import run_pool
+from supervisor import ps
 from supervisor.config import Config, ConfigError, ModelEntry, load_config
+from supervisor.control import socket_path
 from supervisor.demo import DEMO_NAME, ensure_demo_model
 from supervisor.pool import Pool
 from supervisor.requests import BadRequest, ClientLine, parse_line
@@ -44,8 +46,15 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="stderr log level: DEBUG, INFO (default), WARNING, ERROR")
 
 
+def add_monitor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control-socket", help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: see docs/monitoring.md)")
+    p.add_argument("--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open a control socket")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, logged)")
+
+
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
-    for flag in ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval"):
+    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "metrics_port", "control_socket")
+    for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
             setattr(config, flag, value)
@@ -261,6 +270,20 @@ async def chat(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ps(args: argparse.Namespace) -> int:
+    config = base_config(args)
+    path = socket_path(config)
+    if path is None:
+        raise UsageError("the control socket is switched off; give --control-socket PATH")
+    try:
+        status = ps.query_status(path)
+    except ps.NoPool as exc:
+        print(f"lattice-pool ps: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(ps.as_json(status) if args.json else ps.table(status))
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
     # Building weights needs MLX, which only worker-side code imports.
     return subprocess.call(worker_argv("worker.demo_model", *extra), env=worker_env())
@@ -293,11 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the stdin endpoint: NDJSON requests in, @@lattice events out")
     add_pool_flags(serve)
+    add_monitor_flags(serve)
     add_model_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="chat_metal-compatible single-model run")
     add_pool_flags(run)
+    add_monitor_flags(run)
     add_model_flags(run)
     add_sampling_flags(run)
     run.add_argument("--prompt", help="ChatML prompt text, used verbatim")
@@ -314,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int)
     chat.add_argument("--verbose", action="store_true", help="print a stats line after each reply")
     chat.set_defaults(func=cmd_chat)
+
+    ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, pid, uptime, requests")
+    ps_cmd.add_argument("--config", type=Path, help="read control_socket from this config file")
+    ps_cmd.add_argument("--control-socket", help="the pool's control socket (default: see docs/monitoring.md)")
+    ps_cmd.add_argument("--json", action="store_true", help="print the status event as JSON")
+    ps_cmd.set_defaults(func=cmd_ps)
 
     demo = sub.add_parser("demo-model", help="write a tiny real-architecture Qwen3.5 demo model", add_help=False)
     demo.set_defaults(func=cmd_demo_model, passthrough=True)

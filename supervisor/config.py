@@ -52,6 +52,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace: Annotated[float, Meta(ge=0)] = 30.0
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
+    # Prometheus metrics on 127.0.0.1:PORT; 0 picks a free port (logged).
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    # True: the default path (supervisor.control.default_socket_path); a
+    # string: that path; False: no control socket.
+    control_socket: str | bool = True
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 

@@ -475,6 +475,7 @@ class WorkerHandle:
             self._give_up(f"{decision.reason} ({how}){tail}", LOAD_FAILED if was_loading else MODEL_FAILED)
             return
         self.restarts += 1
+        self.pool.note_restart(self)
         self.sm.to(State.RESTARTING, how)
         self._emit("restarting", attempt=decision.attempt, delay_s=round(decision.delay, 3), reason=how)
         self._restart_timer = asyncio.get_running_loop().call_later(decision.delay, self._restart_now)

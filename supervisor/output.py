@@ -45,6 +45,7 @@ class Output:
         self.paused = False
         self._transport: asyncio.WriteTransport | None = None
         self._listeners: list[Callable[[bool], None]] = []
+        self._taps: list[Callable[[bytes], None]] = []
 
     async def open(self) -> None:
         mode = os.fstat(self.fd).st_mode
@@ -58,9 +59,15 @@ class Output:
         """listener(True) when sources must stop, listener(False) to resume."""
         self._listeners.append(listener)
 
+    def add_tap(self, tap: Callable[[bytes], None]) -> None:
+        """tap(data) sees every write too (the control socket's event feed)."""
+        self._taps.append(tap)
+
     def write(self, data: bytes) -> None:
         if self.closed.is_set():
             return
+        for tap in self._taps:
+            tap(data)
         if self._transport is not None:
             self._transport.write(data)
             return

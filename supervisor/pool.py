@@ -14,7 +14,7 @@ import os
 import random
 import statistics
 import time
-from typing import Callable, Coroutine
+from typing import Callable, Coroutine, Protocol
 
 import psutil
 
@@ -48,6 +48,29 @@ HOUSEKEEPING_INTERVAL = 0.25
 STATS_REFRESH_INTERVAL = 5.0
 
 
+def process_memory(pid: int) -> dict[str, int]:
+    """RSS and USS of a worker measured from outside, for a worker that has
+    not answered a stats request yet (still importing, say)."""
+    try:
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return {}
+    return {"rss_bytes": info.rss, "uss_bytes": getattr(info, "uss", info.rss)}
+
+
+class PoolObserver(Protocol):
+    """Told of what the pool counts (supervisor.metrics is one); every call
+    comes from the event loop thread."""
+
+    def request_done(self, handle: WorkerHandle, gen_tokens: int, ttft_ms: float, tok_s: float) -> None: ...
+
+    def error(self, handle: WorkerHandle | None, code: str) -> None: ...
+
+    def adapter_event(self, handle: WorkerHandle, name: str) -> None: ...
+
+    def restarted(self, handle: WorkerHandle) -> None: ...
+
+
 class Pool:
     def __init__(self, config: Config, output: Output, *, rng: random.Random | None = None):
         self.config = config
@@ -60,9 +83,7 @@ class Pool:
         self.handles: dict[tuple, WorkerHandle] = {}
         self.watchers: dict[tuple, AdapterWatcher] = {}
         self.accepting = True
-        self.error_counts: collections.Counter[str] = collections.Counter()
-        self.adapter_events: collections.Counter[str] = collections.Counter()
-        self.done_listeners: list[Callable[[WorkerHandle, int, float, float], None]] = []
+        self.observers: list[PoolObserver] = []
         self._rids = itertools.count(1)
         self._active: dict[str, Job] = {}
         self._idless: collections.deque[Job | bytes] = collections.deque()
@@ -114,14 +135,16 @@ class Pool:
             self._all_idle.set()
 
     def note_done(self, handle: WorkerHandle, gen_tokens: int, ttft_ms: float, tok_s: float) -> None:
-        for listener in self.done_listeners:
-            listener(handle, gen_tokens, ttft_ms, tok_s)
+        for observer in self.observers:
+            observer.request_done(handle, gen_tokens, ttft_ms, tok_s)
 
     def note_error(self, handle: WorkerHandle | None, code: str | None) -> None:
-        self.error_counts[code or "unknown"] += 1
+        for observer in self.observers:
+            observer.error(handle, code or "unknown")
 
     def note_adapter_event(self, handle: WorkerHandle, name: str) -> None:
-        self.adapter_events[name] += 1
+        for observer in self.observers:
+            observer.adapter_event(handle, name)
         watcher = self.watchers.get(handle.spec.key)
         if watcher is not None:
             watcher.result(name == "adapter_loaded")
@@ -150,6 +173,10 @@ class Pool:
         # A replacement handle for the same key may own the watch by now.
         if watcher is not None and self.handles.get(handle.spec.key) is None:
             self.watchers.pop(handle.spec.key).stop()
+
+    def note_restart(self, handle: WorkerHandle) -> None:
+        for observer in self.observers:
+            observer.restarted(handle)
 
     # -- requests ------------------------------------------------------------------
 
@@ -287,16 +314,17 @@ class Pool:
                         if victim is not None:
                             await self._stop(victim, f"evicted to make room for {handle.name!r}")
                     await handle.start("admitted")
-                    self._watch_adapter(handle)
+                    if self.handles.get(handle.spec.key) is handle:  # not unloaded meanwhile
+                        self._watch_adapter(handle)
                     return
                 self._room.clear()
             log.info("model=%s waits for room: %s", handle.name, decision.reason)
             await self._room.wait()
 
-    def unload(self, spec: ModelSpec, reason: str) -> None:
+    def unload(self, spec: ModelSpec, reason: str, answer: Callable[[bytes], None] | None = None) -> None:
         handle = self.handles.pop(spec.key, None)
         if handle is None:
-            self.output.write(encode_event("unloaded", model=spec.name, lora=str(spec.lora) if spec.lora else None, reason="not loaded"))
+            (answer or self.output.write)(encode_event("unloaded", model=spec.name, lora=str(spec.lora) if spec.lora else None, reason="not loaded"))
             return
         self.spawn(self._stop(handle, reason))
 
@@ -307,36 +335,51 @@ class Pool:
 
     # -- ops -------------------------------------------------------------------------
 
-    def op(self, msg: ClientLine) -> None:
+    def op(self, msg: ClientLine, answer: Callable[[bytes], None] | None = None) -> asyncio.Task | None:
         """Runs a control op. The part that decides runs now, so ops and
         requests take effect in the order their lines arrived; waiting (a
-        worker stopping, stats replies) continues in a task."""
+        worker stopping, stats replies) continues in a task.
+
+        answer: where the op's own reply goes (the status event, an error,
+        the ready line of a model already up) when it did not come from
+        stdin; lifecycle events (loading, ready, unloaded...) always go to
+        stdout. Returns the task that will still write a reply, if any."""
         id_json = encode_id(msg.id)
         if msg.op == "status":
-            self.spawn(self._write_status())
-            return
+            return self.spawn(self._write_status(answer or self.output.write))
         if msg.op == "cancel":
-            self.cancel(id_json)
-            return
+            self.cancel(id_json, answer)
+            return None
         if msg.op == "shutdown":
             self.shutdown_requested.set()
-            return
+            return None
         try:
             spec = self.resolver.resolve(msg.model, msg.lora)
         except UnknownModel as exc:
-            self.reject(UNKNOWN_MODEL, str(exc), id_json)
-            return
+            self._refuse(UNKNOWN_MODEL, str(exc), id_json, answer)
+            return None
         if msg.op == "load":
-            self.load(spec)
+            if not self.accepting:
+                # A worker started now could outlive the stop of all workers.
+                self._refuse(SHUTTING_DOWN, "the pool is shutting down", id_json, answer)
+                return None
+            self.load(spec, answer)
         elif msg.op == "unload":
-            self.unload(spec, "unloaded on request")
+            self.unload(spec, "unloaded on request", answer)
         elif msg.op == "reload":
-            self.reload(spec, id_json)
+            self.reload(spec, id_json, answer)
+        return None
 
-    async def _write_status(self) -> None:
-        self.output.write(await self.status_event())
+    def _refuse(self, code: str, msg: str, id_json: str | None, answer: Callable[[bytes], None] | None) -> None:
+        if answer is None:
+            self.reject(code, msg, id_json)
+        else:
+            answer(encode_error(msg, code, id_json))
 
-    def load(self, spec: ModelSpec) -> None:
+    async def _write_status(self, answer: Callable[[bytes], None]) -> None:
+        answer(await self.status_event())
+
+    def load(self, spec: ModelSpec, answer: Callable[[bytes], None] | None = None) -> None:
         handle = self.handles.get(spec.key)
         if handle is not None and handle.state == State.FAILED:
             # An explicit load is the user saying "try again".
@@ -346,40 +389,55 @@ class Pool:
         handle = self.handle_for(spec)
         handle.last_used = time.monotonic()
         if handle.state in (State.READY, State.BUSY) and handle.ready_line is not None:
-            self.output.write(handle.ready_line)
+            (answer or self.output.write)(handle.ready_line)
 
-    def reload(self, spec: ModelSpec, id_json: str | None) -> None:
+    def reload(self, spec: ModelSpec, id_json: str | None, answer: Callable[[bytes], None] | None = None) -> None:
         handle = self.handles.get(spec.key)
         if handle is None or not handle.set_adapter(handle.lora):
-            self.reject(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json)
+            self._refuse(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json, answer)
 
-    def cancel(self, id_json: str) -> None:
+    def cancel(self, id_json: str, answer: Callable[[bytes], None] | None = None) -> None:
         job = self._active.get(id_json)
         if job is not None:
             handle = self.handles.get(job.spec.key)
             if handle is not None and handle.cancel(id_json):
                 return
-        self.output.write(encode_error(f"cancel: no queued or running request has id {id_json}", BAD_REQUEST))
+        (answer or self.output.write)(encode_error(f"cancel: no queued or running request has id {id_json}", BAD_REQUEST))
 
     async def status_event(self) -> bytes:
-        handles = list(self.handles.values())
-        stats = await asyncio.gather(*(h.fresh_stats() for h in handles))
-        rows = [self._status_row(h, s) for h, s in zip(handles, stats)]
-        memory = psutil.virtual_memory()
-        return encode_event(
-            "status",
-            models=rows,
-            rss_bytes=self._process.memory_info().rss,
-            system_total_bytes=memory.total,
-            system_available_bytes=memory.available,
-        )
+        return encode_event("status", **await self.status_fields())
 
-    def _status_row(self, h: WorkerHandle, s: dict) -> dict:
+    async def status_fields(self) -> dict:
+        """The `status` event's fields, measured now (see docs/monitoring.md)."""
+        rows = await self._measure(list(self.handles.values()))
+        memory = psutil.virtual_memory()
+        return {
+            "models": rows,
+            "rss_bytes": self._process.memory_info().rss,
+            "system_total_bytes": memory.total,
+            "system_available_bytes": memory.available,
+        }
+
+    async def _measure(self, handles: list[WorkerHandle]) -> list[dict]:
+        # The state as it was when the figures were asked for: a worker that
+        # turns ready meanwhile measured its memory while still loading.
+        states = [h.state for h in handles]
+        stats = await asyncio.gather(*(h.fresh_stats() for h in handles))
+        return [self._status_row(h, s, state) for h, s, state in zip(handles, stats, states)]
+
+    def _status_row(self, h: WorkerHandle, s: dict, state: State) -> dict:
+        pid = h.pid
+        if pid is None:
+            # Figures a dead or never-started worker reported earlier
+            # describe memory that is no longer in use.
+            s = {"format": s.get("format")}
+        elif "rss_bytes" not in s:
+            s = {**s, **process_memory(pid)}
         return {
             "model": h.name,
             "lora": h.lora,
-            "state": h.state.value,
-            "pid": h.pid,
+            "state": state.value,
+            "pid": pid,
             "format": s.get("format"),
             "rss_bytes": s.get("rss_bytes", 0),
             "uss_bytes": s.get("uss_bytes", 0),
@@ -421,11 +479,10 @@ class Pool:
 
     async def _emit_stats(self) -> None:
         handles = [h for h in self.handles.values() if h.state in LIVE]
-        stats = await asyncio.gather(*(h.fresh_stats() for h in handles))
-        for h, s in zip(handles, stats):
-            row = self._status_row(h, s)
-            del row["model"]
-            self.output.write(encode_event("stats", model=h.name, **row))
+        for h, row in zip(handles, await self._measure(handles)):
+            # Unloaded while it was measured: its `unloaded` line is out.
+            if self.handles.get(h.spec.key) is h:
+                self.output.write(encode_event("stats", **row))
 
     def preload(self) -> list[WorkerHandle]:
         return [self.handle_for(self.resolver.resolve(e.name)) for e in self.config.models if e.preload]

@@ -50,6 +50,15 @@ def small_model(models_dir) -> Path:
     return build_demo_model(models_dir / "small", "--size", "small")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_control_socket(tmp_path_factory):
+    """Pools started by tests claim this default control socket, never the
+    user's (~/.lattice/pool.sock or $XDG_RUNTIME_DIR's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LATTICE_CONTROL_SOCKET", str(tmp_path_factory.mktemp("run") / "pool.sock"))
+        yield
+
+
 @pytest.fixture
 def spawn_pool():
     """Starts `lattice-pool serve` processes; kills any a failing test left."""

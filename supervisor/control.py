@@ -1,0 +1,250 @@
+"""The control socket: the stdin ops, minus generation, for a second client.
+
+Studio owns stdin and stdout; `lattice-pool ps`, scripts and a second app
+reach the running pool through a unix socket instead. Protocol (see
+docs/monitoring.md): NDJSON op lines in, `@@lattice` lines back on the same
+connection — the op's own reply (a `status` event, an `error`, ...) and,
+while the connection stays open, a copy of every lifecycle event the pool
+writes to stdout, so a client that sent `load` can wait for `ready`.
+Token streams never go to the socket: generation belongs to stdin.
+
+The socket is created mode 0600 inside a private directory and only then
+linked to its public name, so it is never reachable by others, not even
+for an instant; a stale socket left by a killed pool is replaced, a live
+one is never taken over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+from ipc.events import BAD_REQUEST, encode_error, event_name
+from supervisor.config import Config, ConfigError
+from supervisor.endpoint import TOO_LONG, LineSplitter
+from supervisor.pool import Pool
+from supervisor.requests import BadRequest, encode_id, parse_line
+
+log = logging.getLogger("lattice.control")
+
+SOCKET_ENV = "LATTICE_CONTROL_SOCKET"
+MAX_LINE = 1024 * 1024
+# A client that stops reading is dropped once this much waits for it, so it
+# can never grow the supervisor's memory.
+MAX_BACKLOG = 1024 * 1024
+LIFECYCLE = frozenset({b"loading", b"ready", b"unloaded", b"restarting", b"failed", b"adapter_loaded", b"adapter_error", b"stats"})
+_TOKEN_LINE = b'@@lattice {"ev":"gen_token"'
+
+
+def default_socket_path() -> Path:
+    """$LATTICE_CONTROL_SOCKET, else $XDG_RUNTIME_DIR/lattice-pool.sock (a
+    per-user 0700 directory), else ~/.lattice/pool.sock."""
+    if os.environ.get(SOCKET_ENV):
+        return Path(os.environ[SOCKET_ENV]).expanduser()
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "lattice-pool.sock"
+    return Path.home() / ".lattice" / "pool.sock"
+
+
+def socket_path(config: Config) -> Path | None:
+    if config.control_socket is False:
+        return None
+    if config.control_socket is True:
+        return default_socket_path()
+    return Path(config.control_socket).expanduser()
+
+
+def _probe(path: Path) -> bool:
+    """True when a process accepts connections on the socket at `path`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        # No permission, or a listener too busy to accept: someone owns it.
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def _clear_stale(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"control socket {path}: a file that is not a socket is in the way; not replacing it")
+    if _probe(path):
+        raise ConfigError(f"control socket {path} is in use by another running pool")
+    log.info("removing stale control socket %s", path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def bind_private(path: Path) -> socket.socket:
+    """A listening unix socket that is mode 0600 from the moment `path` names it."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _clear_stale(path)
+        private = tempfile.mkdtemp(prefix=".lp", dir=path.parent)  # mode 0700
+    except OSError as exc:
+        raise ConfigError(f"control socket {path}: {exc.strerror or exc}") from exc
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        tmp = os.path.join(private, "s")
+        sock.bind(tmp)
+        os.chmod(tmp, 0o600)
+        sock.listen(16)
+        # link(), unlike rename(), fails when the name exists: a pool that
+        # started at the same moment keeps its socket.
+        os.link(tmp, path)
+    except FileExistsError:
+        sock.close()
+        raise ConfigError(f"control socket {path} was taken by another pool starting at the same time") from None
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"control socket {path}: cannot create it: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    sock.setblocking(False)
+    return sock
+
+
+class _Client:
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.pending: set[asyncio.Task] = set()
+
+    def write(self, data: bytes) -> None:
+        if self.writer.is_closing():
+            return
+        if self.writer.transport.get_write_buffer_size() > MAX_BACKLOG:
+            log.warning("control client is not reading its events; dropping it")
+            self.writer.close()
+            return
+        self.writer.write(data)
+
+
+class ControlServer:
+    def __init__(self, path: Path, sock: socket.socket):
+        self.pool: Pool | None = None
+        self.path = path
+        self._sock = sock
+        st = os.stat(path)
+        self._identity = (st.st_dev, st.st_ino)
+        self._server: asyncio.AbstractServer | None = None
+        self._clients: set[_Client] = set()
+        self._sessions: set[asyncio.Task] = set()
+
+    @classmethod
+    def bind(cls, config: Config) -> "ControlServer | None":
+        """Claims the configured socket path. An explicitly configured path
+        that cannot be had is an error; the default one is only a
+        convenience, so the pool then runs without it."""
+        path = socket_path(config)
+        if path is None:
+            return None
+        try:
+            sock = bind_private(path)
+        except ConfigError as exc:
+            if config.control_socket is True:
+                log.warning("%s; running without a control socket", exc)
+                return None
+            raise
+        return cls(path, sock)
+
+    async def start(self, pool: Pool) -> None:
+        self.pool = pool
+        self._server = await asyncio.start_unix_server(self._session, sock=self._sock)
+        pool.output.add_tap(self._broadcast)
+        log.info("control socket at %s", self.path)
+
+    def _broadcast(self, data: bytes) -> None:
+        if not self._clients or data.startswith(_TOKEN_LINE):
+            return
+        for line in data.splitlines(keepends=True):
+            if event_name(line) in LIFECYCLE:
+                for client in list(self._clients):
+                    client.write(line)
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._sessions.add(asyncio.current_task())
+        client = _Client(writer)
+        self._clients.add(client)
+        splitter = LineSplitter(MAX_LINE)
+        try:
+            while True:
+                data = await reader.read(65536)
+                for line in splitter.feed(data) if data else splitter.finish():
+                    self._dispatch(client, line)
+                if not data:
+                    break
+            # The client may half-close after its last op and still read:
+            # replies still being measured are owed to it.
+            if client.pending:
+                await asyncio.wait(client.pending)
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._clients.discard(client)
+            self._sessions.discard(asyncio.current_task())
+            writer.close()
+
+    def _dispatch(self, client: _Client, line) -> None:
+        if line is TOO_LONG:
+            client.write(encode_error(f"line longer than {MAX_LINE} bytes", BAD_REQUEST))
+            return
+        if not line.strip():
+            return
+        try:
+            msg = parse_line(line)
+        except BadRequest as exc:
+            client.write(encode_error(exc.msg, BAD_REQUEST, exc.id_json))
+            return
+        if msg.op is None:
+            client.write(
+                encode_error(
+                    "generation requests are not taken on the control socket; send them on stdin",
+                    BAD_REQUEST,
+                    encode_id(msg.id),
+                )
+            )
+            return
+        task = self.pool.op(msg, client.write)
+        if task is not None:
+            client.pending.add(task)
+            task.add_done_callback(client.pending.discard)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        else:
+            self._sock.close()
+        for client in list(self._clients):
+            client.writer.close()
+        for session in list(self._sessions):
+            session.cancel()
+        if self._sessions:
+            await asyncio.wait(self._sessions, timeout=5)
+        self._unlink_if_ours()
+
+    def _unlink_if_ours(self) -> None:
+        # A later pool may already own the name (ours was removed as stale).
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,159 @@
+"""Prometheus metrics on 127.0.0.1, from prometheus-client's own server thread.
+
+Counters and histograms are fed by the pool on the event loop (they are
+thread-safe). Per-model gauges are measured when scraped: the scrape thread
+asks the event loop for the same figures as the `status` op, so a scrape
+shows what the workers report now, and a model that was unloaded has no
+gauge series any more. Names and labels: docs/monitoring.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Callable, Iterator
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from supervisor.config import ConfigError
+from supervisor.handle import WorkerHandle
+from supervisor.pool import Pool
+from supervisor.states import State
+
+log = logging.getLogger("lattice.metrics")
+
+# status_fields waits at most 2 s for a worker's stats reply; a scrape that
+# still gets nothing (the loop is wedged or gone) shows counters only.
+SCRAPE_TIMEOUT = 5.0
+LABELS = ("model", "adapter")
+
+# status row field -> (metric name, help)
+MODEL_GAUGES = {
+    "rss_bytes": ("lattice_model_rss_bytes", "Resident set size of the worker process"),
+    "uss_bytes": ("lattice_model_uss_bytes", "Unique set size of the worker process (memory freed if it exits)"),
+    "mlx_active_bytes": ("lattice_model_mlx_active_bytes", "MLX active memory in the worker"),
+    "mlx_peak_bytes": ("lattice_model_mlx_peak_bytes", "MLX peak memory in the worker since it started"),
+    "mlx_cache_bytes": ("lattice_model_mlx_cache_bytes", "MLX buffer cache in the worker"),
+    "weights_bytes": ("lattice_model_weights_bytes", "Bytes of model weights loaded in the worker"),
+    "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of LoRA adapter weights loaded in the worker"),
+    "queued": ("lattice_model_queued_requests", "Requests waiting for this worker"),
+    "in_flight": ("lattice_model_in_flight_requests", "Requests this worker is generating"),
+    "uptime_s": ("lattice_model_uptime_seconds", "Seconds since the worker process started"),
+}
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
+
+
+def _labels(handle: WorkerHandle | None) -> tuple[str, str]:
+    if handle is None:
+        return ("", "")
+    return (handle.name, handle.lora or "")
+
+
+class _MeasuredGauges(Collector):
+    def __init__(self, snapshot: Callable[[], dict | None]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = self._snapshot()
+        if status is None:
+            return
+        families = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in MODEL_GAUGES.items()}
+        state = GaugeMetricFamily("lattice_model_state", "1 for the worker's current state, 0 for the others", labels=(*LABELS, "state"))
+        info = GaugeMetricFamily("lattice_model_info", "Always 1; the format label says how the weights are stored", labels=(*LABELS, "format"))
+        for row in status["models"]:
+            key = [row["model"], row["lora"] or ""]
+            for field, family in families.items():
+                family.add_metric(key, row[field])
+            for s in State:
+                state.add_metric([*key, s.value], 1.0 if row["state"] == s.value else 0.0)
+            info.add_metric([*key, row["format"] or "unknown"], 1.0)
+        yield from families.values()
+        yield state
+        yield info
+        yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status["rss_bytes"])
+        yield GaugeMetricFamily("lattice_system_memory_total_bytes", "Physical memory of the machine", value=status["system_total_bytes"])
+        yield GaugeMetricFamily("lattice_system_memory_available_bytes", "Memory available to new processes", value=status["system_available_bytes"])
+
+
+class PoolMetrics:
+    """The pool's metrics in a registry of their own (several pools, or
+    tests, may share a process), and the pool observer that feeds them."""
+
+    def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop):
+        self._pool = pool
+        self._loop = loop
+        # The *_created series would double the page for little use; the
+        # switch is process-wide, and this process is the supervisor.
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("lattice_requests", "Generation requests a worker completed (any finish_reason)", LABELS, registry=r)
+        self.tokens = Counter("lattice_generated_tokens", "Tokens generated", LABELS, registry=r)
+        self.errors = Counter("lattice_errors", "Error events on stdout by code; model is empty when no model was resolved", (*LABELS, "code"), registry=r)
+        self.restarts = Counter("lattice_worker_restarts", "Worker restarts after a crash, stall or kill", LABELS, registry=r)
+        self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
+        self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.tok_s = Histogram("lattice_tokens_per_second", "Generated tokens per second of each request (chat_metal's tok_s)", LABELS, buckets=TOK_S_BUCKETS, registry=r)
+        r.register(_MeasuredGauges(self._snapshot))
+
+    def _snapshot(self) -> dict | None:
+        """Runs on the scrape thread."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._pool.status_fields(), self._loop)
+        except RuntimeError:  # the loop has closed: the pool is gone
+            return None
+        try:
+            return future.result(SCRAPE_TIMEOUT)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as exc:
+            future.cancel()
+            log.warning("scrape got no status from the pool (%s); serving counters only", type(exc).__name__)
+            return None
+
+    # -- PoolObserver -------------------------------------------------------------
+
+    def request_done(self, handle: WorkerHandle, gen_tokens: int, ttft_ms: float, tok_s: float) -> None:
+        key = _labels(handle)
+        self.requests.labels(*key).inc()
+        if gen_tokens:
+            # A request cancelled before its first token has no TTFT or rate.
+            self.tokens.labels(*key).inc(gen_tokens)
+            self.ttft.labels(*key).observe(ttft_ms / 1000.0)
+            self.tok_s.labels(*key).observe(tok_s)
+
+    def error(self, handle: WorkerHandle | None, code: str) -> None:
+        self.errors.labels(*_labels(handle), code).inc()
+
+    def adapter_event(self, handle: WorkerHandle, name: str) -> None:
+        self.adapter_reloads.labels(*_labels(handle), "loaded" if name == "adapter_loaded" else "error").inc()
+
+    def restarted(self, handle: WorkerHandle) -> None:
+        self.restarts.labels(*_labels(handle)).inc()
+
+
+class MetricsServer:
+    def __init__(self, metrics: PoolMetrics, port: int):
+        self.metrics = metrics
+        try:
+            self._server, self._thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+        except OSError as exc:
+            raise ConfigError(f"metrics_port {port}: cannot listen on 127.0.0.1: {exc.strerror or exc}") from exc
+        self.port = self._server.server_port
+        log.info("metrics on http://127.0.0.1:%d/metrics", self.port)
+
+    @classmethod
+    def start(cls, pool: Pool, port: int) -> "MetricsServer":
+        metrics = PoolMetrics(pool, asyncio.get_running_loop())
+        pool.observers.append(metrics)
+        return cls(metrics, port)
+
+    async def close(self) -> None:
+        # shutdown() waits for the serve loop's next poll: not on the event loop.
+        await asyncio.to_thread(self._server.shutdown)
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,333 @@
+"""Monitoring end to end: measured status and stats figures, load progress,
+the Prometheus page, the control socket and `lattice-pool ps`."""
+
+import hashlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.sinks import LoadProgress
+from tests.lora_files import lora_pairs, targets_of, write_mlx
+from tests.procs import pid_alive, wait_for
+from tests.test_cli import cli
+from tests.workerproc import ROOT, child_env
+
+CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def tensor_bytes(model_dir: Path) -> int:
+    """Bytes of the tensors stored in a model dir, read from the safetensors header."""
+    with open(model_dir / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+
+
+def write_config(tmp_path: Path, models: dict, extra: str = "", lazy: tuple = ()) -> str:
+    text = extra + "\n"
+    for name, (path, lora) in models.items():
+        text += f'[[models]]\nname = "{name}"\npath = "{path}"\npreload = {str(name not in lazy).lower()}\n'
+        if lora:
+            text += f'lora = "{lora}"\n'
+    path = tmp_path / "pool.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def status(pool) -> dict:
+    pool.send({"op": "status"})
+    return {row["model"]: row for row in pool.wait_ev("status")["models"]}
+
+
+def near(measured: int, reference: int) -> bool:
+    # Two readings of one live process a moment apart, not two processes.
+    return abs(measured - reference) <= 0.2 * reference
+
+
+def test_status_and_stats_figures_are_measured(tiny_model, small_model, tmp_path, spawn_pool):
+    dirs = {"tiny": tiny_model, "small": small_model}
+    pool = spawn_pool("--config", write_config(tmp_path, {n: (d, None) for n, d in dirs.items()}), "--stats-interval", "0.3s")
+    ready = {n: pool.wait_ev("ready", model=n) for n in dirs}
+
+    # Load progress: the worker's loading events climb to the weights it loaded.
+    for name, d in dirs.items():
+        steps = [e for e in pool.events if e["ev"] == "loading" and e["model"] == name and "bytes_total" in e]
+        loaded = [e["bytes_loaded"] for e in steps]
+        assert len(steps) >= 2 and loaded == sorted(loaded)
+        assert steps[-1]["bytes_loaded"] == steps[-1]["bytes_total"] == ready[name]["weights_bytes"] == tensor_bytes(d)
+
+    pool.send({"op": "status"})
+    event = pool.wait_ev("status")
+    rows = {r["model"]: r for r in event["models"]}
+    children = {c.pid for c in psutil.Process(pool.proc.pid).children()}
+    for name, d in dirs.items():
+        row = rows[name]
+        assert row["state"] == "ready" and row["format"] == "bf16" and row["pid"] in children
+        assert row["weights_bytes"] == tensor_bytes(d) and row["adapter_bytes"] == 0
+        assert row["mlx_peak_bytes"] >= row["mlx_active_bytes"] >= row["weights_bytes"]
+        assert row["rss_bytes"] >= row["uss_bytes"] > row["weights_bytes"]
+        assert near(row["rss_bytes"], psutil.Process(row["pid"]).memory_info().rss)
+        assert row["uptime_s"] > 0 and row["queued"] == row["in_flight"] == row["served"] == row["restarts"] == 0
+    for field in ("rss_bytes", "uss_bytes", "mlx_active_bytes", "weights_bytes"):
+        assert rows["small"][field] > rows["tiny"][field], field
+    assert near(event["rss_bytes"], psutil.Process(pool.proc.pid).memory_info().rss)
+    assert event["system_total_bytes"] == psutil.virtual_memory().total > event["system_available_bytes"] > 0
+
+    # Periodic stats events carry the same measured figures as status rows.
+    for name, d in dirs.items():
+        stats = pool.wait_ev("stats", model=name, state="ready")
+        assert set(stats) - {"ev", "_line"} == set(rows[name])
+        assert stats["pid"] == rows[name]["pid"] and stats["weights_bytes"] == tensor_bytes(d) and stats["rss_bytes"] > 0
+
+    # Unloading removes the row, the process and the stats events.
+    pool.send({"op": "unload", "model": "small"})
+    pool.wait_ev("unloaded", model="small")
+    after = len(pool.events)
+    wait_for(lambda: not pid_alive(rows["small"]["pid"]), 10, message="unloaded worker to exit")
+    assert set(status(pool)) == {"tiny"}
+    pool.wait_for(lambda e: e["ev"] == "stats" and any(e is x for x in pool.events[after:]))
+    assert not [e for e in pool.events[after:] if e["ev"] == "stats" and e["model"] == "small"]
+    assert pool.close() == 0
+
+
+def metrics_port(pool) -> int:
+    found = wait_for(lambda: re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", pool.stderr), 60, message="the metrics log line")
+    return int(found.group(1))
+
+
+def scrape(port: int) -> dict:
+    """{(sample name, sorted labels): value}, parsed by prometheus-client's own parser."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def series(name: str, model: str, **labels) -> tuple:
+    return (name, tuple(sorted({"model": model, "adapter": "", **labels}.items())))
+
+
+def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
+    pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}), "--metrics-port", "0")
+    pool.wait_ev("ready", model="a")
+    pool.wait_ev("ready", model="b")
+    port = metrics_port(pool)
+    listening = [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+
+    pool.send({"model": "a", "id": 1, "prompt": CHAT, "max_tokens": 7, "seed": 1})
+    done = pool.terminal(1)
+    pool.send({"model": "no-such-model", "id": 2, "prompt": CHAT})
+    assert pool.terminal(2)["code"] == "unknown_model"
+    os.kill(status(pool)["a"]["pid"], signal.SIGKILL)
+    pool.wait_ev("restarting", model="a")
+    pool.wait_ev("ready", model="a")
+
+    samples = scrape(port)
+    rows = status(pool)
+    for m in ("a", "b"):
+        assert samples[series("lattice_model_weights_bytes", m)] == rows[m]["weights_bytes"] > 0
+        assert samples[series("lattice_model_rss_bytes", m)] > samples[series("lattice_model_weights_bytes", m)]
+        assert samples[series("lattice_model_state", m, state="ready")] == 1
+        assert samples[series("lattice_model_state", m, state="busy")] == 0
+        assert samples[series("lattice_model_queued_requests", m)] == 0
+    assert samples[series("lattice_requests_total", "a")] == 1
+    assert samples[series("lattice_generated_tokens_total", "a")] == done["gen_tokens"] == 7
+    assert samples[series("lattice_ttft_seconds_count", "a")] == 1
+    assert samples[series("lattice_ttft_seconds_sum", "a")] == pytest.approx(done["ttft_ms"] / 1000)
+    assert samples[series("lattice_tokens_per_second_count", "a")] == 1
+    assert series("lattice_requests_total", "b") not in samples
+    assert samples[series("lattice_errors_total", "", code="unknown_model")] == 1
+    assert samples[series("lattice_worker_restarts_total", "a")] == 1
+    assert samples[("lattice_supervisor_rss_bytes", ())] > 0
+
+    pool.send({"op": "unload", "model": "b"})
+    pool.wait_ev("unloaded", model="b")
+    samples = scrape(port)
+    assert not [k for k in samples if k[0].startswith("lattice_model_") and ("model", "b") in k[1]]
+    assert samples[series("lattice_model_rss_bytes", "a")] > 0 and samples[series("lattice_requests_total", "a")] == 1
+    assert pool.close() == 0
+
+
+class ControlClient:
+    """A connection to a pool's control socket, read line by line."""
+
+    def __init__(self, path: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(str(path))
+        self.buf = b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+    def send(self, request: dict) -> None:
+        self.sock.sendall(json.dumps(request).encode() + b"\n")
+
+    def wait_ev(self, ev: str, **fields) -> dict:
+        while True:
+            while b"\n" not in self.buf:
+                chunk = self.sock.recv(65536)
+                assert chunk, "the pool closed the control connection"
+                self.buf += chunk
+            line, self.buf = self.buf.split(b"\n", 1)
+            assert line.startswith(b"@@lattice {"), line
+            event = json.loads(line[10:])
+            if event["ev"] == ev and all(event.get(k) == v for k, v in fields.items()):
+                return event
+
+
+def ps_table(stdout: bytes) -> dict:
+    """Rows of the ps table by NAME, cut at the header's column starts."""
+    header, *lines = stdout.decode().splitlines()
+    names = header.split()
+    starts = [header.index(n) for n in names]
+    bounds = list(zip(starts, starts[1:] + [None]))
+    table = [{n: line[a:b].strip() for n, (a, b) in zip(names, bounds)} for line in lines]
+    return {row["NAME"]: row for row in table}
+
+
+def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
+    path = tmp_path / "ctl.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # what a killed pool leaves behind
+    stale.close()
+    pairs = lora_pairs(targets_of(second_model), rank=4, seed=3)
+    lora = write_mlx(tmp_path / "style.safetensors", pairs, alpha=8.0)
+    config = write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, lora)}, f'control_socket = "{path}"')
+    pool = spawn_pool("--config", config)
+    pool.wait_ev("ready", model="a")
+    pool.wait_ev("ready", model="b")
+
+    st = os.stat(path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    with ControlClient(path) as client:
+        client.send({"model": "a", "id": "gen", "prompt": CHAT, "max_tokens": 3})
+        refused = client.wait_ev("error")
+        assert refused["code"] == "bad_request" and refused["id"] == "gen" and "stdin" in refused["msg"]
+        client.send({"op": "status"})
+        rows = {r["model"]: r for r in client.wait_ev("status")["models"]}
+        assert rows["a"]["served"] == 0 and rows["a"]["in_flight"] == 0
+        client.send({"op": "load", "model": "no-such-model"})
+        assert client.wait_ev("error")["code"] == "unknown_model"
+        client.send({"op": "reload", "model": "b"})
+        swapped = client.wait_ev("adapter_loaded", model="b")
+        assert swapped["sha256"] == hashlib.sha256(lora.read_bytes()).hexdigest()
+
+        table = cli("ps", "--control-socket", str(path))
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.split(b"\n", 1)[0].split() == [b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PID", b"UPTIME", b"REQUESTS"]
+        shown = ps_table(table.stdout)
+        assert set(shown) == {"a", "b"}
+        assert shown["a"]["ADAPTER"] == "-" and shown["b"]["ADAPTER"] == str(lora)
+        for m in ("a", "b"):
+            assert shown[m]["FORMAT"] == "bf16" and shown[m]["STATE"] == "ready" and shown[m]["REQUESTS"] == "0"
+            assert shown[m]["PID"] == str(rows[m]["pid"]) and re.fullmatch(r"[\d.]+ MB", shown[m]["MEMORY"])
+
+        as_json = cli("ps", "--json", "--control-socket", str(path))
+        assert as_json.returncode == 0, as_json.stderr
+        listed = {r["model"]: r for r in json.loads(as_json.stdout)["models"]}
+        assert {m: r["pid"] for m, r in listed.items()} == {m: r["pid"] for m, r in rows.items()}
+        assert listed["a"]["adapter_bytes"] == 0 and listed["b"]["lora"] == str(lora)
+        # The bf16 model holds the adapter's factors in bf16: 2 bytes each.
+        assert listed["b"]["adapter_bytes"] == sum(2 * (a.size + b.size) for a, b in pairs.values())
+        assert all(r["rss_bytes"] > r["weights_bytes"] > 0 for r in listed.values())
+
+        client.send({"op": "unload", "model": "a"})
+        client.wait_ev("unloaded", model="a")
+        wait_for(lambda: not pid_alive(rows["a"]["pid"]), 10, message="unloaded worker to exit")
+        after = json.loads(cli("ps", "--json", "--control-socket", str(path)).stdout)
+        assert [r["model"] for r in after["models"]] == ["b"]
+
+    # An explicitly configured socket that a live pool holds is never taken.
+    second = cli("serve", "--control-socket", str(path), "--model-dir", str(tiny_model), input=b"")
+    assert second.returncode == 2 and b"in use" in second.stderr and str(path).encode() in second.stderr
+
+    assert pool.close() == 0
+    # Socket replies went to the socket only: stdout stays Studio's.
+    assert not [e for e in pool.events if e["ev"] == "status" or (e["ev"] == "error" and e.get("id") is None)]
+    assert not path.exists()
+
+
+def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_pool):
+    path = tmp_path / "ctl.sock"
+    extra = f'control_socket = "{path}"\nshutdown_grace = 600'
+    pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}, extra, lazy=("b",)))
+    pool.wait_ev("ready", model="a")
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.wait_for(lambda e: e.get("id") == "long")
+    with ControlClient(path) as client:
+        pool.proc.stdin.close()  # the grace period now waits for "long"
+        wait_for(lambda: b"shutting down (stdin closed)" in pool.stderr, 30, message="shutdown to begin")
+        client.send({"op": "load", "model": "b"})
+        assert client.wait_ev("error")["code"] == "shutting_down"
+        client.send({"op": "cancel", "id": "long"})
+        client.wait_ev("unloaded", model="a")
+    assert pool.close() == 0
+    assert pool.terminal("long")["finish_reason"] == "cancelled"
+    assert not [e for e in pool.events if e["ev"] in ("loading", "ready") and e["model"] == "b"]
+
+
+def test_supervisor_imports_neither_mlx_nor_worker():
+    probe = "import sys, supervisor.cli, supervisor.metrics; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'worker')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, env=child_env(), cwd=ROOT, check=True)
+    assert out.stdout == b"[]\n"
+
+
+def test_ps_without_a_running_pool(tmp_path):
+    missing = cli("ps", env={"LATTICE_CONTROL_SOCKET": str(tmp_path / "none.sock")})
+    assert missing.returncode == 1 and missing.stdout == b""
+    assert b"no lattice-pool is running" in missing.stderr and str(tmp_path / "none.sock").encode() in missing.stderr
+    path = tmp_path / "stale.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    left = cli("ps", "--control-socket", str(path))
+    assert left.returncode == 1 and b"no lattice-pool is running" in left.stderr and b"ended" in left.stderr
+
+
+def test_run_shows_load_progress(small_model):
+    out = cli("run", "--model-dir", str(small_model), "--prompt", CHAT, "--max-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"loading small ({tensor_bytes(small_model) / 1e6:.1f} MB)\n".encode() in out.stderr
+    assert b"small ready (bf16, loaded in " in out.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal():
+    stream = _Terminal()
+    progress = LoadProgress(stream)
+    progress.update({"ev": "loading", "model": "m", "lora": None})  # the supervisor's: no byte counts
+    for done in (500, 1500, 2000):
+        progress.update({"ev": "loading", "model": "m", "bytes_loaded": done, "bytes_total": 2000})
+    progress.update({"ev": "ready", "model": "m", "format": "q4", "load_ms": 1500})
+    frames = stream.getvalue().split("\r")[1:]
+    assert [re.search(r"(\d+)% of", f).group(1) for f in frames[:3]] == ["25", "75", "100"]
+    assert [f.count("#") for f in frames[:3]] == [7, 22, 30]
+    assert frames[3] == "\033[Km ready (q4, loaded in 1.5s)\n"
