@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logs.setup(args.log_level)
+    logs.setup(getattr(args, "log_level", None))
     try:
         return args.func(args)
     except (ConfigError, UsageError) as exc:
