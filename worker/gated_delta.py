@@ -26,6 +26,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update as _ORIGINAL
 
 log = logging.getLogger("worker")
@@ -38,18 +39,21 @@ def _invert_unit_lower(a: mx.array) -> mx.array:
 
     Doubling: the inverse of [[L11, 0], [L21, L22]] is
     [[X11, 0], [-X22 L21 X11, X22]], so inverses of diagonal blocks of size s
-    give those of size 2s in two batched matmuls.
+    give those of size 2s in two batched matmuls. Every L21 block of a level
+    is read through one strided view of a (no gather, no copy of a).
     """
     c = a.shape[-1]
     lead = a.shape[:-2]
+    neg = mx.contiguous(-a)
+    lead_strides = [c * c * int(np.prod(lead[i + 1 :], dtype=np.int64)) for i in range(len(lead))]
     inv = mx.ones((*lead, c, 1, 1), dtype=a.dtype)
     s = 1
     while s < c:
         n = c // (2 * s)
-        blocks = a.reshape(*lead, n, 2, s, n, 2, s)[..., :, 1, :, :, 0, :]
-        lower = mx.moveaxis(mx.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+        # Block j's L21 starts at row (2j+1)s, column 2js.
+        lower = mx.as_strided(neg, (*lead, n, s, s), (*lead_strides, 2 * s * c + 2 * s, c, 1), s * c)
         x11, x22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        x21 = -(x22 @ lower @ x11)
+        x21 = x22 @ lower @ x11
         top = mx.concatenate([x11, mx.zeros_like(x11)], axis=-1)
         bottom = mx.concatenate([x21, x22], axis=-1)
         inv = mx.concatenate([top, bottom], axis=-2)
@@ -90,8 +94,6 @@ def chunked_gated_delta(
     if Hv > Hk:
         q = mx.repeat(q, Hv // Hk, axis=2)
         k = mx.repeat(k, Hv // Hk, axis=2)
-    log_g = log_g.astype(f32)
-    beta = beta.astype(f32)
     if mask is not None:
         # A padded token decays nothing and writes nothing.
         log_g = mx.where(mask[..., None], log_g, 0.0)
@@ -101,10 +103,10 @@ def chunked_gated_delta(
     pad = n * c - T
 
     def heads_first(x, width):
-        x = x.astype(f32)
         if pad:
             x = mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = mx.moveaxis(x, 2, 1)
+        # One copy kernel: the cast writes the head-major layout.
+        x = mx.moveaxis(x, 2, 1).astype(f32)
         return x.reshape(B, Hv, n, c, width) if width else x.reshape(B, Hv, n, c)
 
     q, k, v = heads_first(q, Dk), heads_first(k, Dk), heads_first(v, Dv)
@@ -126,10 +128,13 @@ def chunked_gated_delta(
     kd = mx.exp(cum[..., -1:] - cum)[..., None] * k
     g_end = mx.exp(cum[..., -1])
 
+    # Chunk-major copies, so each step reads contiguous slices.
+    u_c, w_c, kd_c, g_c = (mx.contiguous(mx.moveaxis(x, 2, 0)) for x in (u, w, kd, g_end))
     starts = []
     for i in range(n):
         starts.append(state)
-        state = _advance(state, u[:, :, i], w[:, :, i], kd[:, :, i], g_end[:, :, i])
+        step = (x[i : i + 1].squeeze(0) for x in (u_c, w_c, kd_c, g_c))
+        state = _advance(state, *step)
     # With every chunk's starting state known, the outputs are batched.
     s0t = mx.swapaxes(mx.stack(starts, axis=2), -1, -2)
     delta = u - w @ s0t
