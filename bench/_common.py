@@ -44,6 +44,8 @@ def backend() -> str:
 
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        info["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
@@ -63,6 +65,10 @@ def load_average() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+def tagged(name: str, tag: str) -> str:
+    return f"{name}-{tag}" if tag else name
 
 
 def write_result(name: str, data: dict) -> Path:

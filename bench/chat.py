@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench._common import WorkerClient, backend, demo_model, load_average, machine, write_result
+from bench._common import WorkerClient, backend, demo_model, load_average, machine, tagged, write_result
 
 
 def user_messages(tokenizer, turns: int, tokens_each: int) -> list[str]:
@@ -38,6 +38,7 @@ def main() -> int:
     p.add_argument("--target-tokens", type=int, default=2000)
     p.add_argument("--reply-tokens", type=int, default=64)
     p.add_argument("--system-tokens", type=int, default=150)
+    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from tokenizers import Tokenizer
@@ -80,7 +81,7 @@ def main() -> int:
         "last_turn_speedup": round(last["ttft_ms_plain"] / last["ttft_ms_cached"], 2),
         "machine": machine(), "load_average": {"before": load_before, "after": load_average()},
     }
-    write_result(f"chat-{result['backend']}-{args.size}", result)
+    write_result(tagged(f"chat-{result['backend']}-{args.size}", args.tag), result)
     print(f"{'turn':>5}{'prompt':>8}{'cached':>8}{'TTFT cache ms':>15}{'TTFT no-cache ms':>18}{'speedup':>9}{'same':>6}")
     for r in rows:
         print(f"{r['turn']:>5}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_ms_cached']:>15}{r['ttft_ms_plain']:>18}"

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from bench._common import demo_model, load_average, machine, median, write_result
+from bench._common import demo_model, load_average, machine, median, tagged, write_result
 
 
 def main() -> int:
@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from worker.cpu_backend import load_openblas
@@ -90,7 +91,7 @@ def main() -> int:
 
     result = {"size": args.size, "backend": backend, "dtype": str(dtype), "runs": args.runs, "rows": rows,
               "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
-    write_result(f"prefill-{backend}-{args.size}", result)
+    write_result(tagged(f"prefill-{backend}-{args.size}", args.tag), result)
     print(f"{'tokens':>7}{'mlx-lm ms':>12}{'chunked ms':>12}{'speedup':>9}{'chunked tok/s':>15}{'GDN op ms seq/chunk':>22}")
     for r in rows:
         s, c = r["mlx_lm_sequential"], r["chunked"]

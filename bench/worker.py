@@ -20,7 +20,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench._common import ROOT, WorkerClient, backend, child_env, demo_model, load_average, machine, median, write_result
+from bench._common import (
+    ROOT,
+    WorkerClient,
+    backend,
+    child_env,
+    demo_model,
+    load_average,
+    machine,
+    median,
+    tagged,
+    write_result,
+)
 
 PROMPT = "<|im_start|>user\nTell me about the river, the mill and the bridge.<|im_end|>\n<|im_start|>assistant\n"
 SAMPLER = dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
@@ -67,6 +78,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--baselines", default="matched,defaults")
+    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from tokenizers import Tokenizer
@@ -85,7 +97,7 @@ def main() -> int:
         result[f"mlx_lm_{setup}"] = base
     result["load_average"] = {"before": load_before, "after": load_average()}
     name = f"worker-{result['backend']}-{args.size if not args.model else model.name}"
-    write_result(name, result)
+    write_result(tagged(name, args.tag), result)
     w = result["worker"]
     print(f"{'':22}{'decode tok/s':>14}{'TTFT ms':>10}{'decode ratio':>14}{'TTFT ratio':>12}")
     print(f"{'worker':22}{w['decode_tok_s']:>14}{w['ttft_ms']:>10}")

@@ -16,8 +16,10 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   biases included) to float32 on CPU. Memory: bf16/fp16 weights double;
   4-bit weights grow about 11% (fp32 scales and biases per group of 64).
 
-`LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
-`OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1).
+`LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons).
+OpenBLAS uses every core unless `OPENBLAS_NUM_THREADS` says otherwise; its
+threads spin while they wait, so CPU workers that run at the same time should
+split the cores between them (docs/performance.md has the measurements).
 """
 
 from __future__ import annotations
@@ -64,10 +66,6 @@ def load_openblas() -> str | None:
     if openblas is None or gfortran is None:
         return None
     bundled = gfortran.parent
-    # OpenBLAS threads spin while they wait; with one per core they fight
-    # mlx's own thread and the sampler for CPU and latency jumps 10x on a
-    # busy machine. One core is left to them unless the user says otherwise.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
     with tempfile.TemporaryDirectory(prefix="lattice-blas-") as tmp:
         links = Path(tmp)
         (links / "libopenblas.so.0").symlink_to(openblas)
