@@ -16,10 +16,9 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   biases included) to float32 on CPU. Memory: bf16/fp16 weights double;
   4-bit weights grow about 11% (fp32 scales and biases per group of 64).
 
-`LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons).
-OpenBLAS uses every core unless `OPENBLAS_NUM_THREADS` says otherwise; its
-threads spin while they wait, so CPU workers that run at the same time should
-split the cores between them (docs/performance.md has the measurements).
+`LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
+`OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1; workers
+that run at the same time should split the cores between them).
 """
 
 from __future__ import annotations
@@ -66,6 +65,11 @@ def load_openblas() -> str | None:
     if openblas is None or gfortran is None:
         return None
     bundled = gfortran.parent
+    # OpenBLAS threads spin while they wait: with one per core, any other
+    # busy process (the UI, the supervisor, a second worker) preempts one of
+    # them and every GEMM stalls; measured on 2 cores, TTFT jumped 3-10x. One
+    # core is left free unless the user says otherwise.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
     with tempfile.TemporaryDirectory(prefix="lattice-blas-") as tmp:
         links = Path(tmp)
         (links / "libopenblas.so.0").symlink_to(openblas)
