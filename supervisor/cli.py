@@ -1,12 +1,264 @@
-"""`lattice-pool`: serve, run, chat, ps, demo-model."""
+"""`lattice-pool`: serve, run, chat, demo-model."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
+import msgspec
+
+from ipc.messages import Message
+from supervisor import logs
+from supervisor.app import run_pool
+from supervisor.config import Config, ConfigError, ModelEntry, load_config
+from supervisor.demo import DEMO_NAME, ensure_demo_model
+from supervisor.pool import Pool
+from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.resolve import Resolver, UnknownModel, expand
+from supervisor.sinks import EventSink, LoadProgress, stats_line
 from supervisor.workerexec import worker_argv, worker_env
+
+
+class UsageError(Exception):
+    pass
+
+
+# -- building the config from a file and flags ------------------------------------------
+
+
+def add_pool_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML config file (see configs/example.toml)")
+    p.add_argument("--model-cache", help="directory of model dirs (default $LATTICE_MODEL_CACHE or ~/.lattice/models)")
+    p.add_argument("--max-loaded", type=int, help="most workers loaded at once; least recently used idle ones are unloaded")
+    p.add_argument("--memory-budget", help="total worker memory, e.g. 12GiB; least recently used idle workers are unloaded")
+    p.add_argument("--keep-alive", help="unload a worker idle this long, e.g. 5m (default: never)")
+    p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
+    p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
+    p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
+    p.add_argument("--log-level", help="stderr log level: DEBUG, INFO (default), WARNING, ERROR")
+
+
+def apply_overrides(config: Config, args: argparse.Namespace) -> None:
+    for flag in ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(config, flag, value)
+
+
+def base_config(args: argparse.Namespace) -> Config:
+    config = load_config(args.config) if getattr(args, "config", None) else Config()
+    apply_overrides(config, args)
+    # Re-run the checks of the file on the merged values.
+    try:
+        Config.__post_init__(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return config
+
+
+def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora: str | None, tokenizer_dir: Path | None) -> None:
+    """Makes the model named on the command line the default (and preloaded) one."""
+    if model_dir is not None:
+        path, name = expand(str(model_dir)), model_dir.name
+    elif ref is not None:
+        if ref in {m.name for m in config.models}:
+            config.default_model = ref
+            entry = next(m for m in config.models if m.name == ref)
+            entry.preload = True
+            if lora:
+                entry.lora = lora
+            return
+        try:
+            spec = Resolver(config).resolve(ref)
+        except UnknownModel as exc:
+            raise UsageError(str(exc)) from exc
+        path, name = spec.path, ref
+    elif not config.models:
+        path, name = ensure_demo_model(), DEMO_NAME
+    else:
+        return
+    config.models.append(
+        ModelEntry(name=name, path=str(path), lora=lora, tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, preload=True)
+    )
+    config.default_model = name
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = base_config(args)
+    if args.model or args.model_dir or not config.models:
+        add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    return asyncio.run(run_pool(config, eof_grace=config.shutdown_grace))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = base_config(args)
+    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    if args.serve:
+        if not args.json:
+            raise UsageError("--serve speaks the event protocol: add --json")
+        # chat_metal finished every request it had read before exiting at EOF.
+        return asyncio.run(run_pool(config, eof_grace=None, settle_first=True))
+    if args.prompt is None:
+        raise UsageError("give --prompt TEXT, or --json --serve to read requests from stdin")
+    fields = {
+        "prompt": args.prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+        "reasoning_budget": args.reasoning_budget,
+        "stop": args.stop,
+    }
+    try:
+        # The same validation as a line on stdin, so the limits match.
+        request = parse_line(msgspec.json.encode({k: v for k, v in fields.items() if v is not None}))
+    except BadRequest as exc:
+        raise UsageError(exc.msg) from exc
+    return asyncio.run(run_once(config, request, as_json=args.json))
+
+
+async def run_once(config: Config, request: ClientLine, *, as_json: bool) -> int:
+    finished = asyncio.Event()
+    outcome = {"rc": 0}
+    progress = LoadProgress()
+    out = sys.stdout.buffer
+
+    def on_event(event: dict, line: bytes) -> None:
+        ev = event["ev"]
+        if as_json:
+            out.write(line)
+            out.flush()
+        elif ev == "gen_token" and not event["done"]:
+            out.write(event["token"].encode("utf-8"))
+            out.flush()
+        elif ev in ("loading", "ready"):
+            progress.update(event)
+        if ev == "error" or (ev == "gen_token" and event["done"]):
+            if ev == "error":
+                outcome["rc"] = 1
+                if not as_json:
+                    print(f"error ({event.get('code')}): {event['msg']}", file=sys.stderr)
+            elif not as_json:
+                out.write(b"\n")
+                out.flush()
+                print(stats_line(event), file=sys.stderr)
+            finished.set()
+        elif ev == "failed" and not as_json:
+            print(f"model failed: {event.get('reason')}", file=sys.stderr)
+
+    sink = EventSink(on_event)
+    pool = Pool(config, sink)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, pool.hurry.set)
+    loop.add_signal_handler(signal.SIGTERM, pool.hurry.set)
+    housekeeping = pool.spawn(pool.housekeeping())
+    pool.submit(request)
+    hurry = asyncio.ensure_future(pool.hurry.wait())
+    done = asyncio.ensure_future(finished.wait())
+    await asyncio.wait([hurry, done], return_when=asyncio.FIRST_COMPLETED)
+    hurry.cancel()
+    done.cancel()
+    if not finished.is_set():
+        outcome["rc"] = 130
+    await pool.shutdown(0)
+    housekeeping.cancel()
+    return outcome["rc"]
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    config = base_config(args)
+    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    return asyncio.run(chat(config, args))
+
+
+async def chat(config: Config, args: argparse.Namespace) -> int:
+    """A REPL: each turn sends the whole history as messages; Ctrl-C stops a
+    reply, Ctrl-D or /bye quits, /clear forgets the history."""
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[str | None] = asyncio.Queue()
+    reply: list[str] = []
+    turn_done = asyncio.Event()
+    progress = LoadProgress()
+    out = sys.stdout
+
+    def on_event(event: dict, line: bytes) -> None:
+        ev = event["ev"]
+        if ev in ("loading", "ready"):
+            progress.update(event)
+        elif ev == "gen_token":
+            if event["done"]:
+                out.write("\n")
+                if args.verbose:
+                    print(stats_line(event), file=sys.stderr)
+                turn_done.set()
+            else:
+                reply.append(event["token"])
+                out.write(event["token"])
+            out.flush()
+        elif ev == "error" and event.get("id") is not None:
+            print(f"\nerror ({event.get('code')}): {event['msg']}", file=sys.stderr)
+            turn_done.set()
+        elif ev in ("failed", "restarting"):
+            print(f"[{ev}: {event.get('reason')}]", file=sys.stderr)
+
+    def read_input() -> None:
+        for text in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, text.rstrip("\n"))
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    pool = Pool(config, EventSink(on_event))
+    housekeeping = pool.spawn(pool.housekeeping())
+    pool.preload()
+    threading.Thread(target=read_input, name="chat-input", daemon=True).start()
+    history: list[Message] = []
+    if args.system:
+        history.append(Message("system", args.system))
+    ids = itertools.count(1)
+    current: list[str] = []
+
+    def on_interrupt() -> None:
+        if current:
+            pool.cancel(current[0])
+        else:
+            lines.put_nowait(None)
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            out.write(">>> ")
+            out.flush()
+        text = await lines.get()
+        if text is None or text.strip() in ("/bye", "/exit", "/quit"):
+            break
+        if text.strip() == "/clear":
+            history = history[:1] if args.system else []
+            continue
+        if not text.strip():
+            continue
+        history.append(Message("user", text))
+        reply.clear()
+        turn_done.clear()
+        request_id = f"chat-{next(ids)}"
+        current[:] = [f'"{request_id}"']
+        pool.submit(ClientLine(id=request_id, messages=list(history), max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed))
+        await turn_done.wait()
+        current.clear()
+        history.append(Message("assistant", "".join(reply)))
+    await pool.shutdown(0)
+    housekeeping.cancel()
+    return 0
 
 
 def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
@@ -14,9 +266,55 @@ def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
     return subprocess.call(worker_argv("worker.demo_model", *extra), env=worker_env())
 
 
+# -- argument parsing ------------------------------------------------------------------------
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="configured name, dir name under the model cache, or path (default: the demo model)")
+    p.add_argument("--model-dir", type=Path, help="model directory (chat_metal's flag)")
+    p.add_argument("--lora", help="LoRA adapter file or directory")
+    p.add_argument("--tokenizer-dir", type=Path, help="directory holding tokenizer.json (default: the model dir)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--reasoning-budget", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lattice-pool", description="A pool of warm MLX model workers behind one stdin endpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="the stdin endpoint: NDJSON requests in, @@lattice events out")
+    add_pool_flags(serve)
+    add_model_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    run = sub.add_parser("run", help="chat_metal-compatible single-model run")
+    add_pool_flags(run)
+    add_model_flags(run)
+    add_sampling_flags(run)
+    run.add_argument("--prompt", help="ChatML prompt text, used verbatim")
+    run.add_argument("--json", action="store_true", help="print @@lattice event lines instead of text")
+    run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
+    run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens and keeps the history")
+    add_pool_flags(chat)
+    add_model_flags(chat)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--verbose", action="store_true", help="print a stats line after each reply")
+    chat.set_defaults(func=cmd_chat)
+
     demo = sub.add_parser("demo-model", help="write a tiny real-architecture Qwen3.5 demo model", add_help=False)
     demo.set_defaults(func=cmd_demo_model, passthrough=True)
     return parser
@@ -26,6 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if not getattr(args, "passthrough", False) and extra:
+    if getattr(args, "passthrough", False):
+        return args.func(args, extra)
+    if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.func(args, extra)
+    logs.setup(args.log_level)
+    try:
+        return args.func(args)
+    except (ConfigError, UsageError) as exc:
+        print(f"lattice-pool: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        logs.sink().flush()

@@ -50,6 +50,23 @@ def small_model(models_dir) -> Path:
     return build_demo_model(models_dir / "small", "--size", "small")
 
 
+@pytest.fixture
+def spawn_pool():
+    """Starts `lattice-pool serve` processes; kills any a failing test left."""
+    from tests.poolproc import PoolProc
+
+    made = []
+
+    def make(*args, **kwargs):
+        pool = PoolProc(*args, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.kill()
+
+
 def keep_alive_across_tests(pid: int) -> None:
     """Lets a module- or session-scoped fixture own a process across tests."""
     _long_lived.add(pid)
@@ -71,9 +88,20 @@ def no_leaked_processes():
         wait_for(lambda: not leaked(), timeout=15, message="test processes to exit")
     except AssertionError:
         left = leaked()
+        described = [_describe(p) for p in left]
         for p in left:
-            p.kill()
-        pytest.fail(f"processes outlived their test: {[(p.pid, p.cmdline()) for p in left]}")
+            try:
+                p.kill()
+            except Exception:
+                pass
+        pytest.fail(f"processes outlived their test: {described}")
+
+
+def _describe(proc) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())}"
+    except Exception:
+        return str(proc.pid)
 
 
 def _root_pid(proc) -> int:

@@ -22,6 +22,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, type=Path, help="model directory")
     p.add_argument("--name", help="model name used in events (default: the dir name)")
     p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
+    p.add_argument("--lora", help="LoRA adapter to apply: a .safetensors file or an adapter directory")
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
     p.add_argument(
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # load_ms counts the imports too: they are most of a small model's start.
+    t0 = time.perf_counter()
     args = parse_args(argv)
     model_dir = args.model.expanduser().resolve()
     name = args.name or model_dir.name
@@ -65,16 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import encode_event
+    from worker.adapters import AdapterError, read_adapter
     from worker.engine import Engine
     from worker.loader import ModelDirError, load
+    from worker.lora import LoRASlots
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
 
     server = WorkerServer(name, channel)
     server.start_heartbeat(args.heartbeat)
     server.start_reader()
-
-    t0 = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
         channel.write(encode_event("loading", model=name, bytes_loaded=done, bytes_total=total))
@@ -86,14 +89,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lattice-pool worker: bad model dir: {exc}", file=sys.stderr, flush=True)
         return EX_CONFIG
     engine = Engine(loaded, codec, prefill_step=args.prefill_step, prefix_cache_bytes=args.prefix_cache_bytes)
+    slots = LoRASlots(loaded.model)
+    if args.lora:
+        try:
+            adapter = read_adapter(Path(args.lora).expanduser(), slots.targets)
+        except AdapterError as exc:
+            print(f"lattice-pool worker: bad adapter: {exc}", file=sys.stderr, flush=True)
+            return EX_CONFIG
+        slots.install(adapter)
+        engine.adapter_key = adapter.sha256
+        log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
+
     engine.warm_up()
     server.engine = engine
     server.format = loaded.format
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info("ready: format=%s weights=%d bytes load_ms=%d", loaded.format, loaded.weights_bytes, load_ms)
     channel.write(
-        encode_event("ready", model=name, format=loaded.format, lora=None, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
+        encode_event("ready", model=name, format=loaded.format, lora=args.lora, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
     )
+
+    def on_swap(key: str | None) -> None:
+        engine.adapter_key = key
+
+    # Only now, so every adapter reply comes after `ready`.
+    server.adapters.attach(slots, on_swap)
     server.serve_forever()
     return 0
 

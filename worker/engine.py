@@ -76,12 +76,12 @@ class Engine:
         self.codec = codec
         self.prefill_step = prefill_step
         self.prefix_cache = PrefixCache(self.model, prefix_cache_bytes)
-        # Content hash of the active adapter; cached state is only reused
-        # under the adapter that produced it.
-        self.adapter_key: str | None = None
         self.chat_marker = codec.tokenizer.token_to_id("<|im_start|>")
         self.max_positions = _max_positions(loaded.config)
         self.vocab_size = _vocab(loaded.config) or codec.vocab_size
+        # Content sha256 of the active LoRA adapter (None: none). Anything
+        # cached from model state must be keyed by it, never by the path.
+        self.adapter_key: str | None = None
 
     def prompt_ids(self, req: Generate) -> list[int]:
         if req.prompt is not None:

@@ -14,6 +14,7 @@ import msgspec
 from ipc.events import WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
 from ipc.messages import Cancel, Generate, SetAdapter, Shutdown, Stats
+from worker.adapter_swap import AdapterSwapper
 from worker.channel import EventChannel
 from worker.engine import Engine, RequestError
 from worker.memory import memory_figures
@@ -35,6 +36,7 @@ class WorkerServer:
         self._current: int | None = None
         self._cancel = threading.Event()
         self._cancelled: set[int] = set()
+        self.adapters = AdapterSwapper(name, channel.write, self._jobs.put)
 
     # -- side threads -------------------------------------------------------
 
@@ -73,8 +75,10 @@ class WorkerServer:
             self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, Generate | SetAdapter):
+        if isinstance(msg, Generate):
             self._jobs.put(msg)
+        elif isinstance(msg, SetAdapter):
+            self.adapters.submit(msg.path)
         elif isinstance(msg, Cancel):
             with self._lock:
                 if self._current == msg.rid:
@@ -89,7 +93,7 @@ class WorkerServer:
     def stats_event(self) -> bytes:
         figures = memory_figures()
         weights = self.engine.loaded.weights_bytes if self.engine else 0
-        return encode_event("worker_stats", model=self.name, format=self.format, weights_bytes=weights, adapter_bytes=0, **figures)
+        return encode_event("worker_stats", model=self.name, format=self.format, weights_bytes=weights, adapter_bytes=self.adapters.nbytes, **figures)
 
     # -- main thread --------------------------------------------------------
 
@@ -102,7 +106,7 @@ class WorkerServer:
             if isinstance(job, Generate):
                 self._run(job)
             else:
-                self.channel.write(encode_event("adapter_error", model=self.name, lora=job.path, code="adapter_error", msg="adapters are not supported by this worker"))
+                job()  # an adapter swap, due between two requests
 
     def _run(self, req: Generate) -> None:
         with self._lock:

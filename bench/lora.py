@@ -1,0 +1,141 @@
+"""LoRA cost in a real worker: swap time, and decode speed with a rank-16
+adapter on every linear layer of the decoder vs no adapter, in one run.
+
+    python -m bench.lora [--size small] [--rounds 5] [--tokens 128]
+
+Builds a demo model with the real `demo-model` command, writes a seeded PEFT
+adapter, drives one worker process over its pipes and writes
+bench/results/lora.json. Adapter and no-adapter runs alternate, so drift on a
+shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ipc.messages import Generate, SetAdapter, Stats  # noqa: E402
+from tests.workerproc import WorkerProc, child_env  # noqa: E402
+
+PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> int:
+    """A PEFT adapter on every linear layer of every decoder layer; returns its module count."""
+    from worker.loader import load
+    from worker.lora import LoRASlots
+
+    targets = LoRASlots(load(model_dir).model).targets
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for module, (d_in, d_out) in sorted(targets.items()):
+        key = f"base_model.model.model.language_model.{module}"
+        tensors[f"{key}.lora_A.weight"] = rng.normal(0, d_in**-0.5, (rank, d_in)).astype(np.float32)
+        tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.02, (d_out, rank)).astype(np.float32)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    return len(targets)
+
+
+def decode_rate(w: WorkerProc, tokens: int, seed: int) -> float:
+    """Decode tok/s of one request: tokens after the first over the time after it."""
+    w.send(Generate(rid=seed, prompt=PROMPT, max_tokens=tokens, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=seed))
+    done = w.collect()[-1]
+    assert done["ev"] == "gen_token", done
+    decode_ms = done["total_ms"] - done["ttft_ms"]
+    return (done["gen_tokens"] - 1) / (decode_ms / 1000.0)
+
+
+def swap(w: WorkerProc, path: str | None) -> tuple[float, int]:
+    """(wall ms from SetAdapter to adapter_loaded, the worker's own ms)."""
+    t0 = time.perf_counter()
+    w.send(SetAdapter(path=path))
+    event = w.next_event(timeout=300)
+    assert event["ev"] == "adapter_loaded", event
+    return (time.perf_counter() - t0) * 1000.0, event["ms"]
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2), "n": len(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", choices=["tiny", "small"], help="demo model size (default small)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=9, help="measurements per side (default 9)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per decode request (default 128)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lora.json")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="lattice-bench-lora-") as tmp:
+        model_dir, adapter = Path(tmp) / "model", Path(tmp) / "adapter"
+        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model_dir), "--size", args.size], check=True, env=child_env(), cwd=ROOT, capture_output=True)
+        modules = write_adapter(model_dir, adapter, args.rank)
+        w = WorkerProc(model_dir)
+        try:
+            w.wait_ready()
+            decode_rate(w, 16, 0)  # first-request effects stay out of the figures
+            base, lora, swap_wall, swap_worker, clear_wall = [], [], [], [], []
+            for i in range(args.rounds):
+                base.append(decode_rate(w, args.tokens, i + 1))
+                wall, own = swap(w, str(adapter))
+                swap_wall.append(wall)
+                swap_worker.append(own)
+                if i == 0:
+                    w.send(Stats())
+                    adapter_bytes = w.next_event()["adapter_bytes"]
+                lora.append(decode_rate(w, args.tokens, i + 1))
+                clear_wall.append(swap(w, None)[0])
+        finally:
+            w.close()
+
+    result = {
+        "note": "shared machine, numbers are noisy; adapter and no-adapter runs alternate in one worker",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(), "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm")},
+        "model": {"demo_size": args.size, "format": "bf16"},
+        "adapter": {"format": "peft", "rank": args.rank, "modules": modules, "adapter_bytes": adapter_bytes},
+        "decode_tokens_per_request": args.tokens,
+        "decode_tok_s": {"no_adapter": summary(base), "adapter": summary(lora)},
+        "decode_ratio_adapter_over_none": round(statistics.median(lora) / statistics.median(base), 3),
+        # Each adapter run over the no-adapter run just before it: less exposed to load drift.
+        "decode_ratio_paired_median": round(statistics.median(x / y for x, y in zip(lora, base)), 3),
+        "swap_ms": {"set_adapter_to_adapter_loaded": summary(swap_wall), "worker_reported_ms": summary(swap_worker), "clear_to_adapter_loaded": summary(clear_wall)},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    d = result["decode_tok_s"]
+    print(f"demo model {args.size}, rank-{args.rank} adapter on {modules} linear layers ({adapter_bytes} bytes); noisy shared machine")
+    print(f"decode tok/s  no adapter {d['no_adapter']['median']}  adapter {d['adapter']['median']}  ratio {result['decode_ratio_adapter_over_none']} (paired {result['decode_ratio_paired_median']})")
+    s = result["swap_ms"]
+    print(f"swap ms  SetAdapter->adapter_loaded {s['set_adapter_to_adapter_loaded']['median']} (worker: {s['worker_reported_ms']['median']})  clear {s['clear_to_adapter_loaded']['median']}")
+    print(f"written to {args.out}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Hot reload: watch an adapter on disk and ask its worker to re-read it.
+
+The watch is on the adapter's parent directory, not the file: an atomic
+rename-over or a delete-then-create replaces the inode, and a watch on the
+old inode would never fire again. watchfiles groups the burst of events of
+one save (`step`: quiet time that ends a burst), so a save is seen once.
+
+A reload that fails right after a change is retried a few times: an
+in-place rewrite can be read half written, and the writer's last event may
+already be folded into the burst that triggered the failed read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Callable
+
+from watchfiles import awatch
+
+log = logging.getLogger("lattice.watch")
+
+STEP_MS = 50
+DEBOUNCE_MS = 400
+RETRY_DELAYS = (0.2, 0.5, 1.0)
+
+# A PEFT adapter given as its .safetensors file is configured by the JSON beside it.
+_CONFIG_NAMES = ("adapter_config.json",)
+
+
+class AdapterWatcher:
+    def __init__(self, path: Path, reload: Callable[[], bool], missing: Callable[[], None]):
+        self.path = path
+        self._reload = reload
+        self._missing = missing
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._retries_left = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._cancel_retry()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _relevant(self, changed: str) -> bool:
+        p = Path(changed)
+        if p == self.path:
+            return True
+        if self.path.suffix == ".safetensors":
+            return p.parent == self.path.parent and p.name in _CONFIG_NAMES
+        return self.path in p.parents
+
+    async def _run(self) -> None:
+        root = self.path.parent
+        try:
+            async for changes in awatch(root, stop_event=self._stop, step=STEP_MS, debounce=DEBOUNCE_MS, recursive=self.path.is_dir()):
+                if any(self._relevant(changed) for _, changed in changes):
+                    self._changed()
+        except FileNotFoundError:
+            log.warning("cannot watch %s: its directory does not exist", root)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("watching %s failed; hot reload is off for it", self.path)
+
+    def _changed(self) -> None:
+        self._cancel_retry()
+        if not self.path.exists():
+            log.warning("adapter %s was deleted; the worker keeps the version it has", self.path)
+            self._missing()
+            return
+        log.info("adapter %s changed on disk; reloading", self.path)
+        self._retries_left = len(RETRY_DELAYS)
+        self._reload()
+
+    def result(self, loaded: bool) -> None:
+        """The worker's answer to a reload (adapter_loaded or adapter_error)."""
+        if loaded or self._retries_left <= 0 or self._stop.is_set():
+            self._retries_left = 0
+            return
+        delay = RETRY_DELAYS[len(RETRY_DELAYS) - self._retries_left]
+        self._retries_left -= 1
+        self._cancel_retry()
+        self._retry = asyncio.get_running_loop().call_later(delay, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        if self.path.exists():
+            log.info("adapter %s: retrying the reload", self.path)
+            self._reload()
+
+    def _cancel_retry(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None

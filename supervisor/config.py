@@ -1,0 +1,126 @@
+"""The pool's configuration: `configs/*.toml`, decoded with msgspec.
+
+Unknown or mistyped keys are errors that name the key and the file, because
+a silently ignored typo (`keep_alvie`) is worse than a refusal to start.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+Duration = str | int | float
+Size = str | int
+
+
+class ConfigError(Exception):
+    pass
+
+
+class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
+    """Pool-wide defaults for fields a request leaves out (chat_metal's otherwise)."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    reasoning_budget: Annotated[int, Meta(ge=0)] | None = None
+
+
+class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    path: str
+    lora: str | None = None
+    tokenizer_dir: str | None = None
+    preload: bool = False
+    keep_alive: Duration | None = None
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    model_cache: str = "~/.lattice/models"
+    default_model: str | None = None
+    max_loaded: Annotated[int, Meta(ge=1)] | None = None
+    memory_budget: Size | None = None
+    keep_alive: Duration | None = None
+    stall_timeout: Annotated[float, Meta(gt=0)] = 120.0
+    shutdown_grace: Annotated[float, Meta(ge=0)] = 30.0
+    heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
+    stats_interval: Duration | None = None
+    defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
+    models: list[ModelEntry] = []
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        # Parse once so a bad value fails at start-up, not at first use.
+        parse_size(self.memory_budget)
+        for value in (self.keep_alive, self.stats_interval, *(m.keep_alive for m in self.models)):
+            parse_duration(value)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_size(value: Size | None) -> int | None:
+    """Bytes from 12884901888, "12GiB", "512 MB"."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use bytes or e.g. '12GiB', '512MB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_duration(value: Duration | None) -> float | None:
+    """Seconds from 300, 2.5, "5m", "1h30m", "250ms"; None or a negative
+    number means never (Ollama's keep_alive convention)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return None if value < 0 else float(value)
+    text = value.strip().lower()
+    if text in ("never", "-1", "inf"):
+        return None
+    parts = re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text)
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        raise ValueError(f"not a duration: {value!r} (use seconds or e.g. '30s', '5m', '1h')")
+    return sum(float(n) * _SECONDS[u] for n, u in parts)
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    where = ""
+    if " - at `$" in text:
+        text, where = text.split(" - at `$", 1)
+        where = where.rstrip("`").lstrip(".")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", text)
+    if unknown:
+        place = f" in [{where}]" if where else ""
+        return f"unknown key `{unknown.group(1)}`{place}"
+    missing = re.fullmatch(r"Object missing required field `(.+)`", text)
+    if missing:
+        return f"missing key `{missing.group(1)}`" + (f" in [{where}]" if where else "")
+    return f"key `{where}`: {text}" if where else text
+
+
+def load_config(path: Path) -> Config:
+    try:
+        raw = tomllib.loads(path.read_text("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(exc)}") from exc

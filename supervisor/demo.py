@@ -1,0 +1,30 @@
+"""The built-in demo model: generated once into the user's cache dir."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from supervisor.workerexec import worker_argv, worker_env
+
+log = logging.getLogger("lattice.demo")
+
+DEMO_NAME = "demo"
+
+
+def demo_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "lattice-pool" / "demo-model"
+
+
+def ensure_demo_model() -> Path:
+    path = demo_dir()
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        log.info("no model configured: serving the built-in demo model from %s", path)
+        return path
+    log.info("no model configured: generating the built-in demo model into %s (once)", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(worker_argv("worker.demo_model", str(path)), env=worker_env(), check=True)
+    return path

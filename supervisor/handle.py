@@ -1,0 +1,459 @@
+"""One worker as the pool sees it: its process, its state, its request queue.
+
+Everything here runs on the event loop thread; the handle is the single owner
+of its worker's state (llama-swap's one-owner-per-process rule), so no locks.
+Requests for one worker run FIFO, one at a time; the worker's lines are
+relayed to stdout as received bytes, never decoded and re-encoded, except
+terminal lines, which are also parsed for accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import msgspec
+
+from ipc.events import (
+    LOAD_FAILED,
+    MODEL_FAILED,
+    UNLOADED,
+    WORKER_CRASHED,
+    encode_cancelled_done,
+    encode_error,
+    encode_event,
+    event_name,
+    is_final_token,
+)
+from ipc.messages import HEARTBEAT, WORKER_STATS, Cancel, Generate, SetAdapter, Stats
+from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
+from supervisor.process import WorkerProcess
+from supervisor.resolve import ModelSpec
+from supervisor.states import LIVE, State, StateMachine
+
+if TYPE_CHECKING:
+    from supervisor.pool import Pool
+
+log = logging.getLogger("lattice.worker")
+
+_TOKEN_PREFIX = b'@@lattice {"ev":"gen_token","token":'
+_ANY_PREFIX = b'@@lattice {"ev":"'
+_FINAL = b'"done":true'
+
+# How long a cancelled request may take to end before its worker is killed.
+CANCEL_GRACE = 5.0
+
+
+class _Final(msgspec.Struct):
+    gen_tokens: int = 0
+    ttft_ms: float = 0.0
+    tok_s: float = 0.0
+    finish_reason: str | None = None
+
+
+class _ErrorLine(msgspec.Struct):
+    code: str | None = None
+
+
+_final_decoder = msgspec.json.Decoder(_Final)
+_error_decoder = msgspec.json.Decoder(_ErrorLine)
+_stats_decoder = msgspec.json.Decoder(dict)
+
+
+@dataclass(eq=False)
+class Job:
+    """A generation request on its way through the pool."""
+
+    rid: int
+    generate: Generate
+    id_json: str | None
+    spec: ModelSpec
+    emitted: bool = False
+    attempts: int = 0
+    finished: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    on_end: Callable[["Job"], None] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.id_json or f"#{self.rid}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerHandle:
+    def __init__(self, spec: ModelSpec, pool: "Pool"):
+        self.spec = spec
+        self.pool = pool
+        self.sm = StateMachine(self._describe)
+        self.queue: collections.deque[Job] = collections.deque()
+        self.current: Job | None = None
+        self.proc: WorkerProcess | None = None
+        self.history = CrashHistory()
+        self.restarts = 0
+        self.served = 0
+        self.tokens = 0
+        self.last_used = time.monotonic()
+        self.last_heard = time.monotonic()
+        self.ready_line: bytes | None = None
+        self.stats: dict = {}
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._stats_waiters: list[asyncio.Future] = []
+        self._restart_timer: asyncio.TimerHandle | None = None
+        self._kill_reason: str | None = None
+        self._current_done = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self.settled = asyncio.Event()  # set once the first start ended: ready or failed
+
+    # -- identity and state --------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def lora(self) -> str | None:
+        return str(self.spec.lora) if self.spec.lora else None
+
+    @property
+    def state(self) -> State:
+        return self.sm.state
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc and not self.proc.exited.is_set() else None
+
+    def _describe(self) -> str:
+        pid = self.proc.pid if self.proc else "-"
+        lora = f" lora={self.lora}" if self.lora else ""
+        return f"model={self.name}{lora} pid={pid}"
+
+    def _emit(self, ev: str, **fields: object) -> None:
+        self.pool.output.write(encode_event(ev, model=self.name, lora=self.lora, **fields))
+
+    @property
+    def idle(self) -> bool:
+        return self.state == State.READY and self.current is None and not self.queue
+
+    def uptime(self) -> float:
+        if self.proc is None or self.state not in LIVE:
+            return 0.0
+        return time.monotonic() - self.proc.started_at
+
+    # -- starting --------------------------------------------------------------
+
+    async def start(self, reason: str) -> None:
+        """Spawns the worker; `ready` from it moves the state on."""
+        self.sm.to(State.LOADING, reason)
+        self.ready_line = None
+        self._kill_reason = None
+        self._emit("loading")
+        proc = WorkerProcess(self._on_lines, self._on_stderr, self._on_exit, self._on_overflow)
+        self.proc = proc
+        self.last_heard = time.monotonic()
+        try:
+            await proc.start(self.pool.worker_argv(self.spec), self.pool.worker_env())
+        except OSError as exc:
+            log.error("%s: cannot start worker: %s", self._describe(), exc)
+            self.proc = None
+            self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
+            return
+        proc.pause_reading(self.pool.output.paused)
+        log.info("%s: worker started", self._describe())
+
+    # -- requests --------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if self.state == State.FAILED:
+            self.end_with_error(job, MODEL_FAILED, f"model {self.name!r} has failed; send a load op to retry")
+            return
+        self.queue.append(job)
+        self.last_used = time.monotonic()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.state != State.READY or self.current is not None or not self.queue:
+            return
+        job = self.queue.popleft()
+        self.current = job
+        self._current_done.clear()
+        self.sm.to(State.BUSY, f"request {job.label}")
+        if not self.proc.send(job.generate):
+            log.warning("%s: request pipe closed while dispatching %s", self._describe(), job.label)
+
+    def cancel(self, id_json: str) -> bool:
+        """Cancels a queued or running request with this id."""
+        for job in self.queue:
+            if job.id_json == id_json:
+                self.queue.remove(job)
+                self._end(job, encode_cancelled_done(job.id_json))
+                return True
+        if self.current is not None and self.current.id_json == id_json:
+            self.proc.send(Cancel(rid=self.current.rid))
+            return True
+        return False
+
+    def has_request(self, id_json: str) -> bool:
+        return (self.current is not None and self.current.id_json == id_json) or any(j.id_json == id_json for j in self.queue)
+
+    def end_with_error(self, job: Job, code: str, msg: str) -> None:
+        self.pool.note_error(self, code)
+        self._end(job, encode_error(msg, code, job.id_json))
+
+    def _end(self, job: Job, line: bytes) -> None:
+        """Writes the one terminal line of a request (from the worker or ours)."""
+        if job.finished:
+            log.error("%s: second terminal line for request %s dropped", self._describe(), job.label)
+            return
+        job.finished = True
+        self.pool.output.write(line)
+        if job.on_end is not None:
+            job.on_end(job)
+
+    # -- worker output -----------------------------------------------------------
+
+    def _on_lines(self, block: bytes) -> None:
+        self.last_heard = time.monotonic()
+        job = self.current
+        # Fast path: a block of plain token lines for the running request is
+        # relayed whole; bytes.count runs in C, so floods cost no Python per line.
+        if job is not None and _FINAL not in block and block.count(_ANY_PREFIX) == block.count(_TOKEN_PREFIX):
+            job.emitted = True
+            self.pool.output.write(block)
+            return
+        for line in block.splitlines(keepends=True):
+            self._on_line(line)
+
+    def _on_line(self, line: bytes) -> None:
+        name = event_name(line)
+        if name == b"gen_token":
+            job = self.current
+            if job is None:
+                log.warning("%s: token line with no request in flight dropped", self._describe())
+                return
+            if is_final_token(line):
+                self._finish(job, line, _final_decoder.decode(line[10:]))
+            else:
+                job.emitted = True
+                self.pool.output.write(line)
+        elif name == HEARTBEAT:
+            return
+        elif name == WORKER_STATS:
+            self._got_stats(line)
+        elif name == b"error":
+            job = self.current
+            if job is None:
+                self.pool.output.write(line)
+                return
+            self.pool.note_error(self, _error_decoder.decode(line[10:]).code)
+            self._finish(job, line, None)
+        elif name == b"ready":
+            self._on_ready(line)
+        else:
+            self.pool.output.write(line)
+            if name == b"adapter_loaded" or name == b"adapter_error":
+                self.pool.note_adapter_event(self, name.decode())
+
+    def _finish(self, job: Job, line: bytes, final: _Final | None) -> None:
+        self.current = None
+        self.served += 1
+        self.last_used = time.monotonic()
+        if final is not None:
+            self.tokens += final.gen_tokens
+            self.pool.note_done(self, final.gen_tokens, final.ttft_ms, final.tok_s)
+        self._end(job, line)
+        self._current_done.set()
+        if self.state == State.BUSY:
+            self.sm.to(State.READY, f"request {job.label} done")
+            self._dispatch()
+        if self.idle:
+            self.pool.on_idle(self)
+
+    def _on_ready(self, line: bytes) -> None:
+        self.ready_line = line
+        if self.state != State.LOADING:
+            self.pool.output.write(line)
+            return
+        self.sm.to(State.READY, "worker ready")
+        self.settled.set()
+        self.pool.output.write(line)
+        self.request_stats_nowait()
+        self._dispatch()
+        if self.idle:
+            self.pool.on_idle(self)
+
+    def _on_stderr(self, data: bytes) -> None:
+        self.last_heard = time.monotonic()
+        for raw in data.splitlines():
+            text = raw.decode("utf-8", "replace").strip()
+            if text:
+                self.stderr_tail.append(text)
+        self.pool.relay_stderr(data)
+
+    def _on_overflow(self) -> None:
+        self.kill(f"it wrote a line longer than {4 * 1024 * 1024} bytes")
+
+    # -- stats -------------------------------------------------------------------
+
+    def request_stats_nowait(self) -> None:
+        if self.proc is not None:
+            self.proc.send(Stats())
+
+    async def fresh_stats(self, timeout: float = 2.0) -> dict:
+        """The worker's measured memory now, or the last known figures."""
+        if self.proc is None or self.state not in LIVE:
+            return self.stats
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(future)
+        if not self.proc.send(Stats()):
+            self._stats_waiters.remove(future)
+            return self.stats
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return self.stats
+
+    def _got_stats(self, line: bytes) -> None:
+        self.stats = _stats_decoder.decode(line[10:])
+        waiters, self._stats_waiters = self._stats_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(self.stats)
+
+    # -- adapters ----------------------------------------------------------------
+
+    def set_adapter(self, path: str | None) -> bool:
+        if self.proc is None or self.state not in LIVE:
+            return False
+        return self.proc.send(SetAdapter(path=path))
+
+    # -- faults ------------------------------------------------------------------
+
+    def kill(self, reason: str) -> None:
+        """Kills a misbehaving worker; its exit then goes through the crash path."""
+        if self.proc is None or self.proc.exited.is_set():
+            return
+        log.warning("%s: killing worker: %s", self._describe(), reason)
+        self._kill_reason = reason
+        self.proc.kill()
+
+    def check_stall(self, now: float, stall_timeout: float) -> None:
+        if self.state in (State.LOADING, State.BUSY) and now - self.last_heard > stall_timeout:
+            self.kill(f"no event or heartbeat for {now - self.last_heard:.0f}s (stall_timeout {stall_timeout:g}s)")
+
+    def _on_exit(self, code: int | None) -> None:
+        proc = self.proc
+        proc.signal_group(signal.SIGKILL)
+        proc.close()
+        if self.state == State.STOPPING:
+            self._fail_current_on_stop()
+            self._stopped.set()
+            return
+        how = self._kill_reason or describe_exit(code)
+        tail = f"; last stderr: {self.stderr_tail[-1]}" if self.stderr_tail else ""
+        was_loading = self.state == State.LOADING
+        log.error("%s: worker died (%s)%s", self._describe(), how, tail)
+        job = self.current
+        self.current = None
+        self._current_done.set()
+        if job is not None:
+            if not job.emitted and job.attempts == 0:
+                # Nothing reached the client yet, so a second try is invisible.
+                job.attempts += 1
+                self.queue.appendleft(job)
+                log.info("%s: request %s will be retried after the restart", self._describe(), job.label)
+            else:
+                self.end_with_error(job, WORKER_CRASHED, f"worker for model {self.name!r} crashed ({how}) while generating{tail}")
+        decision = on_crash(
+            self.pool.restart_policy,
+            self.history,
+            now=time.monotonic(),
+            uptime=time.monotonic() - proc.started_at,
+            exit_code=code,
+            rng=self.pool.rng,
+        )
+        self.history = decision.history
+        if isinstance(decision, GiveUp):
+            self._give_up(f"{decision.reason} ({how}){tail}", LOAD_FAILED if was_loading else MODEL_FAILED)
+            return
+        self.restarts += 1
+        self.sm.to(State.RESTARTING, how)
+        self._emit("restarting", attempt=decision.attempt, delay_s=round(decision.delay, 3), reason=how)
+        self._restart_timer = asyncio.get_running_loop().call_later(decision.delay, self._restart_now)
+
+    def _restart_now(self) -> None:
+        self._restart_timer = None
+        if self.state == State.RESTARTING:
+            self.pool.spawn(self.start("restart after crash"))
+
+    def _give_up(self, reason: str, code: str) -> None:
+        self.sm.to(State.FAILED, reason)
+        self.settled.set()
+        self._emit("failed", reason=reason)
+        jobs = list(self.queue)
+        self.queue.clear()
+        for job in jobs:
+            self.end_with_error(job, code, f"model {self.name!r} failed: {reason}")
+        self.pool.on_idle(self)
+
+    def reset_failed(self) -> None:
+        self.history = CrashHistory()
+
+    # -- stopping ----------------------------------------------------------------
+
+    async def stop(self, reason: str, queued_code: str = UNLOADED) -> None:
+        """Ends queued requests with `queued_code`, cancels the running one
+        (finish_reason cancelled), stops the process and emits `unloaded`."""
+        if self.state == State.STOPPING:
+            await self._stopped.wait()
+            return
+        if self.state == State.UNLOADED:
+            # Never started (waiting for room): nothing to stop.
+            self._fail_queue(queued_code, reason)
+            self._emit("unloaded", reason=reason)
+            return
+        self.sm.to(State.STOPPING, reason)
+        if self._restart_timer is not None:
+            self._restart_timer.cancel()
+            self._restart_timer = None
+        self._fail_queue(queued_code, reason)
+        proc = self.proc
+        if self.current is not None and proc is not None and not proc.exited.is_set():
+            proc.send(Cancel(rid=self.current.rid))
+            try:
+                await asyncio.wait_for(self._current_done.wait(), CANCEL_GRACE)
+            except asyncio.TimeoutError:
+                log.warning("%s: request %s ignored its cancel", self._describe(), self.current.label)
+        if proc is not None and not proc.exited.is_set():
+            await proc.stop()
+        self._fail_current_on_stop()
+        self._stopped.set()
+        self.sm.to(State.UNLOADED, reason)
+        self._emit("unloaded", reason=reason)
+
+    def _fail_queue(self, code: str, reason: str) -> None:
+        jobs = list(self.queue)
+        self.queue.clear()
+        for job in jobs:
+            self.end_with_error(job, code, f"request not run: model {self.name!r} {reason}")
+
+    def _fail_current_on_stop(self) -> None:
+        job = self.current
+        if job is not None:
+            self.current = None
+            self._end(job, encode_cancelled_done(job.id_json))
+            self._current_done.set()

@@ -1,0 +1,461 @@
+"""The pool: routes requests to workers, runs ops, admits and evicts workers.
+
+Runs on one event loop. Workers are keyed by (model dir, adapter path);
+each WorkerHandle owns its worker's state, the pool owns which handles exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import random
+import statistics
+import time
+from typing import Callable, Coroutine
+
+import psutil
+
+from ipc.events import (
+    ADAPTER_ERROR,
+    BAD_REQUEST,
+    INSUFFICIENT_MEMORY,
+    SHUTTING_DOWN,
+    UNKNOWN_MODEL,
+    encode_error,
+    encode_event,
+)
+from ipc.messages import Generate
+from supervisor.adapter_watch import AdapterWatcher
+from supervisor.config import Config, parse_duration, parse_size
+from supervisor.handle import Job, WorkerHandle
+from supervisor.logs import relay_worker_stderr
+from supervisor.output import Output
+from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
+from supervisor.requests import ClientLine, encode_id, stop_list
+from supervisor.resolve import ModelSpec, Resolver, UnknownModel
+from supervisor.states import LIVE, State
+from supervisor.workerexec import worker_argv, worker_env
+
+log = logging.getLogger("lattice.pool")
+
+# Python, MLX and the tokenizer cost about this much before any weights;
+# replaced by measurements (RSS minus weights) once a worker has reported.
+DEFAULT_RUNTIME_BYTES = 256 * 1024 * 1024
+HOUSEKEEPING_INTERVAL = 0.25
+STATS_REFRESH_INTERVAL = 5.0
+
+
+class Pool:
+    def __init__(self, config: Config, output: Output, *, rng: random.Random | None = None):
+        self.config = config
+        self.output = output
+        self.resolver = Resolver(config)
+        self.restart_policy = RestartPolicy()
+        self.rng = rng or random.Random()
+        self.memory_budget = parse_size(config.memory_budget)
+        self.stats_interval = parse_duration(config.stats_interval)
+        self.handles: dict[tuple, WorkerHandle] = {}
+        self.watchers: dict[tuple, AdapterWatcher] = {}
+        self.accepting = True
+        self.error_counts: collections.Counter[str] = collections.Counter()
+        self.adapter_events: collections.Counter[str] = collections.Counter()
+        self.done_listeners: list[Callable[[WorkerHandle, int, float, float], None]] = []
+        self._rids = itertools.count(1)
+        self._active: dict[str, Job] = {}
+        self._idless: collections.deque[Job | bytes] = collections.deque()
+        self._idless_running: Job | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._admission = asyncio.Lock()
+        self._room = asyncio.Event()
+        self._all_idle = asyncio.Event()
+        self.shutdown_requested = asyncio.Event()
+        self.hurry = asyncio.Event()
+        self._process = psutil.Process()
+        output.on_pause(self._pause_sources)
+
+    # -- plumbing used by handles ------------------------------------------------
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("pool task failed", exc_info=task.exception())
+
+    def worker_argv(self, spec: ModelSpec) -> list[str]:
+        args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(self.config.heartbeat_interval)]
+        if spec.lora is not None:
+            args += ["--lora", str(spec.lora)]
+        if spec.tokenizer_dir is not None:
+            args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
+        return worker_argv("worker", *args)
+
+    def worker_env(self) -> dict[str, str]:
+        return worker_env({"LATTICE_SUPERVISOR_PID": str(os.getpid())})
+
+    def relay_stderr(self, data: bytes) -> None:
+        relay_worker_stderr(data)
+
+    def _pause_sources(self, paused: bool) -> None:
+        for handle in self.handles.values():
+            if handle.proc is not None:
+                handle.proc.pause_reading(paused)
+
+    def on_idle(self, handle: WorkerHandle) -> None:
+        self._room.set()
+        if self._quiet():
+            self._all_idle.set()
+
+    def note_done(self, handle: WorkerHandle, gen_tokens: int, ttft_ms: float, tok_s: float) -> None:
+        for listener in self.done_listeners:
+            listener(handle, gen_tokens, ttft_ms, tok_s)
+
+    def note_error(self, handle: WorkerHandle | None, code: str | None) -> None:
+        self.error_counts[code or "unknown"] += 1
+
+    def note_adapter_event(self, handle: WorkerHandle, name: str) -> None:
+        self.adapter_events[name] += 1
+        watcher = self.watchers.get(handle.spec.key)
+        if watcher is not None:
+            watcher.result(name == "adapter_loaded")
+
+    def _watch_adapter(self, handle: WorkerHandle) -> None:
+        if handle.spec.lora is None or handle.spec.key in self.watchers:
+            return
+
+        def missing() -> None:
+            self.output.write(
+                encode_event(
+                    "adapter_error",
+                    model=handle.name,
+                    lora=handle.lora,
+                    code=ADAPTER_ERROR,
+                    msg=f"adapter {handle.lora} was deleted; the worker keeps the version it loaded",
+                )
+            )
+
+        watcher = AdapterWatcher(handle.spec.lora, lambda: handle.set_adapter(handle.lora), missing)
+        self.watchers[handle.spec.key] = watcher
+        watcher.start()
+
+    def _unwatch(self, handle: WorkerHandle) -> None:
+        watcher = self.watchers.get(handle.spec.key)
+        # A replacement handle for the same key may own the watch by now.
+        if watcher is not None and self.handles.get(handle.spec.key) is None:
+            self.watchers.pop(handle.spec.key).stop()
+
+    # -- requests ------------------------------------------------------------------
+
+    def reject(self, code: str, msg: str, id_json: str | None) -> None:
+        self.note_error(None, code)
+        line = encode_error(msg, code, id_json)
+        if id_json is None and (self._idless_running is not None or self._idless):
+            # An id-less error is the answer to an id-less line: it waits its
+            # turn, or a chat_metal client would read it as the running
+            # request's failure.
+            self._idless.append(line)
+            return
+        self.output.write(line)
+
+    def submit(self, msg: ClientLine) -> None:
+        """A validated generation request: route it, or end it with an error."""
+        id_json = encode_id(msg.id)
+        if not self.accepting:
+            self.reject(SHUTTING_DOWN, "the pool is shutting down", id_json)
+            return
+        if id_json is not None and id_json in self._active:
+            self.reject(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running", id_json)
+            return
+        try:
+            spec = self.resolver.resolve(msg.model, msg.lora)
+        except UnknownModel as exc:
+            self.reject(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc), id_json)
+            return
+        rid = next(self._rids)
+        job = Job(rid=rid, generate=self._generate(msg, rid, id_json), id_json=id_json, spec=spec, on_end=self._job_ended)
+        self._all_idle.clear()
+        if id_json is None:
+            # chat_metal clients send no id and expect no interleaving at all.
+            self._idless.append(job)
+            self._pump_idless()
+        else:
+            self._active[id_json] = job
+            self.handle_for(spec).submit(job)
+
+    def _generate(self, msg: ClientLine, rid: int, id_json: str | None) -> Generate:
+        d = self.config.defaults
+        fields = {}
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "reasoning_budget"):
+            value = getattr(msg, name)
+            if value is None:
+                value = getattr(d, name)
+            if value is not None:
+                fields[name] = value
+        return Generate(
+            rid=rid,
+            prompt=msg.prompt,
+            messages=msg.messages,
+            seed=msg.seed,
+            stop=stop_list(msg.stop),
+            id_json=id_json,
+            **fields,
+        )
+
+    def _pump_idless(self) -> None:
+        while self._idless_running is None and self._idless:
+            job = self._idless.popleft()
+            if isinstance(job, bytes):
+                self.output.write(job)
+                continue
+            self._idless_running = job
+            self.handle_for(job.spec).submit(job)
+
+    def _job_ended(self, job: Job) -> None:
+        if job.id_json is not None and self._active.get(job.id_json) is job:
+            del self._active[job.id_json]
+        if self._idless_running is job:
+            self._idless_running = None
+            self._pump_idless()
+        if self._quiet():
+            self._all_idle.set()
+
+    def _quiet(self) -> bool:
+        return not self._active and not self._idless and self._idless_running is None
+
+    # -- workers -------------------------------------------------------------------
+
+    def handle_for(self, spec: ModelSpec) -> WorkerHandle:
+        handle = self.handles.get(spec.key)
+        if handle is None:
+            handle = WorkerHandle(spec, self)
+            self.handles[spec.key] = handle
+            self.spawn(self._admit(handle))
+        return handle
+
+    def _estimate_bytes(self, spec: ModelSpec) -> int:
+        weights = sum(p.stat().st_size for p in spec.path.glob("model*.safetensors"))
+        measured = [
+            h.stats["rss_bytes"] - h.stats.get("weights_bytes", 0)
+            for h in self.handles.values()
+            if h.stats.get("rss_bytes") and h.state in LIVE
+        ]
+        return weights + (int(statistics.median(measured)) if measured else DEFAULT_RUNTIME_BYTES)
+
+    def _residents(self, exclude: WorkerHandle) -> list[Resident]:
+        return [
+            Resident(
+                key=h.spec.key,
+                idle=h.idle,
+                last_used=h.last_used,
+                memory_bytes=h.stats.get("rss_bytes") or self._estimate_bytes(h.spec),
+            )
+            for h in self.handles.values()
+            if h is not exclude and (h.state in LIVE or h.state == State.RESTARTING)
+        ]
+
+    async def _admit(self, handle: WorkerHandle) -> None:
+        """Makes room under max_loaded / memory_budget, then starts the worker."""
+        while True:
+            async with self._admission:
+                if self.handles.get(handle.spec.key) is not handle or handle.state != State.UNLOADED:
+                    return
+                decision = make_room(
+                    self._residents(handle),
+                    need_bytes=self._estimate_bytes(handle.spec),
+                    max_loaded=self.config.max_loaded,
+                    memory_budget=self.memory_budget,
+                )
+                if isinstance(decision, NoFit):
+                    self.handles.pop(handle.spec.key, None)
+                    msg = f"model {handle.name!r} cannot fit: {decision.reason}"
+                    if not handle.queue:  # a load op: nobody else would hear of it
+                        self.reject(INSUFFICIENT_MEMORY, msg, None)
+                    for job in list(handle.queue):
+                        handle.queue.remove(job)
+                        handle.end_with_error(job, INSUFFICIENT_MEMORY, msg)
+                    return
+                if isinstance(decision, Evict):
+                    for key in decision.victims:
+                        victim = self.handles.pop(key, None)
+                        if victim is not None:
+                            await self._stop(victim, f"evicted to make room for {handle.name!r}")
+                    await handle.start("admitted")
+                    self._watch_adapter(handle)
+                    return
+                self._room.clear()
+            log.info("model=%s waits for room: %s", handle.name, decision.reason)
+            await self._room.wait()
+
+    def unload(self, spec: ModelSpec, reason: str) -> None:
+        handle = self.handles.pop(spec.key, None)
+        if handle is None:
+            self.output.write(encode_event("unloaded", model=spec.name, lora=str(spec.lora) if spec.lora else None, reason="not loaded"))
+            return
+        self.spawn(self._stop(handle, reason))
+
+    async def _stop(self, handle: WorkerHandle, reason: str) -> None:
+        self._unwatch(handle)
+        await handle.stop(reason)
+        self._room.set()
+
+    # -- ops -------------------------------------------------------------------------
+
+    def op(self, msg: ClientLine) -> None:
+        """Runs a control op. The part that decides runs now, so ops and
+        requests take effect in the order their lines arrived; waiting (a
+        worker stopping, stats replies) continues in a task."""
+        id_json = encode_id(msg.id)
+        if msg.op == "status":
+            self.spawn(self._write_status())
+            return
+        if msg.op == "cancel":
+            self.cancel(id_json)
+            return
+        if msg.op == "shutdown":
+            self.shutdown_requested.set()
+            return
+        try:
+            spec = self.resolver.resolve(msg.model, msg.lora)
+        except UnknownModel as exc:
+            self.reject(UNKNOWN_MODEL, str(exc), id_json)
+            return
+        if msg.op == "load":
+            self.load(spec)
+        elif msg.op == "unload":
+            self.unload(spec, "unloaded on request")
+        elif msg.op == "reload":
+            self.reload(spec, id_json)
+
+    async def _write_status(self) -> None:
+        self.output.write(await self.status_event())
+
+    def load(self, spec: ModelSpec) -> None:
+        handle = self.handles.get(spec.key)
+        if handle is not None and handle.state == State.FAILED:
+            # An explicit load is the user saying "try again".
+            handle.reset_failed()
+            self.spawn(handle.start("load requested after failure"))
+            return
+        handle = self.handle_for(spec)
+        handle.last_used = time.monotonic()
+        if handle.state in (State.READY, State.BUSY) and handle.ready_line is not None:
+            self.output.write(handle.ready_line)
+
+    def reload(self, spec: ModelSpec, id_json: str | None) -> None:
+        handle = self.handles.get(spec.key)
+        if handle is None or not handle.set_adapter(handle.lora):
+            self.reject(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json)
+
+    def cancel(self, id_json: str) -> None:
+        job = self._active.get(id_json)
+        if job is not None:
+            handle = self.handles.get(job.spec.key)
+            if handle is not None and handle.cancel(id_json):
+                return
+        self.output.write(encode_error(f"cancel: no queued or running request has id {id_json}", BAD_REQUEST))
+
+    async def status_event(self) -> bytes:
+        handles = list(self.handles.values())
+        stats = await asyncio.gather(*(h.fresh_stats() for h in handles))
+        rows = [self._status_row(h, s) for h, s in zip(handles, stats)]
+        memory = psutil.virtual_memory()
+        return encode_event(
+            "status",
+            models=rows,
+            rss_bytes=self._process.memory_info().rss,
+            system_total_bytes=memory.total,
+            system_available_bytes=memory.available,
+        )
+
+    def _status_row(self, h: WorkerHandle, s: dict) -> dict:
+        return {
+            "model": h.name,
+            "lora": h.lora,
+            "state": h.state.value,
+            "pid": h.pid,
+            "format": s.get("format"),
+            "rss_bytes": s.get("rss_bytes", 0),
+            "uss_bytes": s.get("uss_bytes", 0),
+            "mlx_active_bytes": s.get("mlx_active_bytes", 0),
+            "mlx_peak_bytes": s.get("mlx_peak_bytes", 0),
+            "mlx_cache_bytes": s.get("mlx_cache_bytes", 0),
+            "weights_bytes": s.get("weights_bytes", 0),
+            "adapter_bytes": s.get("adapter_bytes", 0),
+            "queued": len(h.queue) + sum(1 for j in self._idless if isinstance(j, Job) and j.spec.key == h.spec.key),
+            "in_flight": 1 if h.current is not None else 0,
+            "served": h.served,
+            "tokens": h.tokens,
+            "restarts": h.restarts,
+            "uptime_s": round(h.uptime(), 1),
+        }
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    async def housekeeping(self) -> None:
+        """Stall watchdog, keep_alive unloads, memory refresh, stats events."""
+        last_refresh = last_stats = time.monotonic()
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL)
+            now = time.monotonic()
+            for handle in list(self.handles.values()):
+                handle.check_stall(now, self.config.stall_timeout)
+                keep = handle.spec.keep_alive
+                if keep is not None and handle.idle and now - handle.last_used > keep:
+                    self.handles.pop(handle.spec.key, None)
+                    self.spawn(self._stop(handle, f"idle for {now - handle.last_used:.0f}s (keep_alive {keep:g}s)"))
+            if now - last_refresh >= STATS_REFRESH_INTERVAL:
+                last_refresh = now
+                for handle in self.handles.values():
+                    if handle.state in LIVE:
+                        handle.request_stats_nowait()
+            if self.stats_interval and now - last_stats >= self.stats_interval:
+                last_stats = now
+                self.spawn(self._emit_stats())
+
+    async def _emit_stats(self) -> None:
+        handles = [h for h in self.handles.values() if h.state in LIVE]
+        stats = await asyncio.gather(*(h.fresh_stats() for h in handles))
+        for h, s in zip(handles, stats):
+            row = self._status_row(h, s)
+            del row["model"]
+            self.output.write(encode_event("stats", model=h.name, **row))
+
+    def preload(self) -> list[WorkerHandle]:
+        return [self.handle_for(self.resolver.resolve(e.name)) for e in self.config.models if e.preload]
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float | None) -> None:
+        """Stops accepting; lets queued and running requests go on for `grace`
+        seconds (None: until done); then cancels what still runs, ends what
+        still waits with shutting_down, and stops every worker."""
+        self.accepting = False
+        if not self._quiet() and grace != 0:
+            waits = [asyncio.ensure_future(self._all_idle.wait()), asyncio.ensure_future(self.hurry.wait())]
+            done, pending = await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+            if not self._all_idle.is_set():
+                log.info("shutdown: cancelling requests that are still running")
+        while self._idless:
+            job = self._idless.popleft()
+            if isinstance(job, bytes):
+                self.output.write(job)
+            else:
+                self.output.write(encode_error("the pool is shutting down", SHUTTING_DOWN, job.id_json))
+                self.note_error(None, SHUTTING_DOWN)
+        handles = list(self.handles.values())
+        self.handles.clear()
+        for watcher in self.watchers.values():
+            watcher.stop()
+        self.watchers.clear()
+        await asyncio.gather(*(h.stop("the pool is shutting down", SHUTTING_DOWN) for h in handles))
+        for task in list(self._tasks):
+            task.cancel()

@@ -1,0 +1,123 @@
+"""Client lines on stdin: decoding and validation into typed requests.
+
+A line is either a generation request (chat_metal's serve request plus
+routing fields) or a control op (it has "op"). Validation failures become
+`bad_request` errors carrying the request id whenever one can be read, and
+never reach a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from ipc.events import json_str
+from ipc.messages import Message
+
+OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown"})
+
+PositiveInt = Annotated[int, Meta(ge=1, le=10_000_000)]
+NonNegInt = Annotated[int, Meta(ge=0, le=10_000_000)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
+
+
+class ClientLine(msgspec.Struct):
+    """Every field a client line may carry; unknown fields are ignored so that
+    newer clients keep working with this pool."""
+
+    op: str | None = None
+    id: str | int | float | None = None
+    model: str | None = None
+    lora: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    top_k: NonNegInt | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    seed: Seed | None = None
+    reasoning_budget: NonNegInt | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=64)] | None = None
+
+
+class _IdProbe(msgspec.Struct):
+    id: Any = None
+
+
+class BadRequest(Exception):
+    def __init__(self, msg: str, id_json: str | None = None):
+        super().__init__(msg)
+        self.msg = msg
+        self.id_json = id_json
+
+
+_decoder = msgspec.json.Decoder(ClientLine)
+_probe = msgspec.json.Decoder(_IdProbe)
+_float_encoder = msgspec.json.Encoder()
+
+
+def encode_id(value: str | int | float | None) -> str | None:
+    """The id as the JSON fragment echoed on every line of its request."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return json_str(value)
+    if isinstance(value, bool):  # bool is an int subclass; never a valid id
+        raise BadRequest("id must be a string or a number")
+    if isinstance(value, int):
+        return str(value)
+    return _float_encoder.encode(value).decode()
+
+
+def _probe_id(line: bytes) -> str | None:
+    try:
+        value = _probe.decode(line).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return encode_id(value)
+    return None
+
+
+def _friendly(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    if " - at `$." in text:
+        what, where = text.split(" - at `$.", 1)
+        return f"invalid field {where.rstrip('`')!r}: {what}"
+    return text
+
+
+def parse_line(line: bytes) -> ClientLine:
+    """Raises BadRequest (with the id when readable) for anything invalid."""
+    try:
+        msg = _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"malformed request: {_friendly(exc)}", _probe_id(line)) from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed request: {exc}") from exc
+    id_json = encode_id(msg.id)
+    if msg.op is not None:
+        if msg.op not in OPS:
+            raise BadRequest(f"unknown op {msg.op!r}; expected one of {', '.join(sorted(OPS))}", id_json)
+        if msg.op in ("load", "unload", "reload") and msg.model is None:
+            raise BadRequest(f'op {msg.op!r} needs a "model" field', id_json)
+        if msg.op == "cancel" and msg.id is None:
+            raise BadRequest('op "cancel" needs the "id" of the request to cancel')
+        return msg
+    if msg.prompt is None and msg.messages is None:
+        raise BadRequest('missing "prompt" field', id_json)
+    if msg.prompt is not None and msg.messages is not None:
+        raise BadRequest('give either "prompt" or "messages", not both', id_json)
+    if msg.messages is not None and not msg.messages:
+        raise BadRequest('"messages" is empty', id_json)
+    return msg
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)

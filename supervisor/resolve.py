@@ -1,0 +1,84 @@
+"""Which model directory a request's `model` field means."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.config import Config, ModelEntry, parse_duration
+
+
+class UnknownModel(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A worker to run: the pool keys workers by (path, lora)."""
+
+    name: str
+    path: Path
+    lora: Path | None = None
+    tokenizer_dir: Path | None = None
+    keep_alive: float | None = None
+
+    @property
+    def key(self) -> tuple[Path, Path | None]:
+        return (self.path, self.lora)
+
+
+def expand(path: str) -> Path:
+    return Path(os.path.expandvars(path)).expanduser().resolve()
+
+
+def model_cache_dir(config: Config) -> Path:
+    env = os.environ.get("LATTICE_MODEL_CACHE")
+    return expand(env if env else config.model_cache)
+
+
+class Resolver:
+    def __init__(self, config: Config):
+        self.config = config
+        self.cache = model_cache_dir(config)
+        self.by_name: dict[str, ModelEntry] = {m.name: m for m in config.models}
+        self.default_keep_alive = parse_duration(config.keep_alive)
+
+    def _from_entry(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
+        keep = parse_duration(entry.keep_alive) if entry.keep_alive is not None else self.default_keep_alive
+        adapter = lora if lora is not None else entry.lora
+        return ModelSpec(
+            name=entry.name,
+            path=expand(entry.path),
+            lora=expand(adapter) if adapter else None,
+            tokenizer_dir=expand(entry.tokenizer_dir) if entry.tokenizer_dir else None,
+            keep_alive=keep,
+        )
+
+    def default_ref(self) -> str | None:
+        if self.config.default_model is not None:
+            return self.config.default_model
+        if len(self.config.models) == 1:
+            return self.config.models[0].name
+        return None
+
+    def resolve(self, ref: str | None, lora: str | None = None) -> ModelSpec:
+        """A configured name, a directory under the model cache, or a path."""
+        if ref is None:
+            ref = self.default_ref()
+            if ref is None:
+                count = len(self.config.models)
+                raise UnknownModel(f'no "model" given and no default: {count} models are configured, set "model" or default_model')
+        entry = self.by_name.get(ref)
+        if entry is not None:
+            return self._from_entry(entry, lora)
+        adapter = expand(lora) if lora else None
+        if "/" not in ref and ref not in (".", ".."):
+            cached = self.cache / ref
+            if cached.is_dir():
+                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive)
+        candidate = expand(ref)
+        if ("/" in ref or ref.startswith("~")) and candidate.is_dir():
+            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive)
+        known = ", ".join(sorted(self.by_name)) or "none configured"
+        raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}, not a model path")

@@ -1,0 +1,87 @@
+"""The `lattice-pool` commands as a user runs them."""
+
+import json
+import re
+import subprocess
+import sys
+
+from tests.workerproc import ROOT, child_env
+
+CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def cli(*args, input=None, env=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        input=input,
+        capture_output=True,
+        env=child_env(**(env or {})),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def events(stdout: bytes) -> list[dict]:
+    lines = stdout.splitlines(keepends=True)
+    assert all(line.startswith(b"@@lattice {") and line.endswith(b"}\n") for line in lines), stdout[:500]
+    return [json.loads(line[10:]) for line in lines]
+
+
+def test_run_json_prompt_prints_parseable_events(tiny_model):
+    out = cli("run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "12", "--seed", "3")
+    assert out.returncode == 0, out.stderr
+    evs = events(out.stdout)
+    tokens = [e for e in evs if e["ev"] == "gen_token"]
+    assert tokens[-1]["done"] is True and tokens[-1]["gen_tokens"] == 12 and "id" not in tokens[-1]
+    assert sum(1 for e in evs if e["ev"] == "ready") == 1
+
+
+def test_run_plain_text_matches_json_and_prints_stats(tiny_model, models_dir):
+    args = ("--prompt", CHAT, "--max-tokens", "15", "--seed", "4", "--temperature", "0.9")
+    as_json = cli("run", "--model-dir", str(tiny_model), "--json", *args)
+    text = "".join(e["token"] for e in events(as_json.stdout) if e["ev"] == "gen_token")
+    # --model resolves under LATTICE_MODEL_CACHE, like chat_metal's.
+    plain = cli("run", "--model", "tiny", *args, env={"LATTICE_MODEL_CACHE": str(models_dir)})
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.decode() == text + "\n"
+    assert re.search(rb"\[\d+ prompt tokens, 15 generated in \d+ ms, [\d.]+ tok/s", plain.stderr)
+
+
+def test_run_json_serve_is_chat_metal_compatible(tiny_model):
+    requests = b"\n".join(
+        [
+            json.dumps({"prompt": CHAT, "max_tokens": 4}).encode(),
+            b"{not json",
+            json.dumps({"max_tokens": 4}).encode(),
+            json.dumps({"prompt": CHAT, "max_tokens": 3, "stop": ["zzz"]}).encode(),
+        ]
+    ) + b"\n"
+    out = cli("run", "--model-dir", str(tiny_model), "--json", "--serve", input=requests)
+    assert out.returncode == 0, out.stderr
+    evs = [e for e in events(out.stdout) if e["ev"] in ("gen_token", "error", "ready")]
+    assert evs[0]["ev"] == "ready"
+    finals = [e for e in evs if e["ev"] == "error" or e.get("done")]
+    assert [f["ev"] for f in finals] == ["gen_token", "error", "error", "gen_token"]
+    assert finals[1]["msg"].startswith("malformed request") and finals[2]["msg"] == 'missing "prompt" field'
+    assert finals[0]["gen_tokens"] == 4 and finals[3]["gen_tokens"] == 3
+
+
+def test_chat_keeps_the_history(tiny_model):
+    out = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "6", "--seed", "1", "--verbose", input=b"Hello there\nAnd again\n/bye\n")
+    assert out.returncode == 0, out.stderr
+    prompts = [int(n) for n in re.findall(rb"\[(\d+) prompt tokens", out.stderr)]
+    assert len(prompts) == 2 and prompts[1] > prompts[0] + 6
+    assert out.stdout.count(b"\n") >= 2
+
+
+def test_usage_errors_exit_2(tiny_model):
+    assert cli("run", "--model-dir", str(tiny_model)).returncode == 2
+    bad = cli("run", "--model-dir", str(tiny_model), "--prompt", "x", "--temperature", "-1")
+    assert bad.returncode == 2 and b"temperature" in bad.stderr
+    unknown = cli("run", "--model", "no-such-model", "--prompt", "x", env={"LATTICE_MODEL_CACHE": "/nonexistent"})
+    assert unknown.returncode == 2 and b"unknown model" in unknown.stderr
+
+
+def test_demo_model_command_help():
+    out = cli("demo-model", "--help")
+    assert out.returncode == 0 and b"--q4" in out.stdout

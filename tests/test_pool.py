@@ -1,0 +1,296 @@
+"""`lattice-pool serve` end to end: real supervisor, real workers, two demo models."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.poolproc import is_terminal
+from tests.procs import pid_alive, wait_for
+
+CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def config_file(tmp_path, tiny_model, second_model):
+    def write(extra: str = "", preload: bool = True) -> str:
+        path = tmp_path / "pool.toml"
+        path.write_text(
+            f"""{extra}
+[[models]]
+name = "a"
+path = "{tiny_model}"
+preload = {str(preload).lower()}
+
+[[models]]
+name = "b"
+path = "{second_model}"
+preload = {str(preload).lower()}
+"""
+        )
+        return str(path)
+
+    return write
+
+
+def ready_pids(pool, *names):
+    return {n: pool.wait_ev("ready", model=n)["_line"] and None for n in names}
+
+
+def status(pool):
+    pool.send({"op": "status"})
+    return {row["model"]: row for row in pool.wait_ev("status")["models"]}
+
+
+def test_ids_multiplex_two_models_concurrently(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pool.wait_ev("ready", model="b")
+    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 300, "seed": 1})
+    pool.send({"model": "b", "id": 7, "prompt": CHAT, "max_tokens": 300, "seed": 1})
+    x, seven = pool.terminal("x"), pool.terminal(7)
+    assert x["gen_tokens"] == 300 and seven["gen_tokens"] == 300
+    order = [e["id"] for e in pool.events if e["ev"] == "gen_token"]
+    # Both streams ran at once: each one's lines appear inside the other's span.
+    first_x, last_x = order.index("x"), len(order) - 1 - order[::-1].index("x")
+    assert any(i == 7 for i in order[first_x:last_x])
+    # The echoed id keeps its JSON type on every line.
+    assert all(b'"id":7}' in e["_line"] for e in pool.of(7))
+    assert pool.close() == 0
+
+
+def test_idless_requests_never_interleave(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pool.wait_ev("ready", model="b")
+    requests = [dict(model=m, prompt=CHAT, max_tokens=60, seed=s, temperature=1.0) for m, s in (("a", 1), ("b", 2), ("a", 3))]
+    for i, r in enumerate(requests):
+        pool.send({**r, "id": f"ref{i}"})
+    expected = [pool.text(pool.terminal(f"ref{i}")["id"]) for i in range(3)]
+    start = len(pool.events)
+    for r in requests:
+        pool.send(r)
+    for _ in requests:
+        pool.wait_for(lambda e: is_terminal(e) and "id" not in e)
+    texts, current = [], []
+    for e in pool.events[start:]:
+        if e["ev"] == "gen_token":
+            if e["done"]:
+                texts.append("".join(current))
+                current = []
+            else:
+                current.append(e["token"])
+    assert texts == expected
+    assert pool.close() == 0
+
+
+def test_cancel_queued_and_running(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "queued", "prompt": CHAT, "max_tokens": 5})
+    pool.wait_for(lambda e: e.get("id") == "long" and e["ev"] == "gen_token")
+    pool.send({"op": "cancel", "id": "queued"})
+    queued = pool.terminal("queued")
+    assert queued["finish_reason"] == "cancelled" and queued["gen_tokens"] == 0
+    pool.send({"op": "cancel", "id": "long"})
+    running = pool.terminal("long")
+    assert running["finish_reason"] == "cancelled" and 0 < running["gen_tokens"] < 100000
+    pool.send({"op": "cancel", "id": "nope"})
+    err = pool.wait_ev("error")
+    assert err["code"] == "bad_request" and "nope" in err["msg"] and "id" not in err
+    assert pool.close() == 0
+
+
+def test_unload_frees_the_process_and_load_brings_it_back(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pid = status(pool)["a"]["pid"]
+    assert pid_alive(pid)
+    pool.send({"model": "a", "id": "running", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "waiting", "prompt": CHAT, "max_tokens": 5})
+    pool.wait_for(lambda e: e.get("id") == "running" and e["ev"] == "gen_token")
+    pool.send({"op": "unload", "model": "a"})
+    assert pool.terminal("running")["finish_reason"] == "cancelled"
+    waiting = pool.terminal("waiting")
+    assert waiting["ev"] == "error" and waiting["code"] == "unloaded"
+    pool.wait_ev("unloaded", model="a")
+    wait_for(lambda: not pid_alive(pid), 10, message="unloaded worker to exit")
+    assert "a" not in status(pool)
+    pool.send({"op": "load", "model": "a"})
+    pool.wait_ev("ready", model="a")
+    new_pid = status(pool)["a"]["pid"]
+    assert new_pid != pid and pid_alive(new_pid)
+    pool.send({"op": "load", "model": "a"})  # already up: ready again
+    pool.wait_ev("ready", model="a")
+    assert pool.close() == 0
+
+
+def test_lru_eviction_under_max_loaded(config_file, tiny_q4_model, spawn_pool):
+    pool = spawn_pool("--config", config_file("max_loaded = 2", preload=False))
+    for request_id, model in (("1", "a"), ("2", "b"), ("3", "a")):
+        pool.send({"model": model, "id": request_id, "prompt": CHAT, "max_tokens": 3})
+        pool.terminal(request_id)
+    b_pid = status(pool)["b"]["pid"]
+    # A third model needs a slot: b is the least recently used idle worker.
+    pool.send({"model": str(tiny_q4_model), "id": "4", "prompt": CHAT, "max_tokens": 3})
+    assert pool.terminal("4")["gen_tokens"] == 3
+    evicted = pool.wait_ev("unloaded", model="b")
+    assert "evicted" in evicted["reason"]
+    rows = status(pool)
+    assert set(rows) == {"a", str(tiny_q4_model)}
+    wait_for(lambda: not pid_alive(b_pid), 10)
+    assert pool.close() == 0
+
+
+def test_keep_alive_unloads_idle_workers(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file('keep_alive = "1s"', preload=False))
+    pool.send({"model": "a", "id": 1, "prompt": CHAT, "max_tokens": 3})
+    pool.terminal(1)
+    pid = status(pool)["a"]["pid"]
+    unloaded = pool.wait_ev("unloaded", model="a", timeout=30)
+    assert "keep_alive" in unloaded["reason"]
+    wait_for(lambda: not pid_alive(pid), 10)
+    assert pool.close() == 0
+
+
+def test_memory_budget_refuses_what_cannot_fit(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file('memory_budget = "1MB"', preload=False))
+    pool.send({"model": "a", "id": "big", "prompt": CHAT})
+    err = pool.terminal("big")
+    assert err["ev"] == "error" and err["code"] == "insufficient_memory"
+    assert pool.close() == 0
+
+
+def test_bad_requests_get_errors_and_the_pool_goes_on(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file(preload=False))
+    pool.send(b'{"prompt": "x", "temperature": "hot", "id": "t1"}\n')
+    pool.send(b"this is not json\n")
+    pool.send(b'{"prompt": "\xff\xfe", "id": "u8"}\n')
+    pool.send(b"\n   \n")
+    pool.send({"model": "zzz", "id": "um", "prompt": CHAT})
+    pool.send(b'{"id": "np", "model": "a"}\n')
+    pool.send(b'{"op": "explode", "id": "op1"}\n')
+    pool.send(b'{"prompt": "x", "top_p": 0, "id": "range"}\n')
+    pool.send({"model": "a", "id": "ok", "prompt": CHAT, "max_tokens": 4})
+    errors = {e.get("id"): e for e in (pool.wait_ev("error") for _ in range(7))}
+    assert errors["t1"]["code"] == "bad_request" and "temperature" in errors["t1"]["msg"]
+    assert errors[None]["code"] == "bad_request"
+    assert errors["um"]["code"] == "unknown_model"
+    assert errors["np"]["msg"] == 'missing "prompt" field'
+    assert "explode" in errors["op1"]["msg"] and "top_p" in errors["range"]["msg"]
+    assert pool.terminal("ok")["gen_tokens"] == 4
+    pool.sent_ids += ["t1", "np", "range", "op1"]  # sent as raw bytes
+    pool.check_terminals()
+    assert pool.close() == 0
+
+
+def test_oversized_line_is_rejected_and_skipped(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file(preload=False))
+    pool.send(b'{"prompt": "' + b"x" * (64 * 1024 * 1024 + 10) + b'", "id": "huge"}\n')
+    err = pool.wait_ev("error")
+    assert err["code"] == "bad_request" and "longer than" in err["msg"]
+    pool.send({"model": "a", "id": "after", "prompt": CHAT, "max_tokens": 2})
+    assert pool.terminal("after")["gen_tokens"] == 2
+    assert pool.close() == 0
+
+
+def test_duplicate_running_id_is_refused(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.send({"model": "a", "id": "dup", "prompt": CHAT, "max_tokens": 100000})
+    pool.wait_for(lambda e: e.get("id") == "dup")
+    pool.proc.stdin.write(json.dumps({"model": "a", "id": "dup", "prompt": CHAT}).encode() + b"\n")
+    pool.proc.stdin.flush()
+    err = pool.wait_for(lambda e: e["ev"] == "error" and e.get("id") == "dup")
+    assert "duplicate" in err["msg"] and err["code"] == "bad_request"
+    pool.expected_terminals["dup"] = 2  # the refusal carries the id it refused
+    pool.send({"op": "cancel", "id": "dup"})
+    pool.wait_for(lambda e: e.get("id") == "dup" and e.get("done"))
+    assert pool.close() == 0
+
+
+def test_status_reports_measured_memory(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pool.wait_ev("ready", model="b")
+    pool.send({"model": "a", "id": 1, "prompt": CHAT, "max_tokens": 5})
+    pool.terminal(1)
+    pool.send({"op": "status"})
+    event = pool.wait_ev("status")
+    rows = {r["model"]: r for r in event["models"]}
+    assert event["rss_bytes"] > 0 and event["system_total_bytes"] >= event["system_available_bytes"] > 0
+    for name, row in rows.items():
+        assert row["state"] == "ready" and pid_alive(row["pid"])
+        assert row["rss_bytes"] >= row["uss_bytes"] > 0 and row["weights_bytes"] > 0
+        assert row["mlx_active_bytes"] >= row["weights_bytes"] and row["format"] == "bf16"
+    assert rows["a"]["served"] == 1 and rows["a"]["tokens"] == 5 and rows["b"]["served"] == 0
+    assert pool.close() == 0
+
+
+def test_config_errors_name_key_and_file(tmp_path, tiny_model, spawn_pool):
+    cases = {
+        "unknown.toml": ('max_loded = 2\n', "unknown key `max_loded`"),
+        "nested.toml": (f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreloud = true\n', "unknown key `preloud` in [models[0]]"),
+        "type.toml": ('max_loaded = "two"\n', "max_loaded"),
+        "dupe.toml": ('[[models]]\nname = "a"\npath = "/x"\n[[models]]\nname = "a"\npath = "/y"\n', "repeated: a"),
+        "size.toml": ('memory_budget = "lots"\n', "not a size"),
+        "toml.toml": ("max_loaded = = 2\n", "invalid TOML"),
+    }
+    for name, (body, needle) in cases.items():
+        path = tmp_path / name
+        path.write_text(body)
+        pool = spawn_pool("--config", str(path))
+        assert pool.close() == 2
+        assert str(path).encode() in pool.stderr and needle.encode() in pool.stderr, (name, pool.stderr)
+
+
+def test_sigterm_cancels_running_and_fails_queued(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file("shutdown_grace = 0"))
+    pool.send({"model": "a", "id": "run", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "queue", "prompt": CHAT})
+    pool.wait_for(lambda e: e.get("id") == "run" and e["ev"] == "gen_token")
+    pids = [r["pid"] for r in status(pool).values()]
+    pool.proc.send_signal(signal.SIGTERM)
+    assert pool.close() == 0
+    assert pool.terminal("run")["finish_reason"] == "cancelled"
+    assert pool.terminal("queue")["code"] == "shutting_down"
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_eof_lets_received_requests_finish(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file(preload=False))
+    pool.send({"model": "a", "id": "r1", "prompt": CHAT, "max_tokens": 20})
+    pool.send({"model": "b", "id": "r2", "prompt": CHAT, "max_tokens": 20})
+    assert pool.close() == 0
+    assert pool.terminal("r1")["gen_tokens"] == 20 and pool.terminal("r2")["gen_tokens"] == 20
+
+
+def test_shutdown_op(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pool.send({"op": "shutdown"})
+    assert pool.proc.wait(timeout=30) == 0
+    assert pool.close() == 0
+
+
+def test_broken_stdout_ends_the_pool(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    pids = [r["pid"] for r in status(pool).values()]
+    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 100000})
+    pool.wait_for(lambda e: e.get("id") == "x")
+    pool.proc.stdout.close()  # the client goes away mid-stream
+    assert pool.proc.wait(timeout=30) == 0
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10)
+    pool.proc.stdin.close()
+    pool.proc.stderr.close()
+
+
+def test_default_is_the_demo_model(tmp_path, spawn_pool):
+    pool = spawn_pool(env={"XDG_CACHE_HOME": str(tmp_path)})
+    pool.send({"prompt": CHAT, "max_tokens": 3})
+    pool.wait_for(lambda e: e.get("done") is True)
+    assert pool.close() == 0
+    assert b"demo model" in pool.stderr
+    assert (tmp_path / "lattice-pool" / "demo-model" / "config.json").is_file()
