@@ -31,7 +31,7 @@ def demo_model(size: str) -> Path:
     """A demo model of the given size, built once by the real CLI."""
     path = MODELS / size
     if not (path / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(path), "--size", size], check=True, env=child_env(), cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "worker.demo_model", str(path), "--size", size], check=True, env=child_env(), cwd=ROOT)
     return path
 
 
