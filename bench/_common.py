@@ -28,7 +28,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def demo_model(size: str) -> Path:
-    """A demo model of the given size, built once by the real CLI."""
+    """A demo model of the given size, built once by the demo-model builder."""
     path = MODELS / size
     if not (path / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "worker.demo_model", str(path), "--size", size], check=True, env=child_env(), cwd=ROOT)
