@@ -140,6 +140,8 @@ def test_quantized_base_is_used_as_is_and_matches_dequantized_merge(tmp_path, ti
 def test_clear_restores_the_base_exactly_and_swaps_reproduce(tmp_path, tiny_model):
     targets = targets_of(tiny_model)
     model = model_at(tiny_model)
+    # A and B take the layers' dtype: float32 on CPU (worker.cpu_backend).
+    itemsize = model.layers[0].mlp.down_proj.weight.dtype.size
     slots = LoRASlots(model)
     base = as_np(model(PROMPT))
     one = read_adapter(write_peft(tmp_path / "one", lora_pairs(targets, seed=6), r=RANK, alpha=ALPHA), slots.targets)
@@ -147,7 +149,7 @@ def test_clear_restores_the_base_exactly_and_swaps_reproduce(tmp_path, tiny_mode
     slots.install(one)
     first = as_np(model(PROMPT))
     bytes_one = slots.nbytes
-    assert bytes_one == sum(2 * RANK * (d_in + d_out) for d_in, d_out in targets.values())  # bf16 A and B
+    assert bytes_one == sum(itemsize * RANK * (d_in + d_out) for d_in, d_out in targets.values())
     slots.install(two)
     second = as_np(model(PROMPT))
     slots.install(one)

@@ -25,6 +25,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora", help="LoRA adapter to apply: a .safetensors file or an adapter directory")
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=512 * 1024 * 1024,
+        help="memory for reusable prompt state of earlier requests, 0 to disable (default 512 MiB)",
+    )
+    p.add_argument(
+        "--cpu-dtype",
+        choices=("float32", "stored"),
+        default="float32",
+        help="compute dtype on CPU: float32 (fast, more memory) or as stored in the checkpoint (default float32)",
+    )
     return p.parse_args(argv)
 
 
@@ -40,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     log = logging.getLogger("worker")
+
+    # Before anything imports mlx: its BLAS symbols bind when it loads.
+    from worker.cpu_backend import load_openblas
+
+    openblas = load_openblas()
+    if openblas:
+        log.info("BLAS: %s", openblas)
 
     from worker.channel import EventChannel
     from worker.lifeline import bind_to_parent
@@ -64,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         channel.write(encode_event("loading", model=name, bytes_loaded=done, bytes_total=total))
 
     try:
-        loaded = load(model_dir, progress)
+        loaded = load(model_dir, progress, cpu_float32=args.cpu_dtype == "float32")
         codec = TextCodec((args.tokenizer_dir or model_dir).expanduser().resolve(), loaded.config)
     except (ModelDirError, TokenizerError) as exc:
         print(f"lattice-pool worker: bad model dir: {exc}", file=sys.stderr, flush=True)
         return EX_CONFIG
-    engine = Engine(loaded, codec, prefill_step=args.prefill_step)
+    engine = Engine(loaded, codec, prefill_step=args.prefill_step, prefix_cache_bytes=args.prefix_cache_bytes)
     slots = LoRASlots(loaded.model)
     if args.lora:
         try:

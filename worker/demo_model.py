@@ -47,7 +47,17 @@ SIZES = {
     # name: (hidden, layers, intermediate, heads, kv_heads, head_dim)
     "tiny": (128, 4, 384, 4, 2, 32),
     "small": (256, 8, 768, 8, 2, 32),
+    "0.8b": (1024, 24, 3584, 8, 2, 256),
 }
+
+# Benchmark sizes take the rest of their shape from the real model too:
+# linear-attention heads (key heads, value heads, key dim, value dim) and the
+# padded vocabulary with tied embeddings. Rows past the tokenizer are zero, so
+# they never win over a real token.
+BENCH_SHAPES = {
+    "0.8b": {"linear": (16, 16, 128, 128), "vocab_size": 248320, "tie_word_embeddings": True},
+}
+_DEMO_LINEAR = (2, 4, 32, 32)
 
 
 def corpus_text() -> str:
@@ -72,8 +82,14 @@ def train_tokenizer(vocab_size: int):
     return tok
 
 
+def tokenizer_vocab(tok) -> int:
+    return -(-tok.get_vocab_size() // 64) * 64
+
+
 def text_config(size: str, vocab_size: int, eos_id: int) -> dict:
     hidden, layers, inter, heads, kv_heads, head_dim = SIZES[size]
+    bench = BENCH_SHAPES.get(size, {})
+    k_heads, v_heads, k_dim, v_dim = bench.get("linear", _DEMO_LINEAR)
     return {
         "model_type": "qwen3_5_text",
         "hidden_size": hidden,
@@ -82,16 +98,16 @@ def text_config(size: str, vocab_size: int, eos_id: int) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
+        "linear_num_key_heads": k_heads,
+        "linear_num_value_heads": v_heads,
+        "linear_key_head_dim": k_dim,
+        "linear_value_head_dim": v_dim,
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
         "rms_norm_eps": 1e-6,
-        "vocab_size": vocab_size,
+        "vocab_size": bench.get("vocab_size", vocab_size),
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": bench.get("tie_word_embeddings", False),
         "attention_bias": False,
         "rope_parameters": {
             "rope_type": "default",
@@ -116,6 +132,12 @@ def bigram_factors(tok, vocab: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return u[:, :rank] * root, vt[:rank].T * root
 
 
+def _padded_factors(tok, vocab: int, padded: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    embed, head = bigram_factors(tok, vocab, min(vocab, hidden))
+    pad = ((0, padded - vocab), (0, hidden - embed.shape[1]))
+    return np.pad(embed, pad), np.pad(head, pad)
+
+
 def hf_name(mlx_name: str) -> str:
     if mlx_name.startswith("language_model.model."):
         return "model.language_model." + mlx_name[len("language_model.model.") :]
@@ -133,7 +155,11 @@ def build_weights(config: dict, tok, seed: int) -> dict[str, np.ndarray]:
     tc = config["text_config"]
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
-    embed, head = bigram_factors(tok, tc["vocab_size"], tc["hidden_size"])
+    vocab = tokenizer_vocab(tok)
+    if tc["vocab_size"] == vocab:
+        embed, head = bigram_factors(tok, vocab, tc["hidden_size"])
+    else:
+        embed, head = _padded_factors(tok, vocab, tc["vocab_size"], tc["hidden_size"])
     # Large embeddings keep the residual stream dominated by the current token.
     embed = embed / np.sqrt((embed**2).mean(axis=1, keepdims=True) + 1e-6) * 8.0
     out: dict[str, np.ndarray] = {}
@@ -199,14 +225,14 @@ def write_tokenizer_files(out: Path, tok, eos: str) -> None:
 
 def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny") -> Path:
     tok = train_tokenizer(vocab_size=1024)
-    vocab = -(-tok.get_vocab_size() // 64) * 64
     eos = "<|im_end|>"
     eos_id = tok.token_to_id(eos)
+    text = text_config(size, tokenizer_vocab(tok), eos_id)
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
-        "text_config": text_config(size, vocab, eos_id),
-        "tie_word_embeddings": False,
+        "text_config": text,
+        "tie_word_embeddings": text["tie_word_embeddings"],
         "eos_token_id": eos_id,
         "lattice_demo": {"seed": seed, "size": size},
     }

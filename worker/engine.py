@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ipc.events import encode_done, encode_token, tokens_per_second
 from ipc.messages import Generate
 from worker.loader import LoadedModel
+from worker.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache, chunk_ends, message_starts
 from worker.sampling import Sampler
 from worker.text import StopMatcher, TextCodec
 
@@ -63,11 +64,19 @@ class ThinkBudget:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, codec: TextCodec, prefill_step: int = 512):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        codec: TextCodec,
+        prefill_step: int = 512,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.codec = codec
         self.prefill_step = prefill_step
+        self.prefix_cache = PrefixCache(self.model, prefix_cache_bytes)
+        self.chat_marker = codec.tokenizer.token_to_id("<|im_start|>")
         self.max_positions = _max_positions(loaded.config)
         self.vocab_size = _vocab(loaded.config) or codec.vocab_size
         # Content sha256 of the active LoRA adapter (None: none). Anything
@@ -94,19 +103,29 @@ class Engine:
     def _logits(self, tokens: mx.array, cache: list) -> mx.array:
         return self.model(tokens[None], cache=cache)[:, -1, :]
 
-    def prefill(self, ids: list[int], cache: list, cancelled: threading.Event) -> mx.array | None:
-        """Runs all but the last prompt token through the model in chunks;
-        returns the last position's logits, or None when cancelled."""
+    def prefill(self, ids: list[int], cancelled: threading.Event, reuse: bool = True) -> tuple[mx.array | None, list, int]:
+        """Runs all but the last prompt token through the model in chunks,
+        resuming from the prefix cache when it can; returns the last
+        position's logits (None when cancelled), the cache, and how many
+        prompt tokens came from the prefix cache."""
+        n = len(ids)
+        cuts = message_starts(ids, self.chat_marker)
+        if reuse:
+            cache, start = self.prefix_cache.resume(self.adapter_key, ids, cuts)
+            keep = self.prefix_cache.snapshot_points(n, cuts)
+        else:
+            cache, start, keep = make_prompt_cache(self.model), 0, set()
         prompt = mx.array(ids, dtype=mx.uint32)
-        start = 0
-        while len(ids) - start > 1:
+        begin = start
+        for end in chunk_ends(n - 1, cuts, self.prefill_step, start):
             if cancelled.is_set():
-                return None
-            end = min(start + self.prefill_step, len(ids) - 1)
-            self.model(prompt[None, start:end], cache=cache)
+                return None, cache, start
+            self.model(prompt[None, begin:end], cache=cache)
             mx.eval([c.state for c in cache])
-            start = end
-        return self._logits(prompt[start:], cache)
+            if end in keep:
+                self.prefix_cache.store(self.adapter_key, ids[:end], cache)
+            begin = end
+        return self._logits(prompt[begin:], cache), cache, start
 
     def run(self, req: Generate, emit: Emit, cancelled: threading.Event) -> tuple[str, list[int]]:
         """Streams one request through `emit`, ending with exactly one final
@@ -130,13 +149,12 @@ class Engine:
         stops = StopMatcher(req.stop)
         eos = codec.eos_ids
         max_tokens = req.max_tokens
-        cache = make_prompt_cache(self.model)
 
         ttft_ms = 0.0
         generated: list[int] = []
         finish = "length"
         stop_string = False
-        logits = self.prefill(ids, cache, cancelled)
+        logits, cache, cached = self.prefill(ids, cancelled)
         if logits is None:
             finish = "cancelled"
         else:
@@ -192,6 +210,7 @@ class Engine:
                 gen_tokens=gen_tokens,
                 total_ms=total_ms,
                 finish_reason=finish,
+                cached_tokens=cached or None,
                 id_json=id_json,
             )
         )
@@ -201,7 +220,6 @@ class Engine:
         """One short prefill and two decode steps through the real request path,
         so kernels compile before `ready` and the first request pays nothing."""
         ids = self.codec.encode("<|im_start|>user\nwarm up<|im_end|>\n") or [0, 0]
-        cache = make_prompt_cache(self.model)
         sampler = Sampler(
             vocab_size=self.vocab_size,
             temperature=0.7,
@@ -211,7 +229,7 @@ class Engine:
             seed=0,
         )
         sampler.observe_prompt(ids)
-        logits = self.prefill(ids if len(ids) > 1 else ids * 2, cache, threading.Event())
+        logits, cache, _ = self.prefill(ids if len(ids) > 1 else ids * 2, threading.Event(), reuse=False)
         y = sampler(logits, None)
         for _ in range(2):
             y = sampler(self._logits(y, cache), y)

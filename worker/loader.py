@@ -59,21 +59,29 @@ def model_format(config: dict, model: nn.Module) -> str:
     return max(counts, key=counts.get) if counts else "unknown"
 
 
-def load(path: Path, progress: Progress | None = None) -> LoadedModel:
+def load(path: Path, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:
     """Loads the weights lazily, then materialises them in slices so that
-    `progress(bytes_loaded, bytes_total)` can report as the file is read."""
+    `progress(bytes_loaded, bytes_total)` can report as the file is read.
+    On CPU the weights become float32 (worker.cpu_backend says why)."""
     from mlx_lm.utils import load_model
+
+    from worker import gated_delta
+    from worker.cpu_backend import use_float32
 
     read_config(path)
     try:
         # Any failure here (unknown architecture, torn safetensors, shape
         # mismatch) is a property of the directory: retrying cannot help.
         model, config = load_model(path, lazy=True)
+        fmt = model_format(config, model)
+        if cpu_float32:
+            use_float32(model)  # still lazy: converted as it is read
         _materialise(model, progress)
     except Exception as exc:
         raise ModelDirError(f"cannot load {path}: {exc}") from exc
+    gated_delta.install(model)
     total = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    return LoadedModel(model=model, config=config, path=path, format=model_format(config, model), weights_bytes=total)
+    return LoadedModel(model=model, config=config, path=path, format=fmt, weights_bytes=total)
 
 
 def _materialise(model: nn.Module, progress: Progress | None) -> None:

@@ -1,0 +1,101 @@
+"""Where a decode step goes, in one process: the model with argmax, with the
+worker's sampler, with mlx-lm's sampler and logits processors, and the
+worker's whole Engine.run. Each variant runs the same pipelined loop
+(mx.async_eval one step ahead), twice; the second round is reported.
+
+    python -m bench.decode_step [--size small|0.8b] [--tokens 128]
+
+mlx-lm's repetition penalty looks at the prompt only here (its window would
+need the generated ids, read back with a sync every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+
+    from worker.cpu_backend import load_openblas
+
+    load_openblas()
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    from bench._common import demo_model, load_average, machine, tagged, write_result
+    from ipc.messages import Generate
+    from worker.engine import Engine
+    from worker.loader import load
+    from worker.sampling import Sampler
+    from worker.text import TextCodec
+
+    path = demo_model(args.size)
+    loaded = load(path)
+    codec = TextCodec(path, loaded.config)
+    model = loaded.model
+    vocab = loaded.config["text_config"]["vocab_size"]
+    text = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+    prompt = mx.array(codec.encode(text))
+    n = args.tokens
+
+    def loop(pick) -> float:
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt[None, :-1], cache=cache))
+        y = pick(model(prompt[None, -1:], cache=cache)[:, -1, :], None)
+        mx.async_eval(y)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            nxt = pick(model(y.reshape(1, 1), cache=cache)[:, -1, :], y)
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        return (time.perf_counter() - t0) / n * 1000
+
+    ours = Sampler(vocab_size=vocab, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=1)
+    ours.observe_prompt(prompt.tolist())
+    sampler = make_sampler(temp=0.7, top_p=0.9, top_k=50)
+    processors = make_logits_processors(repetition_penalty=1.1)
+
+    def mlx_lm(logits, _):
+        for proc in processors:
+            logits = proc(prompt, logits)
+        return sampler(logits)
+
+    def engine_run() -> float:
+        lines: list[bytes] = []
+        t0 = time.perf_counter()
+        Engine(loaded, codec).run(Generate(rid=1, prompt=text, max_tokens=n, seed=1), lines.append, threading.Event())
+        return (time.perf_counter() - t0) / n * 1000
+
+    variants = {
+        "argmax": lambda: loop(lambda logits, _: mx.argmax(logits, axis=-1)),
+        "worker_sampler": lambda: loop(lambda logits, y: ours(logits, y)),
+        "mlx_lm_sampler": lambda: loop(mlx_lm),
+        "engine_run_incl_prefill": engine_run,
+    }
+    load_before = load_average()
+    ms = {}
+    for _ in range(2):
+        ms = {name: round(fn(), 3) for name, fn in variants.items()}
+    result = {"size": args.size, "tokens": n, "ms_per_token": ms,
+              "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3),
+              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+    backend = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else "cpu")
+    write_result(tagged(f"decode-step-{backend}-{args.size}", args.tag), result)
+    for name, value in ms.items():
+        print(f"{name:26}{value:9.2f} ms/token")
+    print(f"mlx-lm sampler / worker sampler: {result['sampler_ratio']} (above 1: the worker's step is faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Prefill tok/s: the chunked gated-delta prefill vs mlx-lm's sequential loop.
+
+One process, one loaded model (the worker's loader: float32 + OpenBLAS on CPU,
+weights as stored on a GPU), one forward pass over T prompt tokens as
+mlx-lm's generate_step does it (a single chunk up to 2048 tokens), with each
+implementation in turn; plus the gated-delta call alone at the model's shape.
+
+    python -m bench.prefill [--size small|0.8b] [--lengths 512,2048] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bench._common import demo_model, load_average, machine, median, tagged, write_result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--lengths", default="512,2048")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tag", default="", help="suffix for the results file name")
+    args = p.parse_args()
+
+    from worker.cpu_backend import load_openblas
+
+    load_openblas()
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models import gated_delta as mlx_lm_gdn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker import gated_delta
+    from worker.loader import load
+
+    model_dir = demo_model(args.size)
+    loaded = load(model_dir)
+    model = loaded.model
+    backend = "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else "cpu")
+    users = [m for m in list(sys.modules.values()) if getattr(m, "gated_delta_update", None) is gated_delta.gated_delta_update]
+    impls = {"mlx_lm_sequential": mlx_lm_gdn.gated_delta_update, "chunked": gated_delta.gated_delta_update}
+    vocab = min(loaded.config["text_config"]["vocab_size"], 700)
+    tc = loaded.config["text_config"]
+    rng = np.random.default_rng(0)
+    load_before = load_average()
+    rows = []
+
+    def timed(fn) -> float:
+        fn()  # warm-up: kernels compile here
+        times = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return median(times) * 1000
+
+    for T in [int(x) for x in args.lengths.split(",")]:
+        ids = mx.array(rng.integers(0, vocab, T), dtype=mx.uint32)[None]
+        Hk, Hv, Dk, Dv = tc["linear_num_key_heads"], tc["linear_num_value_heads"], tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+        dtype = model.language_model.model.embed_tokens.weight.dtype
+        q, k = mlx_lm_gdn.normalize_qk(mx.random.normal((1, T, Hk, Dk)), mx.random.normal((1, T, Hk, Dk)), inv_scale=Dk**-0.5, eps=1e-6)
+        v = mx.random.normal((1, T, Hv, Dv))
+        a, b = mx.random.normal((1, T, Hv)), mx.random.normal((1, T, Hv))
+        A_log, dt_bias = mx.log(mx.random.uniform(1, 16, (Hv,))), mx.ones((Hv,))
+        q, k, v, a, b = (x.astype(dtype) for x in (q, k, v, a, b))
+        mx.eval(q, k, v, a, b, A_log, dt_bias)
+        row = {"tokens": T}
+        for name, fn in impls.items():
+            for m in users:
+                m.gated_delta_update = fn
+
+            def forward():
+                cache = make_prompt_cache(model)
+                logits = model(ids, cache=cache)
+                mx.eval(logits, [c.state for c in cache])
+
+            def op_alone():
+                mx.eval(fn(q, k, v, a, b, A_log, dt_bias))
+
+            ms = timed(forward)
+            row[name] = {"prefill_ms": round(ms, 1), "tok_s": round(T / ms * 1000, 1), "gated_delta_ms": round(timed(op_alone), 2)}
+            print(f"T={T} {name}: {row[name]}", file=sys.stderr, flush=True)
+        row["speedup"] = round(row["mlx_lm_sequential"]["prefill_ms"] / row["chunked"]["prefill_ms"], 2)
+        row["gated_delta_speedup"] = round(row["mlx_lm_sequential"]["gated_delta_ms"] / row["chunked"]["gated_delta_ms"], 2)
+        rows.append(row)
+    for m in users:
+        m.gated_delta_update = gated_delta.gated_delta_update
+
+    result = {"size": args.size, "backend": backend, "dtype": str(dtype), "runs": args.runs, "rows": rows,
+              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+    write_result(tagged(f"prefill-{backend}-{args.size}", args.tag), result)
+    print(f"{'tokens':>7}{'mlx-lm ms':>12}{'chunked ms':>12}{'speedup':>9}{'chunked tok/s':>15}{'GDN op ms seq/chunk':>22}")
+    for r in rows:
+        s, c = r["mlx_lm_sequential"], r["chunked"]
+        print(f"{r['tokens']:>7}{s['prefill_ms']:>12}{c['prefill_ms']:>12}{r['speedup']:>9}{c['tok_s']:>15}"
+              f"{str(s['gated_delta_ms']) + ' / ' + str(c['gated_delta_ms']):>22}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Prefix cache: earlier requests' model state reused, output unchanged."""
+
+import json
+import shutil
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ipc.messages import Generate, Message
+from tests.conftest import keep_alive_across_tests, release
+from tests.workerproc import WorkerProc, terminal, text_of
+from worker.prefix_cache import chunk_ends, message_starts
+
+SYSTEM = "You are a terse guide to the river, the mill and the old stone bridge."
+QUESTIONS = [
+    "Where does the river bend?",
+    "Who built the mill, and when did it stop turning?",
+    "Tell me about the bridge.",
+    "And what grows along the bank in spring?",
+]
+
+
+@given(
+    n=st.integers(1, 300),
+    cuts=st.lists(st.integers(-5, 320), max_size=8),
+    step=st.integers(1, 64),
+    data=st.data(),
+)
+@settings(max_examples=200, deadline=None)
+def test_chunk_plan_after_a_cut_is_the_tail_of_the_full_plan(n, cuts, step, data):
+    full = chunk_ends(n, cuts, step, 0)
+    assert full[-1] == n and full == sorted(set(full))
+    assert all(b - a <= step for a, b in zip([0] + full, full))
+    inside = [c for c in cuts if 0 < c < n]
+    assert set(inside) <= set(full)
+    start = data.draw(st.sampled_from([0] + inside))
+    assert chunk_ends(n, cuts, step, start) == [e for e in full if e > start]
+
+
+def test_message_starts_skip_position_zero():
+    assert message_starts([7, 1, 2, 7, 3, 7], 7) == [3, 5]
+    assert message_starts([1, 2, 3], None) == []
+
+
+# -- real worker processes ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    """The same model twice: with the prefix cache and without it. A small
+    prefill step makes every message span several chunks."""
+    cached = WorkerProc(tiny_model, "--prefill-step", "16")
+    plain = WorkerProc(tiny_model, "--prefill-step", "16", "--prefix-cache-bytes", "0")
+    for w in (cached, plain):
+        keep_alive_across_tests(w.pid)
+    for w in (cached, plain):
+        w.wait_ready()
+    yield cached, plain
+    for w in (cached, plain):
+        release(w.pid)
+        assert w.close() == 0
+
+
+_rid = iter(range(1, 1_000_000))
+
+
+def ask(w, **kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 24)
+    w.send(Generate(rid=next(_rid), **kw))
+    events = w.collect()
+    return text_of(events), terminal(events)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def test_multi_turn_messages_same_output_with_and_without_cache(pair):
+    cached, plain = pair
+    messages = [Message("system", SYSTEM)]
+    for turn, question in enumerate(QUESTIONS):
+        messages.append(Message("user", question))
+        text_c, done_c = ask(cached, messages=list(messages), id_json=f'"t{turn}"')
+        text_p, done_p = ask(plain, messages=list(messages), id_json=f'"t{turn}"')
+        assert text_c == text_p and text_c
+        assert done_c["gen_tokens"] == done_p["gen_tokens"] and done_c["prompt_tokens"] == done_p["prompt_tokens"]
+        assert "cached_tokens" not in done_p
+        if turn == 0:
+            assert "cached_tokens" not in done_c
+        else:
+            assert 0 < done_c["cached_tokens"] < done_c["prompt_tokens"]
+            assert [k for k in done_c if k != "_line"][-3:] == ["finish_reason", "cached_tokens", "id"]
+        # The template drops reasoning from history, as Qwen's does.
+        messages.append(Message("assistant", "<think>\nhm\n</think>\n\n" + text_c))
+
+
+def _chatml(turns: list[tuple[str, str]], system: str | None = None) -> str:
+    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    for role, content in turns:
+        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return text + "<|im_start|>assistant\n"
+
+
+def test_raw_chatml_turns_resume_from_the_previous_history(pair, tokenizer):
+    cached, plain = pair
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    turns: list[tuple[str, str]] = []
+    previous = None
+    for question in QUESTIONS[:3]:
+        turns.append(("user", question))
+        prompt = _chatml(turns)
+        text_c, done_c = ask(cached, prompt=prompt)
+        text_p, _ = ask(plain, prompt=prompt)
+        assert text_c == text_p
+        if previous is not None:
+            # The previous prompt left a snapshot where its reply began.
+            ids = tokenizer.encode(previous, add_special_tokens=False).ids
+            expected = max(i for i, t in enumerate(ids) if t == im_start)
+            assert done_c["cached_tokens"] == expected
+        previous = prompt
+        turns.append(("assistant", text_c))
+
+
+def test_shared_system_prompt_serves_a_new_conversation(pair, tokenizer):
+    cached, plain = pair
+    system = SYSTEM + " Answer in one line."
+    ask(cached, prompt=_chatml([("user", "First conversation.")], system))
+    prompt = _chatml([("user", "A different conversation entirely.")], system)
+    text_c, done_c = ask(cached, prompt=prompt)
+    text_p, _ = ask(plain, prompt=prompt)
+    assert text_c == text_p
+    system_block = tokenizer.encode(f"<|im_start|>system\n{system}<|im_end|>\n", add_special_tokens=False).ids
+    assert done_c["cached_tokens"] == len(system_block)
+
+
+def test_repeated_prompt_still_runs_its_last_token(pair):
+    cached, plain = pair
+    prompt = _chatml([("user", "Say something about stones.")], SYSTEM)
+    first = ask(cached, prompt=prompt, temperature=0.8, seed=3)
+    second = ask(cached, prompt=prompt, temperature=0.8, seed=3)
+    reference = ask(plain, prompt=prompt, temperature=0.8, seed=3)
+    assert first[0] == second[0] == reference[0]
+    assert 0 < second[1]["cached_tokens"] < second[1]["prompt_tokens"]
+
+
+def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
+    w = WorkerProc(tiny_model, "--prefix-cache-bytes", "1000")
+    try:
+        w.wait_ready()
+        for _ in range(2):
+            _, done = ask(w, prompt=_chatml([("user", "Hello there.")], SYSTEM))
+            assert "cached_tokens" not in done
+    finally:
+        assert w.close() == 0
+
+
+# -- in-process: eviction, adapter keys, trimmable models ------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from worker.engine import Engine
+    from worker.loader import load
+    from worker.text import TextCodec
+
+    loaded = load(tiny_model)
+    return Engine(loaded, TextCodec(tiny_model, loaded.config), prefill_step=16)
+
+
+def run(engine, **kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 12)
+    lines = []
+    _, ids = engine.run(Generate(rid=0, **kw), lines.append, threading.Event())
+    return ids, json.loads(lines[-1][len(b"@@lattice ") :])
+
+
+def test_least_recently_used_snapshot_is_evicted_first(engine):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker.prefix_cache import PrefixCache
+
+    pc = PrefixCache(engine.model, budget_bytes=1 << 30)
+    prompts = [engine.codec.encode(_chatml([("user", f"Conversation number {i}.")])) for i in range(3)]
+    starts = [message_starts(ids, engine.chat_marker) for ids in prompts]
+
+    def store(ids, end):
+        cache = make_prompt_cache(engine.model)
+        engine.model(mx.array(ids[:end])[None], cache=cache)
+        pc.store(None, ids[:end], cache)
+
+    for ids, cuts in zip(prompts[:2], starts[:2]):
+        store(ids, cuts[-1])
+    one = pc.used // 2
+    assert len(pc) == 2 and one > 0
+    pc.budget = 2 * one + one // 2
+    _, hit = pc.resume(None, prompts[0], starts[0])  # touches the first entry
+    assert hit == starts[0][-1]
+    store(prompts[2], starts[2][-1])
+    assert len(pc) == 2 and pc.used <= pc.budget
+    assert pc.resume(None, prompts[0], starts[0])[1] == starts[0][-1]
+    assert pc.resume(None, prompts[1], starts[1])[1] == 0
+    assert pc.resume(None, prompts[2], starts[2])[1] == starts[2][-1]
+
+
+def test_snapshots_are_keyed_by_adapter(engine):
+    first = _chatml([("user", "Adapter keyed question.")], "Adapter test system.")
+    second = _chatml([("user", "Adapter keyed question."), ("assistant", "ok"), ("user", "More.")], "Adapter test system.")
+    engine.adapter_key = "a" * 64
+    try:
+        run(engine, prompt=first)
+        ids_a, done = run(engine, prompt=second)
+        assert done["cached_tokens"] > 0
+        engine.adapter_key = "b" * 64
+        ids_b, done = run(engine, prompt=second)
+        assert "cached_tokens" not in done and ids_b == ids_a
+        engine.adapter_key = "a" * 64
+        assert run(engine, prompt=second)[1]["cached_tokens"] > 0
+    finally:
+        engine.adapter_key = None
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory, tiny_model):
+    """A small attention-only Qwen3 (every layer a trimmable KV cache) with the
+    demo tokenizer and seeded random weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    vocab = json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+    mx.random.seed(7)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    out = tmp_path_factory.mktemp("dense")
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, out / name)
+    return out
+
+
+def test_attention_only_model_trims_to_the_common_prefix(dense_model):
+    from worker.engine import Engine
+    from worker.loader import load
+    from worker.text import TextCodec
+
+    loaded = load(dense_model)
+    codec = TextCodec(dense_model, loaded.config)
+    cached = Engine(loaded, codec, prefill_step=16)
+    plain = Engine(loaded, codec, prefill_step=16, prefix_cache_bytes=0)
+    assert cached.prefix_cache.trimmable
+    turns = [("user", QUESTIONS[0])]
+    ids, done = run(cached, prompt=_chatml(turns, SYSTEM))
+    assert ids == run(plain, prompt=_chatml(turns, SYSTEM))[0] and "cached_tokens" not in done
+    first_ids = codec.encode(_chatml(turns, SYSTEM))
+    # The user rewrites the end of the question: the stored prompt is cut
+    # back to where the two prompts part.
+    edited = _chatml([("user", QUESTIONS[0][:-1] + " today?")], SYSTEM)
+    edited_ids = codec.encode(edited)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, edited_ids)) if a != b)
+    ids_c, done = run(cached, prompt=edited)
+    assert ids_c == run(plain, prompt=edited)[0]
+    assert done["cached_tokens"] == common
+    # One snapshot per prompt; a longer one replaces its own prefixes.
+    turns = [("user", QUESTIONS[0][:-1] + " today?"), ("assistant", codec.decode(ids_c)), ("user", QUESTIONS[1])]
+    longer = _chatml(turns, SYSTEM)
+    ids_l, done = run(cached, prompt=longer)
+    assert ids_l == run(plain, prompt=longer)[0]
+    assert done["cached_tokens"] == len(edited_ids) - 1
+
+
+def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_path):
+    from ipc.messages import SetAdapter
+    from tests.lora_files import lora_pairs, targets_of, write_peft
+
+    adapter = write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0)
+    first = _chatml([("user", QUESTIONS[0])], SYSTEM)
+    second = _chatml([("user", QUESTIONS[0]), ("assistant", "It bends twice."), ("user", QUESTIONS[1])], SYSTEM)
+    cached = WorkerProc(tiny_model)
+    adapted = WorkerProc(tiny_model, "--lora", str(adapter), "--prefix-cache-bytes", "0")
+    try:
+        cached.wait_ready()
+        adapted.wait_ready()
+        ask(cached, prompt=first)
+        base_text, done = ask(cached, prompt=second)
+        assert done["cached_tokens"] > 0
+        cached.send(SetAdapter(path=str(adapter)))
+        assert cached.next_event()["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=second)
+        assert "cached_tokens" not in done
+        assert text == ask(adapted, prompt=second)[0] != base_text
+        third = second + text + "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+        text, done = ask(cached, prompt=third)
+        assert done["cached_tokens"] > 0 and text == ask(adapted, prompt=third)[0]
+        cached.send(SetAdapter(path=None))
+        assert cached.next_event()["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=second)
+        assert done["cached_tokens"] > 0 and text == base_text
+    finally:
+        assert cached.close() == 0
+        assert adapted.close() == 0
