@@ -52,6 +52,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace: Annotated[float, Meta(ge=0)] = 30.0
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
+    prefix_cache_bytes: Size | None = None
     # Prometheus metrics on 127.0.0.1:PORT; 0 picks a free port (logged).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     # True: the default path (supervisor.control.default_socket_path); a
@@ -67,6 +68,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
         # Parse once so a bad value fails at start-up, not at first use.
         parse_size(self.memory_budget)
+        parse_size(self.prefix_cache_bytes)
         for value in (self.keep_alive, self.stats_interval, *(m.keep_alive for m in self.models)):
             parse_duration(value)
 

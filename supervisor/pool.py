@@ -116,6 +116,8 @@ class Pool:
             args += ["--lora", str(spec.lora)]
         if spec.tokenizer_dir is not None:
             args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
+        if self.config.prefix_cache_bytes is not None:
+            args += ["--prefix-cache-bytes", str(parse_size(self.config.prefix_cache_bytes))]
         return worker_argv(pool_worker_module(), *args)
 
     def worker_env(self) -> dict[str, str]:

@@ -294,3 +294,20 @@ def test_default_is_the_demo_model(tmp_path, spawn_pool):
     assert pool.close() == 0
     assert b"demo model" in pool.stderr
     assert (tmp_path / "lattice-pool" / "demo-model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("budget, reused", [(None, True), ("0", False)])
+def test_prefix_cache_budget_reaches_the_worker(tmp_path, tiny_model, spawn_pool, budget, reused):
+    config = tmp_path / "pool.toml"
+    line = f'prefix_cache_bytes = "{budget}"\n' if budget is not None else ""
+    config.write_text(f'{line}[[models]]\nname = "a"\npath = "{tiny_model}"\n')
+    pool = spawn_pool("--config", str(config))
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the mill."}]
+    pool.send({"id": 1, "messages": history, "max_tokens": 8, "temperature": 0})
+    first = pool.terminal(1)
+    history += [{"role": "assistant", "content": pool.text(1)}, {"role": "user", "content": "And the river?"}]
+    pool.send({"id": 2, "messages": history, "max_tokens": 8, "temperature": 0})
+    second = pool.terminal(2)
+    assert "cached_tokens" not in first
+    assert ("cached_tokens" in second and second["cached_tokens"] > 0) == reused
+    assert pool.close() == 0
