@@ -173,12 +173,11 @@ async def run_once(config: Config, request: ClientLine, *, as_json: bool) -> int
     loop.add_signal_handler(signal.SIGTERM, pool.hurry.set)
     housekeeping = pool.spawn(pool.housekeeping())
     pool.submit(request)
-    hurry = asyncio.ensure_future(pool.hurry.wait())
-    done = asyncio.ensure_future(finished.wait())
-    await asyncio.wait([hurry, done], return_when=asyncio.FIRST_COMPLETED)
-    hurry.cancel()
-    done.cancel()
-    if not finished.is_set():
+    waits = [asyncio.ensure_future(e.wait()) for e in (pool.hurry, finished, sink.closed)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if pool.hurry.is_set() and not finished.is_set():
         outcome["rc"] = 130
     await pool.shutdown(0)
     housekeeping.cancel()
@@ -226,7 +225,8 @@ async def chat(config: Config, args: argparse.Namespace) -> int:
             loop.call_soon_threadsafe(lines.put_nowait, text.rstrip("\n"))
         loop.call_soon_threadsafe(lines.put_nowait, None)
 
-    pool = Pool(config, EventSink(on_event))
+    sink = EventSink(on_event)
+    pool = Pool(config, sink)
     housekeeping = pool.spawn(pool.housekeeping())
     pool.preload()
     threading.Thread(target=read_input, name="chat-input", daemon=True).start()
@@ -262,7 +262,12 @@ async def chat(config: Config, args: argparse.Namespace) -> int:
         request_id = f"chat-{next(ids)}"
         current[:] = [f'"{request_id}"']
         pool.submit(ClientLine(id=request_id, messages=list(history), max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed))
-        await turn_done.wait()
+        waits = [asyncio.ensure_future(turn_done.wait()), asyncio.ensure_future(sink.closed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if sink.closed.is_set():
+            break
         current.clear()
         history.append(Message("assistant", "".join(reply)))
     await pool.shutdown(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Callable, TextIO
 
@@ -22,9 +23,17 @@ class EventSink:
         pass
 
     def write(self, data: bytes) -> None:
-        for line in data.splitlines(keepends=True):
-            if line.startswith(b"@@lattice "):
-                self.on_event(json.loads(line[10:]), line)
+        if self.closed.is_set():
+            return
+        try:
+            for line in data.splitlines(keepends=True):
+                if line.startswith(b"@@lattice "):
+                    self.on_event(json.loads(line[10:]), line)
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop, and let the interpreter's
+            # final flush write to /dev/null instead of raising again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.closed.set()
 
 
 class LoadProgress:

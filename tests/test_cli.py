@@ -85,3 +85,18 @@ def test_usage_errors_exit_2(tiny_model):
 def test_demo_model_command_help():
     out = cli("demo-model", "--help")
     assert out.returncode == 0 and b"--q4" in out.stdout
+
+
+def test_run_exits_when_its_reader_goes_away(tiny_model):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    for line in proc.stdout:
+        if b'"gen_token"' in line:
+            break
+    proc.stdout.close()  # like `| head`
+    assert proc.wait(timeout=60) == 0

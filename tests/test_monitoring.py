@@ -28,13 +28,24 @@ from tests.workerproc import ROOT, child_env
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
 
+_FLOATS = {"BF16": 2, "F16": 2, "F32": 4}
+
+
 def tensor_bytes(model_dir: Path) -> int:
-    """Bytes of the tensors stored in a model dir, read from the safetensors header."""
+    """Bytes the worker holds for a model dir's tensors, from the safetensors
+    header: as stored, except that a CPU worker computes in float32."""
+    import mlx.core as mx
+
     with open(model_dir / "model.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
-    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+    on_cpu = mx.default_device() == mx.cpu
+    total = 0
+    for t in header.values():
+        stored = t["data_offsets"][1] - t["data_offsets"][0]
+        total += stored // _FLOATS[t["dtype"]] * 4 if on_cpu and t["dtype"] in _FLOATS else stored
+    return total
 
 
 def write_config(tmp_path: Path, models: dict, extra: str = "", lazy: tuple = ()) -> str:
@@ -251,8 +262,11 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
         listed = {r["model"]: r for r in json.loads(as_json.stdout)["models"]}
         assert {m: r["pid"] for m, r in listed.items()} == {m: r["pid"] for m, r in rows.items()}
         assert listed["a"]["adapter_bytes"] == 0 and listed["b"]["lora"] == str(lora)
-        # The bf16 model holds the adapter's factors in bf16: 2 bytes each.
-        assert listed["b"]["adapter_bytes"] == sum(2 * (a.size + b.size) for a, b in pairs.values())
+        # The adapter's factors take the layers' dtype: float32 on a CPU worker, else bf16.
+        import mlx.core as mx
+
+        width = 4 if mx.default_device() == mx.cpu else 2
+        assert listed["b"]["adapter_bytes"] == sum(width * (a.size + b.size) for a, b in pairs.values())
         assert all(r["rss_bytes"] > r["weights_bytes"] > 0 for r in listed.values())
 
         client.send({"op": "unload", "model": "a"})
