@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench._common import WorkerClient, backend, demo_model, load_average, machine, tagged, write_result
+from bench.common import WorkerClient, backend, demo_model, load_average, machine, tagged, write_result
 
 
 def user_messages(tokenizer, turns: int, tokens_each: int) -> list[str]:

@@ -1,4 +1,9 @@
-"""Shared bits of the benchmarks: machine facts, summaries, result files."""
+"""Shared pieces of the benchmarks: a worker client, demo models, machine
+facts, summaries, result files.
+
+Every benchmark measures its baseline in the same run and writes its figures
+to bench/results/<name>-<backend>.json, with the machine and its load.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,37 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 NOISY = "shared 2-core machine with other work running: figures are noisy; ratios come from runs in the same process, alternated"
+MODELS = Path(os.environ.get("LATTICE_BENCH_MODELS", Path.home() / ".cache" / "lattice-bench"))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def demo_model(size: str) -> Path:
+    """A demo model of the given size, built once by the demo-model builder."""
+    path = MODELS / size
+    if not (path / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "worker.demo_model", str(path), "--size", size], check=True, env=child_env(), cwd=ROOT)
+    return path
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu', asked of a fresh interpreter so that the
+    caller need not import mlx (the CPU path must load OpenBLAS first)."""
+    code = "import mlx.core as mx; print('metal' if mx.metal.is_available() else ('cuda' if mx.cuda.is_available() else 'cpu'))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def version(dist: str) -> str | None:
@@ -24,14 +55,57 @@ def version(dist: str) -> str | None:
 
 
 def machine() -> dict:
-    return {
-        "cpus": os.cpu_count(),
-        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": load_average(),
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
     }
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        info["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if gpu.returncode == 0:
+            info["gpu"] = gpu.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def tagged(name: str, tag: str) -> str:
+    return f"{name}-{tag}" if tag else name
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    return path
+
+
+def write(name: str, result: dict, out: Path | None = None) -> Path:
+    """write_result, or to an explicit path."""
+    if out is None:
+        return write_result(name, result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,9 +122,63 @@ def summary(values: list[float], digits: int = 3) -> dict:
     }
 
 
-def write(name: str, result: dict, out: Path | None = None) -> Path:
-    path = out or RESULTS / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {path}")
-    return path
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class WorkerClient:
+    """A real worker process driven over its pipes, timing events as they come."""
+
+    def __init__(self, model: Path, *args: str):
+        from ipc.framing import encode_frame
+
+        self._encode = encode_frame
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--model", str(model), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(),
+            cwd=ROOT,
+        )
+        self._rid = 0
+        while self._event()["ev"] != "ready":
+            pass
+
+    def _event(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited with {self.proc.wait()}")
+            event = json.loads(line[len(b"@@lattice ") :])
+            if event["ev"] != "heartbeat":
+                return event
+
+    def generate(self, **kw) -> dict:
+        """Runs one request; returns the final line plus client-side times."""
+        from ipc.messages import Generate
+
+        self._rid += 1
+        t0 = time.perf_counter()
+        self.proc.stdin.write(self._encode(Generate(rid=self._rid, **kw)))
+        self.proc.stdin.flush()
+        first = last = None
+        text = []
+        while True:
+            event = self._event()
+            if event["ev"] == "error":
+                raise RuntimeError(event["msg"])
+            now = time.perf_counter()
+            if event["done"]:
+                event["client_ttft_ms"] = ((first or now) - t0) * 1000
+                event["client_total_ms"] = (now - t0) * 1000
+                event["text"] = "".join(text)
+                event["last_token_s"] = (last or now) - t0
+                return event
+            text.append(event["token"])
+            first = first or now
+            last = now
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()

@@ -31,7 +31,7 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    from bench._common import demo_model, load_average, machine, tagged, write_result
+    from bench.common import demo_model, load_average, machine, tagged, write_result
     from ipc.messages import Generate
     from worker.engine import Engine
     from worker.loader import load

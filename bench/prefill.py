@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from bench._common import demo_model, load_average, machine, median, tagged, write_result
+from bench.common import demo_model, load_average, machine, median, tagged, write_result
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench._common import (
+from bench.common import (
     ROOT,
     WorkerClient,
     backend,

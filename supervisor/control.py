@@ -27,9 +27,9 @@ from pathlib import Path
 
 from ipc.events import BAD_REQUEST, encode_error, event_name
 from supervisor.config import Config, ConfigError
-from supervisor.endpoint import TOO_LONG, LineSplitter
+from supervisor.endpoint import LineSplitter, read_line
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest, encode_id, parse_line
+from supervisor.requests import BadRequest, encode_id
 
 log = logging.getLogger("lattice.control")
 
@@ -203,15 +203,12 @@ class ControlServer:
             writer.close()
 
     def _dispatch(self, client: _Client, line) -> None:
-        if line is TOO_LONG:
-            client.write(encode_error(f"line longer than {MAX_LINE} bytes", BAD_REQUEST))
-            return
-        if not line.strip():
-            return
         try:
-            msg = parse_line(line)
+            msg = read_line(line, MAX_LINE)
         except BadRequest as exc:
             client.write(encode_error(exc.msg, BAD_REQUEST, exc.id_json))
+            return
+        if msg is None:
             return
         if msg.op is None:
             client.write(

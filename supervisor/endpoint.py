@@ -15,7 +15,7 @@ import threading
 
 from ipc.events import BAD_REQUEST
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest, parse_line
+from supervisor.requests import BadRequest, ClientLine, parse_line
 
 log = logging.getLogger("lattice.endpoint")
 
@@ -91,16 +91,23 @@ def start_reader(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int 
     return thread
 
 
-def dispatch(pool: Pool, line) -> None:
+def read_line(line, max_line: int = MAX_LINE) -> ClientLine | None:
+    """A splitter's line as a request or op; None for a blank line. Raises
+    BadRequest for anything invalid, an over-long line included."""
     if line is TOO_LONG:
-        pool.reject(BAD_REQUEST, f"request line longer than {MAX_LINE} bytes", None)
-        return
+        raise BadRequest(f"request line longer than {max_line} bytes")
     if not line.strip():
-        return
+        return None
+    return parse_line(line)
+
+
+def dispatch(pool: Pool, line) -> None:
     try:
-        msg = parse_line(line)
+        msg = read_line(line)
     except BadRequest as exc:
         pool.reject(BAD_REQUEST, exc.msg, exc.id_json)
+        return
+    if msg is None:
         return
     if msg.op is None:
         pool.submit(msg)
