@@ -109,5 +109,7 @@ class Output:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
+        # Ours to close: not a client that went away.
+        self.closed.set()
         if self._transport is not None:
             self._transport.close()
