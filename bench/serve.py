@@ -10,8 +10,11 @@ worker program driven over its own pipes, no supervisor, timed the same
 way: serve/worker is the supervisor's share, worker/mlx-lm the engine's.
 "mlx-lm" is mlx_lm.stream_generate in this process, timed at each yielded
 token.
-Decode rate = (tokens - 1) / (last token time - first token time), so
-prompt processing stays out of it. Rounds alternate; each side warms up
+Decode rate = (tokens - 1) / (time of the last token - time of the first),
+so prompt processing stays out of it. Tokens are counted, not lines: a
+character split across tokens arrives as one line, so for the pool and the
+worker the count is the done line's gen_tokens and the last token's time is
+the done line's arrival. Rounds alternate; each side warms up
 first. The goal (issue 4) is serve >= 0.98x mlx-lm.
 Writes bench/results/serve.json.
 """
@@ -81,11 +84,11 @@ class Serve:
             event = self.next_event(lambda e: e["ev"] in ("gen_token", "error"))
             if event["ev"] == "error":
                 raise RuntimeError(event)
+            times.append(event["_at"])
             if event["done"]:
                 break
-            times.append(event["_at"])
         own = (event["gen_tokens"] - 1) / ((event["total_ms"] - event["ttft_ms"]) / 1000.0)
-        return (len(times) - 1) / (times[-1] - times[0]), event["gen_tokens"], own
+        return (event["gen_tokens"] - 1) / (times[-1] - times[0]), event["gen_tokens"], own
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -109,9 +112,10 @@ class Worker:
             line = self.w.next_line()
             at = time.perf_counter()
             if line.startswith(b'@@lattice {"ev":"gen_token"'):
-                if b'"done":true' in line:
-                    return (len(times) - 1) / (times[-1] - times[0]), len(times)
                 times.append(at)
+                if b'"done":true' in line:
+                    n = json.loads(line[10:])["gen_tokens"]
+                    return (n - 1) / (times[-1] - times[0]), n
 
     def close(self) -> None:
         self.w.close()
