@@ -156,7 +156,8 @@ def chaos(cfg: str, requests: int, kills: int, seed: int) -> dict:
         wall = max(e["_at"] for e in ends) - t0
         recoveries = []
         for model, at in killed:
-            ready = next(e for e in pool.events if e["ev"] == "ready" and e.get("model") == model and e["_at"] > at)
+            # An idle victim may come back after the last request has ended.
+            ready = pool.wait_for(lambda e, m=model, a=at: e["ev"] == "ready" and e.get("model") == m and e["_at"] > a, timeout=60)
             recoveries.append((ready["_at"] - at) * 1000)
         assert pool.close() == 0
     finally:
