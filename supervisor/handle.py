@@ -14,7 +14,7 @@ import collections
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import msgspec
@@ -31,7 +31,7 @@ from ipc.events import (
     is_final_token,
 )
 from ipc.messages import HEARTBEAT, WORKER_STATS, Cancel, Generate, SetAdapter, Stats
-from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
+from supervisor.policy import CrashHistory, GiveUp, on_crash
 from supervisor.process import WorkerProcess
 from supervisor.resolve import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
@@ -77,7 +77,6 @@ class Job:
     emitted: bool = False
     attempts: int = 0
     finished: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
     on_end: Callable[["Job"], None] | None = None
 
     @property
@@ -108,7 +107,6 @@ class WorkerHandle:
         self.restarts = 0
         self.served = 0
         self.tokens = 0
-        self.malformed_lines = 0
         self.last_used = time.monotonic()
         self.last_heard = time.monotonic()
         self.ready_line: bytes | None = None
@@ -218,9 +216,6 @@ class WorkerHandle:
             return True
         return False
 
-    def has_request(self, id_json: str) -> bool:
-        return (self.current is not None and self.current.id_json == id_json) or any(j.id_json == id_json for j in self.queue)
-
     def end_with_error(self, job: Job, code: str, msg: str) -> None:
         self.pool.note_error(self, code)
         self._end(job, encode_error(msg, code, job.id_json))
@@ -324,7 +319,6 @@ class WorkerHandle:
         return True
 
     def _malformed(self, line: bytes) -> None:
-        self.malformed_lines += 1
         log.warning("%s: malformed line from the worker dropped: %r", self._describe(), line[:120])
 
     def _finish(self, job: Job, line: bytes, final: _Final | None) -> None:

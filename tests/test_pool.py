@@ -1,9 +1,7 @@
 """`lattice-pool serve` end to end: real supervisor, real workers, two demo models."""
 
 import json
-import os
 import signal
-import subprocess
 
 import pytest
 
@@ -33,10 +31,6 @@ preload = {str(preload).lower()}
         return str(path)
 
     return write
-
-
-def ready_pids(pool, *names):
-    return {n: pool.wait_ev("ready", model=n)["_line"] and None for n in names}
 
 
 def status(pool):
