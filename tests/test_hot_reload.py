@@ -145,3 +145,20 @@ def test_rapid_rewrites_while_requests_stream(setup, tmp_path, tiny_model):
     pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "v1" and e["sha256"] == last)
     assert greedy("live") == greedy("v1")
     assert pool.close() == 0
+
+
+def test_adapter_directories_reload_too(tmp_path, tiny_model, spawn_pool):
+    """A PEFT adapter given as its directory: a new config alone is a new adapter."""
+    from tests.lora_files import write_peft
+
+    pairs = lora_pairs(targets_of(tiny_model), seed=4)
+    live = write_peft(tmp_path / "adapters" / "style", pairs, r=4, alpha=8.0)
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "live"\npath = "{tiny_model}"\nlora = "{live}"\npreload = true\n')
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="live")
+    write_peft(live, pairs, r=4, alpha=16.0)  # same tensors, twice the scale
+    expected = sha((live / "adapter_model.safetensors").read_bytes() + (live / "adapter_config.json").read_bytes())
+    loaded = pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["sha256"] == expected)
+    assert loaded["lora"] == str(live)
+    assert pool.close() == 0
