@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from tests.procs import close_stdin
 from tests.workerproc import ROOT, child_env
 
 
@@ -119,11 +120,7 @@ class PoolProc:
     def close(self, timeout: float = 60.0) -> int:
         """EOF on stdin, wait for exit, then check that every request ended
         with exactly one terminal event."""
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
+        close_stdin(self.proc)
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

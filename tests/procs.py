@@ -48,3 +48,12 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def close_stdin(proc) -> None:
+    """EOF for a child: the signal every lattice-pool process stops on."""
+    if proc.stdin and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass

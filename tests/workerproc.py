@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
+from tests.procs import close_stdin
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,11 +95,7 @@ class WorkerProc:
                 return events
 
     def close(self) -> int:
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
+        close_stdin(self.proc)
         try:
             rc = self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
