@@ -157,8 +157,9 @@ def test_adapter_directories_reload_too(tmp_path, tiny_model, spawn_pool):
     config.write_text(f'[[models]]\nname = "live"\npath = "{tiny_model}"\nlora = "{live}"\npreload = true\n')
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="live")
+    weights = sha((live / "adapter_model.safetensors").read_bytes())
     write_peft(live, pairs, r=4, alpha=16.0)  # same tensors, twice the scale
-    expected = sha((live / "adapter_model.safetensors").read_bytes() + (live / "adapter_config.json").read_bytes())
-    loaded = pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["sha256"] == expected)
-    assert loaded["lora"] == str(live)
+    config = sha((live / "adapter_config.json").read_bytes())
+    loaded = pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["config_sha256"] == config)
+    assert loaded["lora"] == str(live) and loaded["sha256"] == weights
     assert pool.close() == 0
