@@ -82,7 +82,7 @@ class Resolver:
             # Client text becomes a path here: a NUL byte, an over-long name or
             # a symlink loop (RuntimeError from Path.resolve before Python
             # 3.13) is a bad reference, not a reason for the endpoint to fail.
-            what = f"model {ref!r}" + (f" with lora {lora!r}" if lora is not None else "")
+            what = (f"model {ref!r}" if ref is not None else "the default model") + (f" with lora {lora!r}" if lora is not None else "")
             raise UnknownModel(f"{what} is not a usable path: {exc}") from exc
 
     def _resolve(self, ref: str | None, lora: str | None) -> ModelSpec:
