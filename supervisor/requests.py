@@ -84,10 +84,16 @@ def _probe_id(line: bytes) -> str | None:
     return None
 
 
-# A JSON string (escapes included) or a bracket: what _scan_id steps over.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+# What _scan_id steps over: a JSON string (escapes included), or a run of
+# opening or of closing brackets (so nesting depth costs nothing).
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{][\[{\s]*|[\]}][\]}\s]*')
 # The value after a top-level "id" key: a string or a number, then , or }.
 _ID_VALUE = re.compile(rb'\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*[,}]')
+
+
+# Tokens stepped over before giving up: a 64 MiB line of "[]" pairs must
+# not hold the event loop for seconds.
+_SCAN_TOKENS = 100_000
 
 
 def _scan_id(line: bytes) -> str | None:
@@ -98,12 +104,14 @@ def _scan_id(line: bytes) -> str | None:
     if not line.lstrip().startswith(b"{"):
         return None
     depth = 0
-    for token in _TOKEN.finditer(line):
+    for n, token in enumerate(_TOKEN.finditer(line)):
+        if n > _SCAN_TOKENS:
+            return None
         text = token.group()
-        if text in (b"{", b"["):
-            depth += 1
-        elif text in (b"}", b"]"):
-            depth -= 1
+        if text[0] in b"[{":
+            depth += text.count(b"[") + text.count(b"{")
+        elif text[0] in b"]}":
+            depth -= text.count(b"]") + text.count(b"}")
             if depth <= 0:
                 return None
         elif depth == 1 and text == b'"id"':
