@@ -138,10 +138,14 @@ UNKNOWN_MODEL = "unknown_model"
 LOAD_FAILED = "load_failed"
 MODEL_FAILED = "model_failed"
 WORKER_CRASHED = "worker_crashed"
+OVERLOADED = "overloaded"
 INSUFFICIENT_MEMORY = "insufficient_memory"
 ADAPTER_ERROR = "adapter_error"
 UNLOADED = "unloaded"
 SHUTTING_DOWN = "shutting_down"
+# Beyond SPEC §2: something unexpected went wrong while handling one line,
+# op or connection; the pool logged it with its traceback and goes on.
+INTERNAL = "internal"
 
 _TOKEN_HEAD = b'@@lattice {"ev":"gen_token",'
 _EVENT_HEAD = b'@@lattice {"ev":"'

@@ -16,6 +16,21 @@ DEFAULT_TOP_K = 50
 DEFAULT_TOP_P = 0.9
 DEFAULT_REPETITION_PENALTY = 1.1
 
+# Bounds both sides enforce (the pool's config may change them): prompt text
+# is refused above this many UTF-8 bytes before it is tokenized, and an
+# adapter file above this size before it is read.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+DEFAULT_MAX_ADAPTER_BYTES = 1 << 30
+
+
+def utf8_len(text: str, limit: int) -> int:
+    """UTF-8 bytes of `text`, exact up to `limit`; above it, some number
+    above `limit`: a text longer than the limit in characters is longer in
+    bytes too, so it is never encoded just to be refused."""
+    if text.isascii() or len(text) > limit:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
 
 class Message(msgspec.Struct, frozen=True):
     role: str

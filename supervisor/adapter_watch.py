@@ -72,7 +72,7 @@ class AdapterWatcher:
     def _changed(self) -> None:
         self._cancel_retry()
         if not self.path.exists():
-            log.warning("adapter %s was deleted; the worker keeps the version it has", self.path)
+            log.warning("adapter %s was deleted (or cannot be reached); the worker keeps the version it has", self.path)
             self._missing()
             return
         log.info("adapter %s changed on disk; reloading", self.path)

@@ -14,6 +14,8 @@ from supervisor.pool import Pool
 
 log = logging.getLogger("lattice.app")
 
+EX_SOFTWARE = 70  # sysexits.h: an internal error
+
 
 async def run_pool(
     config: Config,
@@ -38,7 +40,7 @@ async def run_pool(
         from supervisor.metrics import MetricsServer  # prometheus-client only when asked for
 
         try:
-            metrics = MetricsServer.start(pool, config.metrics_port)
+            metrics = MetricsServer.start(pool, config.metrics_port, config.max_metrics_connections)
         except ConfigError:
             output.close()
             if control is not None:
@@ -65,6 +67,12 @@ async def run_pool(
     }
     done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     why = next(waits[t] for t in waits if t in done)
+    rc = 0
+    if stdin in done and stdin.exception() is not None:
+        # Every line is its own boundary (endpoint.dispatch), so this is a
+        # bug; a pool that stops reading must not look like one at EOF.
+        log.critical("the stdin endpoint failed; shutting down", exc_info=stdin.exception())
+        why, rc = "stdin endpoint failed", EX_SOFTWARE
     grace = eof_grace if why == "stdin closed" else config.shutdown_grace
     if why == "stdout closed":
         grace = 0
@@ -82,7 +90,7 @@ async def run_pool(
     output.close()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
-    return 0
+    return rc
 
 
 async def _serve_after(pool: Pool, handles: list) -> None:

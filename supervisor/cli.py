@@ -17,7 +17,7 @@ from ipc.messages import Message
 from supervisor import logs
 from supervisor.app import run_pool
 from supervisor import ps
-from supervisor.config import Config, ConfigError, ModelEntry, load_config
+from supervisor.config import Config, ConfigError, ModelEntry, load_config, validate
 from supervisor.control import socket_path
 from supervisor.demo import DEMO_NAME, ensure_demo_model
 from supervisor.pool import Pool
@@ -63,12 +63,9 @@ def apply_overrides(config: Config, args: argparse.Namespace) -> None:
 def base_config(args: argparse.Namespace) -> Config:
     config = load_config(args.config) if getattr(args, "config", None) else Config()
     apply_overrides(config, args)
-    # Re-run the checks of the file on the merged values.
-    try:
-        Config.__post_init__(config)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    return config
+    # The checks of the file, on the merged values: a flag out of range
+    # (--metrics-port 99999) is refused like the same key in a file.
+    return validate(config)
 
 
 def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora: str | None, tokenizer_dir: Path | None) -> None:

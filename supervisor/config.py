@@ -14,6 +14,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+
 Duration = str | int | float
 Size = str | int
 
@@ -58,6 +60,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # True: the default path (supervisor.control.default_socket_path); a
     # string: that path; False: no control socket.
     control_socket: str | bool = True
+    # Bounds on what a client can make the pool hold (configs/example.toml).
+    max_queued: Annotated[int, Meta(ge=1)] = 256
+    max_queued_total: Annotated[int, Meta(ge=1)] = 1024
+    max_prompt_bytes: Size = DEFAULT_MAX_PROMPT_BYTES
+    max_adapter_bytes: Size = DEFAULT_MAX_ADAPTER_BYTES
+    max_control_clients: Annotated[int, Meta(ge=1)] = 32
+    control_idle_timeout: Duration | None = "5m"
+    max_metrics_connections: Annotated[int, Meta(ge=1)] = 8
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 
@@ -69,7 +79,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Parse once so a bad value fails at start-up, not at first use.
         parse_size(self.memory_budget)
         parse_size(self.prefix_cache_bytes)
-        for value in (self.keep_alive, self.stats_interval, *(m.keep_alive for m in self.models)):
+        for name in ("max_prompt_bytes", "max_adapter_bytes"):
+            if parse_size(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1 byte")
+        for value in (self.keep_alive, self.stats_interval, self.control_idle_timeout, *(m.keep_alive for m in self.models)):
             parse_duration(value)
 
 
@@ -118,6 +131,15 @@ def _describe(exc: msgspec.ValidationError) -> str:
     if missing:
         return f"missing key `{missing.group(1)}`" + (f" in [{where}]" if where else "")
     return f"key `{where}`: {text}" if where else text
+
+
+def validate(config: Config) -> Config:
+    """The checks of a config file, run again on a config that flags have
+    changed since it was decoded (msgspec checks ranges only on decode)."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(config), Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc
 
 
 def load_config(path: Path) -> Config:

@@ -23,12 +23,14 @@ import shutil
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
-from ipc.events import BAD_REQUEST, encode_error, event_name
-from supervisor.config import Config, ConfigError
-from supervisor.endpoint import LineSplitter, read_line
+from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, encode_error, event_name
+from supervisor.config import Config, ConfigError, parse_duration
+from supervisor.endpoint import LineSplitter, internal_error, read_line
 from supervisor.pool import Pool
+from supervisor.process import RESOURCE_ERRNOS
 from supervisor.requests import BadRequest, encode_id
 
 log = logging.getLogger("lattice.control")
@@ -38,6 +40,7 @@ MAX_LINE = 1024 * 1024
 # A client that stops reading is dropped once this much waits for it, so it
 # can never grow the supervisor's memory.
 MAX_BACKLOG = 1024 * 1024
+ACCEPT_RETRY_DELAY = 1.0
 LIFECYCLE = frozenset({b"loading", b"ready", b"unloaded", b"restarting", b"failed", b"adapter_loaded", b"adapter_error", b"stats"})
 _TOKEN_LINE = b'@@lattice {"ev":"gen_token"'
 
@@ -105,7 +108,9 @@ def bind_private(path: Path) -> socket.socket:
         tmp = os.path.join(private, "s")
         sock.bind(tmp)
         os.chmod(tmp, 0o600)
-        sock.listen(16)
+        # A short backlog refuses (EAGAIN) clients that connect at the same
+        # moment; the kernel caps this at net.core.somaxconn.
+        sock.listen(socket.SOMAXCONN)
         # link(), unlike rename(), fails when the name exists: a pool that
         # started at the same moment keeps its socket.
         os.link(tmp, path)
@@ -125,6 +130,7 @@ class _Client:
     def __init__(self, writer: asyncio.StreamWriter):
         self.writer = writer
         self.pending: set[asyncio.Task] = set()
+        self.last_active = time.monotonic()
 
     def write(self, data: bytes) -> None:
         if self.writer.is_closing():
@@ -133,17 +139,20 @@ class _Client:
             log.warning("control client is not reading its events; dropping it")
             self.writer.close()
             return
+        self.last_active = time.monotonic()
         self.writer.write(data)
 
 
 class ControlServer:
-    def __init__(self, path: Path, sock: socket.socket):
+    def __init__(self, path: Path, sock: socket.socket, max_clients: int = 32, idle_timeout: float | None = None):
         self.pool: Pool | None = None
         self.path = path
+        self.max_clients = max_clients
+        self.idle_timeout = idle_timeout
         self._sock = sock
         st = os.stat(path)
         self._identity = (st.st_dev, st.st_ino)
-        self._server: asyncio.AbstractServer | None = None
+        self._accepting: asyncio.Task | None = None
         self._clients: set[_Client] = set()
         self._sessions: set[asyncio.Task] = set()
 
@@ -162,13 +171,44 @@ class ControlServer:
                 log.warning("%s; running without a control socket", exc)
                 return None
             raise
-        return cls(path, sock)
+        return cls(path, sock, config.max_control_clients, parse_duration(config.control_idle_timeout))
 
     async def start(self, pool: Pool) -> None:
         self.pool = pool
-        self._server = await asyncio.start_unix_server(self._session, sock=self._sock)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
         pool.output.add_tap(self._broadcast)
         log.info("control socket at %s", self.path)
+
+    async def _accept(self) -> None:
+        # Our own accept loop, not asyncio.start_unix_server: out of file
+        # descriptors, CPython's (before gh-151615) schedules a retry per
+        # failed accept, up to `backlog` of them per try, and floods stderr
+        # with millions of tracebacks. Here: one line, one retry a second.
+        loop = asyncio.get_running_loop()
+        starved = False
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    log.exception("control socket: accept failed")
+                elif not starved:
+                    log.warning("control socket: cannot accept connections (%s); retrying every %gs", exc.strerror, ACCEPT_RETRY_DELAY)
+                starved = True
+                await asyncio.sleep(ACCEPT_RETRY_DELAY)
+                continue
+            starved = False
+            try:
+                reader, writer = await asyncio.open_unix_connection(sock=conn)
+            except Exception:
+                log.exception("control socket: a new connection failed")
+                conn.close()
+                continue
+            session = loop.create_task(self._session(reader, writer))
+            self._sessions.add(session)
+            session.add_done_callback(self._sessions.discard)
 
     def _broadcast(self, data: bytes) -> None:
         if not self._clients or data.startswith(_TOKEN_LINE):
@@ -179,13 +219,22 @@ class ControlServer:
                     client.write(line)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._sessions.add(asyncio.current_task())
+        if len(self._clients) >= self.max_clients:
+            # Every connection holds a descriptor: past the bound, refuse one
+            # rather than let idle clients use up what workers need to start.
+            log.warning("control socket: %d clients connected (max_control_clients); refusing another", len(self._clients))
+            writer.write(encode_error(f"{len(self._clients)} control clients are connected (max_control_clients); try again later", OVERLOADED))
+            writer.close()
+            return
         client = _Client(writer)
         self._clients.add(client)
         splitter = LineSplitter(MAX_LINE)
         try:
             while True:
-                data = await reader.read(65536)
+                data = await self._read(reader, client)
+                if data is None:
+                    log.info("control socket: closing a connection idle for %gs (control_idle_timeout)", self.idle_timeout)
+                    return
                 for line in splitter.feed(data) if data else splitter.finish():
                     self._dispatch(client, line)
                 if not data:
@@ -197,38 +246,56 @@ class ControlServer:
             await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
+        except Exception:
+            log.exception("control socket: a connection failed; closing it")
         finally:
             self._clients.discard(client)
-            self._sessions.discard(asyncio.current_task())
             writer.close()
 
+    async def _read(self, reader: asyncio.StreamReader, client: _Client) -> bytes | None:
+        """The next bytes from the client (b"" at EOF), or None once nothing
+        went either way for idle_timeout."""
+        while True:
+            if self.idle_timeout is None:
+                return await reader.read(65536)
+            left = client.last_active + self.idle_timeout - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                data = await asyncio.wait_for(reader.read(65536), left)
+            except asyncio.TimeoutError:
+                continue
+            client.last_active = time.monotonic()
+            return data
+
     def _dispatch(self, client: _Client, line) -> None:
+        id_json = None
         try:
             msg = read_line(line, MAX_LINE)
+            if msg is None:
+                return
+            id_json = encode_id(msg.id)
+            if msg.op is None:
+                client.write(
+                    encode_error("generation requests are not taken on the control socket; send them on stdin", BAD_REQUEST, id_json)
+                )
+                return
+            task = self.pool.op(msg, client.write)
         except BadRequest as exc:
             client.write(encode_error(exc.msg, BAD_REQUEST, exc.id_json))
             return
-        if msg is None:
+        except Exception as exc:
+            log.exception("control socket line failed: %r", line[:200] if isinstance(line, bytes) else line)
+            client.write(encode_error(internal_error("this line", exc), INTERNAL, id_json))
             return
-        if msg.op is None:
-            client.write(
-                encode_error(
-                    "generation requests are not taken on the control socket; send them on stdin",
-                    BAD_REQUEST,
-                    encode_id(msg.id),
-                )
-            )
-            return
-        task = self.pool.op(msg, client.write)
         if task is not None:
             client.pending.add(task)
             task.add_done_callback(client.pending.discard)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        else:
-            self._sock.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        self._sock.close()
         for client in list(self._clients):
             client.writer.close()
         for session in list(self._sessions):

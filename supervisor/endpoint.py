@@ -1,9 +1,12 @@
 """The stdin endpoint: NDJSON lines in, requests and ops to the pool.
 
 A thread does the blocking reads, so stdin may be a pipe, a file or a
-terminal, and the event loop never sees a half line. The bounded queue
-between them is the backpressure: a client that floods requests waits in
-its write() instead of growing our memory.
+terminal. It hands raw chunks to the event loop through a small queue, and
+the loop takes one line at a time, reading on only while the pool can take
+more (pool.input_blocked): a client that floods lines without reading the
+answers waits in its write() instead of growing our memory. Each line is
+one boundary: whatever goes wrong with it is answered and logged, and the
+next line is read.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ import logging
 import os
 import threading
 
-from ipc.events import BAD_REQUEST
+from ipc.events import BAD_REQUEST, INTERNAL
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.requests import BadRequest, ClientLine, encode_id, parse_line
 
 log = logging.getLogger("lattice.endpoint")
 
 MAX_LINE = 64 * 1024 * 1024
-READ_SIZE = 1 << 20
+READ_SIZE = 256 * 1024
+# Raw chunks read ahead of the loop: the only input buffered beyond the line
+# being handled (and the splitter's partial line).
+READ_AHEAD = 4
 
 
 class _TooLong:
@@ -71,19 +77,17 @@ class LineSplitter:
 
 
 def start_reader(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int = 0) -> threading.Thread:
+    """Puts raw chunks of `fd` on `queue`, then b"" at EOF."""
+
     def run() -> None:
-        splitter = LineSplitter()
         while True:
             try:
                 chunk = os.read(fd, READ_SIZE)
             except OSError as exc:
                 log.warning("stdin read failed: %s", exc)
                 chunk = b""
-            lines = splitter.feed(chunk) if chunk else splitter.finish()
-            if lines:
-                asyncio.run_coroutine_threadsafe(queue.put(lines), loop).result()
+            asyncio.run_coroutine_threadsafe(queue.put(chunk), loop).result()
             if not chunk:
-                asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
                 return
 
     thread = threading.Thread(target=run, name="stdin", daemon=True)
@@ -101,31 +105,42 @@ def read_line(line, max_line: int = MAX_LINE) -> ClientLine | None:
     return parse_line(line)
 
 
+def internal_error(what: str, exc: BaseException) -> str:
+    return f"internal error while handling {what}: {type(exc).__name__}: {exc}; the pool logged it and goes on"
+
+
 def dispatch(pool: Pool, line) -> None:
+    id_json = None
     try:
         msg = read_line(line)
+        if msg is None:
+            return
+        id_json = encode_id(msg.id)
+        if msg.op is None:
+            pool.submit(msg)
+        else:
+            pool.op(msg)
     except BadRequest as exc:
         pool.reject(BAD_REQUEST, exc.msg, exc.id_json)
-        return
-    if msg is None:
-        return
-    if msg.op is None:
-        pool.submit(msg)
-    else:
-        pool.op(msg)
+    except Exception as exc:
+        log.exception("stdin line failed: %r", line[:200] if isinstance(line, bytes) else line)
+        pool.reject(INTERNAL, internal_error("this line", exc), id_json)
 
 
 async def serve_stdin(pool: Pool, fd: int = 0) -> None:
     """Returns at EOF."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=16)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
     start_reader(asyncio.get_running_loop(), queue, fd)
+    splitter = LineSplitter()
     while True:
-        lines = await queue.get()
-        if lines is None:
+        chunk = await queue.get()
+        for line in splitter.feed(chunk) if chunk else splitter.finish():
+            # Every line gets an answer on stdout, and a request may wait in
+            # the pool: either can outgrow what a client that does not read
+            # lets us write, so each line waits for room first.
+            if pool.input_blocked():
+                await pool.input_room()
+            dispatch(pool, line)
+        if not chunk:
             log.info("stdin closed")
             return
-        # Every line gets an answer on stdout: a client that sends without
-        # reading waits in its write, instead of growing our output buffer.
-        await pool.output.wait_writable()
-        for line in lines:
-            dispatch(pool, line)

@@ -31,8 +31,9 @@ from ipc.events import (
     is_final_token,
 )
 from ipc.messages import HEARTBEAT, WORKER_STATS, Cancel, Generate, SetAdapter, Stats
+from supervisor.logs import LastMessage
 from supervisor.policy import CrashHistory, GiveUp, on_crash
-from supervisor.process import WorkerProcess
+from supervisor.process import RESOURCE_ERRNOS, WorkerProcess
 from supervisor.resolve import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
 
@@ -111,7 +112,7 @@ class WorkerHandle:
         self.last_heard = time.monotonic()
         self.ready_line: bytes | None = None
         self.stats: dict = {}
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.stderr_tail = LastMessage()
         self._stats_waiters: list[asyncio.Future] = []
         self._restart_timer: asyncio.TimerHandle | None = None
         self._kill_reason: str | None = None
@@ -174,11 +175,18 @@ class WorkerHandle:
         self.last_heard = time.monotonic()
         try:
             await proc.start(self.pool.worker_argv(self.spec), self.pool.worker_env())
-        except OSError as exc:
-            log.error("%s: cannot start worker: %s", self._describe(), exc)
+        except Exception as exc:
             self.proc = None
-            if self.state == State.LOADING:
-                self._give_up(f"cannot start the worker process: {exc}", LOAD_FAILED)
+            if self.state != State.LOADING:
+                return
+            how = f"cannot start the worker process: {exc}"
+            if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS:
+                # Out of file descriptors or processes: that passes, so it is retried like a crash.
+                log.error("%s: %s; will retry", self._describe(), how)
+                self._crashed(how, how, exit_code=None, uptime=0.0, was_loading=True)
+            else:
+                log.error("%s: %s", self._describe(), how, exc_info=not isinstance(exc, OSError))
+                self._give_up(how, LOAD_FAILED)
             return
         proc.pause_reading(self.pool.output.paused)
         log.info("%s: worker started", self._describe())
@@ -187,7 +195,7 @@ class WorkerHandle:
 
     def submit(self, job: Job) -> None:
         if self.state == State.FAILED:
-            self.end_with_error(job, MODEL_FAILED, f"model {self.name!r} has failed; send a load op to retry")
+            self.end_with_error(job, MODEL_FAILED, f"model {job.spec.name!r} has failed; send a load op to retry")
             return
         self.queue.append(job)
         self.last_used = time.monotonic()
@@ -351,12 +359,7 @@ class WorkerHandle:
 
     def _on_stderr(self, data: bytes) -> None:
         self.last_heard = time.monotonic()
-        keep = self.stderr_tail.maxlen
-        # Only the last lines can stay in the tail, so a flood costs no Python per line.
-        for raw in data.rsplit(b"\n", keep)[-keep:]:
-            text = raw.decode("utf-8", "replace").strip()
-            if text:
-                self.stderr_tail.append(text)
+        self.stderr_tail.feed(data)
         self.pool.relay_stderr(data)
 
     def _on_overflow(self) -> None:
@@ -442,7 +445,8 @@ class WorkerHandle:
             self._stopped.set()
             return
         how = self._kill_reason or describe_exit(code)
-        tail = f"; last stderr: {self.stderr_tail[-1]}" if self.stderr_tail else ""
+        last = self.stderr_tail.text()
+        tail = f"; last stderr: {last}" if last else ""
         was_loading = self.state == State.LOADING
         log.error("%s: worker died (%s)%s", self._describe(), how, tail)
         job = self.current
@@ -455,18 +459,22 @@ class WorkerHandle:
                 self.queue.appendleft(job)
                 log.info("%s: request %s will be retried after the restart", self._describe(), job.label)
             else:
-                self.end_with_error(job, WORKER_CRASHED, f"worker for model {self.name!r} crashed ({how}) while generating{tail}")
+                self.end_with_error(job, WORKER_CRASHED, f"worker for model {job.spec.name!r} crashed ({how}) while generating{tail}")
+        self._crashed(how, f"{how}{tail}", exit_code=code, uptime=time.monotonic() - proc.started_at, was_loading=was_loading)
+
+    def _crashed(self, how: str, why: str, *, exit_code: int | None, uptime: float, was_loading: bool) -> None:
+        """Restart with backoff, or give up: the restart policy decides."""
         decision = on_crash(
             self.pool.restart_policy,
             self.history,
             now=time.monotonic(),
-            uptime=time.monotonic() - proc.started_at,
-            exit_code=code,
+            uptime=uptime,
+            exit_code=exit_code,
             rng=self.pool.rng,
         )
         self.history = decision.history
         if isinstance(decision, GiveUp):
-            self._give_up(f"{decision.reason} ({how}){tail}", LOAD_FAILED if was_loading else MODEL_FAILED)
+            self._give_up(f"{decision.reason} ({why})", LOAD_FAILED if was_loading else MODEL_FAILED)
             return
         self.restarts += 1
         self.pool.note_restart(self)
@@ -486,7 +494,7 @@ class WorkerHandle:
         jobs = list(self.queue)
         self.queue.clear()
         for job in jobs:
-            self.end_with_error(job, code, f"model {self.name!r} failed: {reason}")
+            self.end_with_error(job, code, f"model {job.spec.name!r} failed: {reason}")
         self.pool.on_idle(self)
 
     def reset_failed(self) -> None:
@@ -529,7 +537,7 @@ class WorkerHandle:
         jobs = list(self.queue)
         self.queue.clear()
         for job in jobs:
-            self.end_with_error(job, code, f"request not run: model {self.name!r} {reason}")
+            self.end_with_error(job, code, f"request not run: model {job.spec.name!r} {reason}")
 
     def _fail_current_on_stop(self) -> None:
         job = self.current

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import time
 
@@ -85,11 +86,41 @@ class _Handler(logging.Handler):
 def setup(level: str | None = None) -> None:
     handler = _Handler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s lattice-pool: %(message)s"))
-    root = logging.getLogger("lattice")
-    root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("LATTICE_LOG_LEVEL", "INFO")).upper())
-    root.propagate = False
+    # asyncio's own reports too: through the bounded sink, never a blocking
+    # write on the event loop.
+    for name in ("lattice", "asyncio"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+    logging.getLogger("lattice").setLevel((level or os.environ.get("LATTICE_LOG_LEVEL", "INFO")).upper())
 
 
 def relay_worker_stderr(data: bytes) -> None:
     sink().put(data)
+
+
+# Lines that begin a message on a worker's stderr: a log record, a traceback,
+# the worker's one-line cause of exit 78. Other lines continue the one before.
+_MESSAGE_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|Traceback |lattice-pool worker: ")
+
+
+class LastMessage:
+    """The last message a worker wrote on stderr, with all its lines (a
+    multi-line error, a traceback down to its exception), for the reason of
+    a crash. Only the last few KiB are kept, so a flood costs no Python per
+    line; the message is cut to its last `limit` characters."""
+
+    KEEP = 8192
+
+    def __init__(self, limit: int = 600):
+        self.limit = limit
+        self._tail = b""
+
+    def feed(self, data: bytes) -> None:
+        self._tail = (self._tail + data[-self.KEEP :])[-self.KEEP :]
+
+    def text(self) -> str:
+        lines = [line for line in self._tail.decode("utf-8", "replace").splitlines() if line.strip()]
+        start = max((i for i, line in enumerate(lines) if _MESSAGE_START.match(line)), default=0)
+        message = " ".join(line.strip() for line in lines[start:])
+        return message if len(message) <= self.limit else "..." + message[-self.limit :]

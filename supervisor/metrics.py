@@ -1,4 +1,4 @@
-"""Prometheus metrics on 127.0.0.1, from prometheus-client's own server thread.
+"""Prometheus metrics on 127.0.0.1, from a server thread of our own.
 
 Counters and histograms are fed by the pool on the event loop (they are
 thread-safe). Per-model gauges are measured when scraped: the scrape thread
@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import threading
+import time
+from socketserver import ThreadingMixIn
 from typing import Callable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from supervisor.config import ConfigError
 from supervisor.handle import WorkerHandle
 from supervisor.pool import Pool
+from supervisor.process import RESOURCE_ERRNOS
 from supervisor.states import State
 
 log = logging.getLogger("lattice.metrics")
@@ -29,6 +35,7 @@ log = logging.getLogger("lattice.metrics")
 # status_fields waits at most 2 s for a worker's stats reply; a scrape that
 # still gets nothing (the loop is wedged or gone) shows counters only.
 SCRAPE_TIMEOUT = 5.0
+CONNECTION_TIMEOUT = 10.0
 LABELS = ("model", "adapter")
 
 # status row field -> (metric name, help)
@@ -136,21 +143,73 @@ class PoolMetrics:
         self.restarts.labels(*_labels(handle)).inc()
 
 
-class MetricsServer:
-    def __init__(self, metrics: PoolMetrics, port: int):
-        self.metrics = metrics
+class _QuietHandler(WSGIRequestHandler):
+    # A connection that sends no complete request within this many seconds
+    # is dropped, so an idle client cannot keep one of the few threads.
+    timeout = CONNECTION_TIMEOUT
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """prometheus-client's server starts a thread per connection without a
+    bound; this one serves at most `max_connections` at once and closes
+    any connection beyond them at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def get_request(self):
         try:
-            self._server, self._thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRNOS:
+                # Out of descriptors the connection stays queued and the socket
+                # readable: without a pause, serve_forever would spin on it.
+                time.sleep(1.0)
+            raise
+
+    def handle_error(self, request, client_address) -> None:
+        # socketserver's own prints to sys.stderr; ours goes through the log sink.
+        log.exception("metrics: a connection from %s failed", client_address)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("metrics: %d connections open (max_metrics_connections); closing another", self.max_connections)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class MetricsServer:
+    def __init__(self, metrics: PoolMetrics, port: int, max_connections: int = 8):
+        self.metrics = metrics
+        server_class = functools.partial(_BoundedServer, max_connections=max_connections)
+        try:
+            self._server = make_server("127.0.0.1", port, make_wsgi_app(metrics.registry), server_class, _QuietHandler)
         except OSError as exc:
             raise ConfigError(f"metrics_port {port}: cannot listen on 127.0.0.1: {exc.strerror or exc}") from exc
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
         log.info("metrics on http://127.0.0.1:%d/metrics", self.port)
 
     @classmethod
-    def start(cls, pool: Pool, port: int) -> "MetricsServer":
+    def start(cls, pool: Pool, port: int, max_connections: int = 8) -> "MetricsServer":
         metrics = PoolMetrics(pool, asyncio.get_running_loop())
         pool.observers.append(metrics)
-        return cls(metrics, port)
+        return cls(metrics, port, max_connections)
 
     async def close(self) -> None:
         # shutdown() waits for the serve loop's next poll: not on the event loop.

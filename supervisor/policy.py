@@ -54,7 +54,7 @@ def on_crash(
     """What to do about a worker that died `uptime` seconds after it started."""
     times = tuple(t for t in history.times if now - t <= policy.window) + (now,)
     if exit_code == EX_CONFIG:
-        return GiveUp("the worker exited with code 78: bad model dir or adapter", CrashHistory(times, history.streak))
+        return GiveUp("the worker exited with code 78: a bad model dir, adapter or resource limit keeps it from starting", CrashHistory(times, history.streak))
     if len(times) > policy.max_crashes:
         return GiveUp(f"{len(times)} crashes within {policy.window:g}s", CrashHistory(times, history.streak))
     streak = 0 if uptime >= policy.reset_after else history.streak

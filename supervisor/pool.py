@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import itertools
 import logging
 import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Coroutine, Protocol
 
 import psutil
@@ -22,8 +26,11 @@ from ipc.events import (
     ADAPTER_ERROR,
     BAD_REQUEST,
     INSUFFICIENT_MEMORY,
+    INTERNAL,
+    OVERLOADED,
     SHUTTING_DOWN,
     UNKNOWN_MODEL,
+    UNLOADED,
     encode_error,
     encode_event,
 )
@@ -34,7 +41,7 @@ from supervisor.handle import Job, WorkerHandle
 from supervisor.logs import relay_worker_stderr
 from supervisor.output import Output
 from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
-from supervisor.requests import ClientLine, encode_id, stop_list
+from supervisor.requests import ClientLine, encode_id, prompt_bytes, stop_list
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
 from supervisor.states import LIVE, State
 from supervisor.workerexec import pool_worker_module, worker_argv, worker_env
@@ -79,6 +86,7 @@ class Pool:
         self.restart_policy = RestartPolicy()
         self.rng = rng or random.Random()
         self.memory_budget = parse_size(config.memory_budget)
+        self.max_prompt_bytes = parse_size(config.max_prompt_bytes)
         self.stats_interval = parse_duration(config.stats_interval)
         self.handles: dict[tuple, WorkerHandle] = {}
         self.watchers: dict[tuple, AdapterWatcher] = {}
@@ -88,6 +96,11 @@ class Pool:
         self._active: dict[str, Job] = {}
         self._idless: collections.deque[Job | bytes] = collections.deque()
         self._idless_running: Job | None = None
+        self._idless_room = asyncio.Event()
+        self._live_jobs = 0  # requests queued or running, id-less ones included
+        # Copies of the adapters workers loaded (see worker.adapters.AdapterReader),
+        # private to this pool and removed when it ends.
+        self._adapter_copies: Path | None = None
         self._tasks: set[asyncio.Task] = set()
         self._admission = asyncio.Lock()
         self._room = asyncio.Event()
@@ -118,7 +131,25 @@ class Pool:
             args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
         if self.config.prefix_cache_bytes is not None:
             args += ["--prefix-cache-bytes", str(parse_size(self.config.prefix_cache_bytes))]
+        args += ["--max-prompt-bytes", str(self.max_prompt_bytes), "--max-adapter-bytes", str(parse_size(self.config.max_adapter_bytes))]
+        if spec.lora is not None:
+            args += ["--adapter-copies", str(self.adapter_copies_dir(spec))]
         return worker_argv(pool_worker_module(), *args)
+
+    def adapter_copies_dir(self, spec: ModelSpec) -> Path:
+        """Where the worker for `spec` keeps copies of the adapters it loaded."""
+        if self._adapter_copies is None:
+            self._adapter_copies = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))  # mode 0700
+        return self._adapter_copies / hashlib.sha256(f"{spec.path}\0{spec.lora}".encode()).hexdigest()[:16]
+
+    def _forget_adapter_copies(self, spec: ModelSpec | None = None) -> None:
+        if self._adapter_copies is None:
+            return
+        if spec is None:
+            shutil.rmtree(self._adapter_copies, ignore_errors=True)
+            self._adapter_copies = None
+        elif spec.lora is not None:
+            shutil.rmtree(self.adapter_copies_dir(spec), ignore_errors=True)
 
     def worker_env(self) -> dict[str, str]:
         return worker_env({"LATTICE_SUPERVISOR_PID": str(os.getpid())})
@@ -162,7 +193,7 @@ class Pool:
                     model=handle.name,
                     lora=handle.lora,
                     code=ADAPTER_ERROR,
-                    msg=f"adapter {handle.lora} was deleted; the worker keeps the version it loaded",
+                    msg=f"adapter {handle.lora} was deleted (or cannot be reached); the worker keeps the version it loaded",
                 )
             )
 
@@ -183,6 +214,11 @@ class Pool:
     # -- requests ------------------------------------------------------------------
 
     def reject(self, code: str, msg: str, id_json: str | None) -> None:
+        """Answers a line that will not run with one error line."""
+        if id_json is not None and id_json in self._active:
+            # The id names a request still running: a line carrying it would
+            # read as that request's end.
+            msg, id_json = f"{msg} (id {id_json} belongs to a request still running, so this error carries no id)", None
         self.note_error(None, code)
         line = encode_error(msg, code, id_json)
         if id_json is None and (self._idless_running is not None or self._idless):
@@ -200,15 +236,22 @@ class Pool:
             self.reject(SHUTTING_DOWN, "the pool is shutting down", id_json)
             return
         if id_json is not None and id_json in self._active:
-            self.reject(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running", id_json)
+            self.reject(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running; this line is refused", id_json)
+            return
+        if prompt_bytes(msg, self.max_prompt_bytes) > self.max_prompt_bytes:
+            self.reject(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)", id_json)
             return
         try:
             spec = self.resolver.resolve(msg.model, msg.lora)
         except UnknownModel as exc:
             self.reject(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc), id_json)
             return
+        if id_json is not None and (full := self._full(spec)):
+            self.reject(OVERLOADED, full, id_json)
+            return
         rid = next(self._rids)
         job = Job(rid=rid, generate=self._generate(msg, rid, id_json), id_json=id_json, spec=spec, on_end=self._job_ended)
+        self._live_jobs += 1
         self._all_idle.clear()
         if id_json is None:
             # chat_metal clients send no id and expect no interleaving at all.
@@ -217,6 +260,29 @@ class Pool:
         else:
             self._active[id_json] = job
             self.handle_for(spec).submit(job)
+
+    def _full(self, spec: ModelSpec) -> str | None:
+        """Why a request for `spec` cannot wait for its turn, if it cannot."""
+        handle = self.handles.get(spec.key)
+        if handle is not None and len(handle.queue) >= self.config.max_queued:
+            return f"model {spec.name!r} has {len(handle.queue)} requests waiting (max_queued); try again later"
+        if self._live_jobs >= self.config.max_queued_total:
+            return f"the pool holds {self._live_jobs} requests (max_queued_total); try again later"
+        return None
+
+    def input_blocked(self) -> bool:
+        """True while stdin must not be read: the client is not reading our
+        answers, or id-less lines are waiting their turn up to the bound."""
+        return self.output.paused or len(self._idless) >= self.config.max_queued_total
+
+    async def input_room(self) -> None:
+        """Returns once input_blocked() is False."""
+        while self.input_blocked():
+            if self.output.paused:
+                await self.output.wait_writable()
+            else:
+                self._idless_room.clear()
+                await self._idless_room.wait()
 
     def _generate(self, msg: ClientLine, rid: int, id_json: str | None) -> Generate:
         d = self.config.defaults
@@ -240,6 +306,7 @@ class Pool:
     def _pump_idless(self) -> None:
         while self._idless_running is None and self._idless:
             job = self._idless.popleft()
+            self._idless_room.set()
             if isinstance(job, bytes):
                 self.output.write(job)
                 continue
@@ -247,6 +314,7 @@ class Pool:
             self.handle_for(job.spec).submit(job)
 
     def _job_ended(self, job: Job) -> None:
+        self._live_jobs -= 1
         if job.id_json is not None and self._active.get(job.id_json) is job:
             del self._active[job.id_json]
         if self._idless_running is job:
@@ -269,7 +337,13 @@ class Pool:
         return handle
 
     def _estimate_bytes(self, spec: ModelSpec) -> int:
-        weights = sum(p.stat().st_size for p in spec.path.glob("model*.safetensors"))
+        try:
+            weights = sum(p.stat().st_size for p in spec.path.glob("model*.safetensors"))
+        except OSError as exc:
+            # Out of file descriptors, say: an estimate is no reason to keep
+            # a model from starting; its worker will say what is wrong.
+            log.warning("model=%s: cannot size the weights in %s: %s", spec.name, spec.path, exc)
+            weights = 0
         measured = [
             h.stats["rss_bytes"] - h.stats.get("weights_bytes", 0)
             for h in self.handles.values()
@@ -290,7 +364,21 @@ class Pool:
         ]
 
     async def _admit(self, handle: WorkerHandle) -> None:
-        """Makes room under max_loaded / memory_budget, then starts the worker."""
+        """Makes room under max_loaded / memory_budget, then starts the worker.
+        Anything unexpected on the way ends the requests waiting for it with
+        `internal` and forgets the handle, so the next request or load starts
+        afresh: a model never waits unanswered in `unloaded`."""
+        try:
+            await self._make_room_and_start(handle)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("model=%s: admission failed", handle.name)
+            if self.handles.get(handle.spec.key) is handle:
+                del self.handles[handle.spec.key]
+            await self._stop(handle, f"could not be started: internal error ({type(exc).__name__}: {exc})", INTERNAL)
+
+    async def _make_room_and_start(self, handle: WorkerHandle) -> None:
         while True:
             async with self._admission:
                 if self.handles.get(handle.spec.key) is not handle or handle.state != State.UNLOADED:
@@ -303,12 +391,11 @@ class Pool:
                 )
                 if isinstance(decision, NoFit):
                     self.handles.pop(handle.spec.key, None)
-                    msg = f"model {handle.name!r} cannot fit: {decision.reason}"
                     if not handle.queue:  # a load op: nobody else would hear of it
-                        self.reject(INSUFFICIENT_MEMORY, msg, None)
+                        self.reject(INSUFFICIENT_MEMORY, f"model {handle.name!r} cannot fit: {decision.reason}", None)
                     for job in list(handle.queue):
                         handle.queue.remove(job)
-                        handle.end_with_error(job, INSUFFICIENT_MEMORY, msg)
+                        handle.end_with_error(job, INSUFFICIENT_MEMORY, f"model {job.spec.name!r} cannot fit: {decision.reason}")
                     return
                 if isinstance(decision, Evict):
                     for key in decision.victims:
@@ -330,9 +417,11 @@ class Pool:
             return
         self.spawn(self._stop(handle, reason))
 
-    async def _stop(self, handle: WorkerHandle, reason: str) -> None:
+    async def _stop(self, handle: WorkerHandle, reason: str, queued_code: str = UNLOADED) -> None:
         self._unwatch(handle)
-        await handle.stop(reason)
+        await handle.stop(reason, queued_code)
+        if self.handles.get(handle.spec.key) is None:
+            self._forget_adapter_copies(handle.spec)
         self._room.set()
 
     # -- ops -------------------------------------------------------------------------
@@ -379,7 +468,12 @@ class Pool:
             answer(encode_error(msg, code, id_json))
 
     async def _write_status(self, answer: Callable[[bytes], None]) -> None:
-        answer(await self.status_event())
+        try:
+            line = await self.status_event()
+        except Exception as exc:
+            log.exception("status op failed")
+            line = encode_error(f"status failed: internal error ({type(exc).__name__}: {exc})", INTERNAL)
+        answer(line)
 
     def load(self, spec: ModelSpec, answer: Callable[[bytes], None] | None = None) -> None:
         handle = self.handles.get(spec.key)
@@ -464,20 +558,24 @@ class Pool:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             now = time.monotonic()
-            for handle in list(self.handles.values()):
-                handle.check_stall(now, self.config.stall_timeout)
-                keep = handle.spec.keep_alive
-                if keep is not None and handle.idle and now - handle.last_used > keep:
-                    self.handles.pop(handle.spec.key, None)
-                    self.spawn(self._stop(handle, f"idle for {now - handle.last_used:.0f}s (keep_alive {keep:g}s)"))
-            if now - last_refresh >= STATS_REFRESH_INTERVAL:
-                last_refresh = now
-                for handle in self.handles.values():
-                    if handle.state in LIVE:
-                        handle.request_stats_nowait()
-            if self.stats_interval and now - last_stats >= self.stats_interval:
-                last_stats = now
-                self.spawn(self._emit_stats())
+            try:
+                for handle in list(self.handles.values()):
+                    handle.check_stall(now, self.config.stall_timeout)
+                    keep = handle.spec.keep_alive
+                    if keep is not None and handle.idle and now - handle.last_used > keep:
+                        self.handles.pop(handle.spec.key, None)
+                        self.spawn(self._stop(handle, f"idle for {now - handle.last_used:.0f}s (keep_alive {keep:g}s)"))
+                if now - last_refresh >= STATS_REFRESH_INTERVAL:
+                    last_refresh = now
+                    for handle in self.handles.values():
+                        if handle.state in LIVE:
+                            handle.request_stats_nowait()
+                if self.stats_interval and now - last_stats >= self.stats_interval:
+                    last_stats = now
+                    self.spawn(self._emit_stats())
+            except Exception:
+                # The watchdog must outlive a bad round; the next one comes.
+                log.exception("housekeeping round failed")
 
     async def _emit_stats(self) -> None:
         handles = [h for h in self.handles.values() if h.state in LIVE]
@@ -487,7 +585,20 @@ class Pool:
                 self.output.write(encode_event("stats", **row))
 
     def preload(self) -> list[WorkerHandle]:
-        return [self.handle_for(self.resolver.resolve(e.name)) for e in self.config.models if e.preload]
+        handles = []
+        for entry in self.config.models:
+            if not entry.preload:
+                continue
+            try:
+                spec = self.resolver.resolve(entry.name)
+            except UnknownModel as exc:
+                # A path that cannot be resolved (a symlink loop) fails this
+                # model, not the pool.
+                log.error("model=%s: not preloaded: %s", entry.name, exc)
+                self.output.write(encode_event("failed", model=entry.name, lora=entry.lora, reason=str(exc)))
+                continue
+            handles.append(self.handle_for(spec))
+        return handles
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -516,5 +627,6 @@ class Pool:
             watcher.stop()
         self.watchers.clear()
         await asyncio.gather(*(h.stop("the pool is shutting down", SHUTTING_DOWN) for h in handles))
+        self._forget_adapter_copies()
         for task in list(self._tasks):
             task.cancel()

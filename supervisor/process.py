@@ -10,6 +10,7 @@ stops anything it spawned.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -24,6 +25,10 @@ log = logging.getLogger("lattice.process")
 # One worker line: a token event, or a lifecycle event. Longer means a
 # broken or hostile worker, not a protocol we speak.
 MAX_WORKER_LINE = 4 * 1024 * 1024
+
+# Errors of spawn() and accept() that pass once file descriptors, processes
+# or memory are freed: worth a retry, not a failure.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOBUFS, errno.ENOMEM})
 
 # What is read from a dead worker's pipes before they are closed: everything
 # it wrote before dying, but not an endless stream from a grandchild.
@@ -41,13 +46,22 @@ class _Protocol(asyncio.SubprocessProtocol):
         self._proc.pid = transport.get_pid()
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
-        if fd == 1:
-            self._proc._stdout(data)
-        else:
-            self._proc.on_stderr(data)
+        try:
+            if fd == 1:
+                self._proc._stdout(data)
+            else:
+                self._proc.on_stderr(data)
+        except Exception:
+            # A bug met by one worker's output must not take the pool down;
+            # the worker goes through the crash path, which answers its request.
+            log.exception("pid=%s: handling the worker's output failed; killing it", self._proc.pid)
+            self._proc.kill()
 
     def process_exited(self) -> None:
-        self._proc._exited()
+        try:
+            self._proc._exited()
+        except Exception:
+            log.exception("pid=%s: handling the worker's exit failed", self._proc.pid)
 
     def pause_writing(self) -> None:
         # The request pipe is full: the worker is not reading it.

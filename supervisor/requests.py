@@ -8,13 +8,14 @@ never reach a worker.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
 from ipc.events import json_str
-from ipc.messages import Message
+from ipc.messages import Message, utf8_len
 
 OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown"})
 
@@ -76,10 +77,51 @@ def encode_id(value: str | int | float | None) -> str | None:
 def _probe_id(line: bytes) -> str | None:
     try:
         value = _probe.decode(line).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _scan_id(line)
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return encode_id(value)
+    return None
+
+
+# What _scan_id steps over: a JSON string (escapes included), or a run of
+# opening or of closing brackets (so nesting depth costs nothing).
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{][\[{\s]*|[\]}][\]}\s]*')
+# The value after a top-level "id" key: a string or a number, then , or }.
+_ID_VALUE = re.compile(rb'\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*[,}]')
+
+
+# Tokens stepped over before giving up: a 64 MiB line of "[]" pairs must
+# not hold the event loop for seconds.
+_SCAN_TOKENS = 100_000
+
+
+def _scan_id(line: bytes) -> str | None:
+    """The top-level "id" of a line that is no valid JSON as a whole
+    (truncated, nested deeper than the decoder goes, a stray comma), found
+    by stepping over its strings and brackets, so that the error still
+    reaches the request it answers. Best effort: None when in doubt."""
+    if not line.lstrip().startswith(b"{"):
+        return None
+    depth = 0
+    for n, token in enumerate(_TOKEN.finditer(line)):
+        if n > _SCAN_TOKENS:
+            return None
+        text = token.group()
+        if text[0] in b"[{":
+            depth += text.count(b"[") + text.count(b"{")
+        elif text[0] in b"]}":
+            depth -= text.count(b"]") + text.count(b"}")
+            if depth <= 0:
+                return None
+        elif depth == 1 and text == b'"id"':
+            value = _ID_VALUE.match(line, token.end())
+            if value is None:
+                return None
+            try:
+                return encode_id(msgspec.json.decode(value.group(1), type=str | int | float))
+            except (msgspec.DecodeError, msgspec.ValidationError, BadRequest):
+                return None
     return None
 
 
@@ -98,7 +140,9 @@ def parse_line(line: bytes) -> ClientLine:
     except msgspec.ValidationError as exc:
         raise BadRequest(f"malformed request: {_friendly(exc)}", _probe_id(line)) from exc
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"malformed request: {exc}") from exc
+        raise BadRequest(f"malformed request: {exc}", _scan_id(line)) from exc
+    except RecursionError:
+        raise BadRequest("malformed request: JSON nested too deeply", _scan_id(line)) from None
     id_json = encode_id(msg.id)
     if msg.op is not None:
         if msg.op not in OPS:
@@ -115,6 +159,19 @@ def parse_line(line: bytes) -> ClientLine:
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
     return msg
+
+
+def prompt_bytes(msg: ClientLine, limit: int) -> int:
+    """The request's prompt text in UTF-8 bytes (for `messages`, every role
+    and content), exact up to `limit`."""
+    if msg.prompt is not None:
+        return utf8_len(msg.prompt, limit)
+    total = 0
+    for m in msg.messages or ():
+        total += utf8_len(m.role, limit) + utf8_len(m.content, limit)
+        if total > limit:
+            break
+    return total
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

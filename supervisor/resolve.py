@@ -43,8 +43,20 @@ class Resolver:
         self.cache = model_cache_dir(config)
         self.by_name: dict[str, ModelEntry] = {m.name: m for m in config.models}
         self.default_keep_alive = parse_duration(config.keep_alive)
+        # A configured model keeps the paths it first resolved to: its worker
+        # stays the same one when a path on disk later breaks (a symlink
+        # turned into a loop), and goes on with what it has loaded.
+        self._configured: dict[str, ModelSpec] = {}
 
     def _from_entry(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
+        if lora is not None:
+            return self._entry_spec(entry, lora)
+        spec = self._configured.get(entry.name)
+        if spec is None:
+            spec = self._configured[entry.name] = self._entry_spec(entry, None)
+        return spec
+
+    def _entry_spec(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
         keep = parse_duration(entry.keep_alive) if entry.keep_alive is not None else self.default_keep_alive
         adapter = lora if lora is not None else entry.lora
         return ModelSpec(
@@ -66,10 +78,11 @@ class Resolver:
         """A configured name, a directory under the model cache, or a path."""
         try:
             return self._resolve(ref, lora)
-        except (OSError, ValueError) as exc:
-            # Client text becomes a path here: a NUL byte or an over-long name
-            # is a bad reference, not a reason for the endpoint to fail.
-            what = f"model {ref!r}" + (f" with lora {lora!r}" if lora is not None else "")
+        except (OSError, ValueError, RuntimeError) as exc:
+            # Client text becomes a path here: a NUL byte, an over-long name or
+            # a symlink loop (RuntimeError from Path.resolve before Python
+            # 3.13) is a bad reference, not a reason for the endpoint to fail.
+            what = (f"model {ref!r}" if ref is not None else "the default model") + (f" with lora {lora!r}" if lora is not None else "")
             raise UnknownModel(f"{what} is not a usable path: {exc}") from exc
 
     def _resolve(self, ref: str | None, lora: str | None) -> ModelSpec:

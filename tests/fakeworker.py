@@ -14,7 +14,8 @@ Each start appends its pid to `DIR/starts`, so tests can count starts.
 Knobs (all optional):
     load_delay        seconds before `ready` (loading events every 0.05 s)
     load_silent       during load_delay send nothing, heartbeats included
-    boot_exit         exit with this code instead of becoming ready
+    boot_exit         exit with this code instead of becoming ready...
+    boot_message      ...having written this text (lines) to stderr at once
     boot_stderr       bytes of log lines written to stderr at start
     grandchild        spawn a sleeping grandchild that holds stdout/stderr
     ignore_sigterm    ignore SIGTERM
@@ -254,7 +255,8 @@ def main() -> int:
             out.write(encode_event("loading", model=name, bytes_loaded=0, bytes_total=1))
             time.sleep(0.05)
     if knobs.get("boot_exit") is not None:
-        print(f"fakeworker: failing at boot with exit code {knobs['boot_exit']}", file=sys.stderr, flush=True)
+        message = knobs.get("boot_message", f"fakeworker: failing at boot with exit code {knobs['boot_exit']}\n")
+        os.write(2, message.encode())
         return knobs["boot_exit"]
     if knobs.get("load_silent"):
         threading.Thread(target=worker.heartbeat, args=(args.heartbeat,), daemon=True).start()

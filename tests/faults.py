@@ -6,9 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
-from tests.procs import pid_alive
+import psutil
+
+from tests.procs import pid_alive, wait_for
 from tests.workerproc import ROOT, child_env
 
 FAKE_ENV = {"LATTICE_WORKER_MODULE": "tests.fakeworker"}
@@ -44,6 +48,21 @@ class FakeModels:
 
     def all_gone(self) -> bool:
         return not any(pid_alive(pid) for name in self.dirs for pid in self.starts(name))
+
+
+def stalled(proc: psutil.Process, counter: str, seconds: float):
+    """A predicate: the process's io counter (`read_chars`, `write_chars`)
+    has not moved for `seconds`."""
+    seen = {"chars": -1, "since": 0.0}
+
+    def check() -> bool:
+        chars = getattr(proc.io_counters(), counter)
+        now = time.monotonic()
+        if chars != seen["chars"]:
+            seen.update(chars=chars, since=now)
+        return now - seen["since"] > seconds
+
+    return check
 
 
 class RawPool:
@@ -85,6 +104,26 @@ class RawPool:
         """Reads stdout to EOF (in a thread, while another writes stdin)."""
         while chunk := os.read(self.proc.stdout.fileno(), 1 << 20):
             self.out += chunk
+
+    def flood(self, data: bytes, timeout: float = 120) -> tuple[threading.Thread, int]:
+        """Writes `data` to stdin from a thread without reading stdout; once
+        the pool stops reading, returns the writer and how many bytes the
+        supervisor's RSS grew meanwhile."""
+        supervisor = psutil.Process(self.proc.pid)
+        before = supervisor.memory_info().rss
+        writer = threading.Thread(target=self.proc.stdin.write, args=(data,))
+        writer.start()
+        wait_for(stalled(supervisor, "read_chars", 1.0), timeout, message="the pool to stop reading stdin")
+        return writer, supervisor.memory_info().rss - before
+
+    def finish_flood(self, writer: threading.Thread, timeout: float = 120) -> None:
+        """Reads stdout again until the flood is answered and the pool exits 0."""
+        drained = threading.Thread(target=self.drain_stdout)
+        drained.start()
+        writer.join(timeout)
+        self.proc.stdin.close()
+        drained.join(timeout)
+        assert self.proc.wait(60) == 0
 
     def close(self, timeout: float = 60) -> int:
         self.proc.stdin.close()

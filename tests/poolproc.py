@@ -18,7 +18,7 @@ def is_terminal(event: dict) -> bool:
 
 
 class PoolProc:
-    def __init__(self, *args: str, command: str = "serve", env: dict[str, str] | None = None, stdin=subprocess.PIPE):
+    def __init__(self, *args: str, command: str = "serve", env: dict[str, str] | None = None, stdin=subprocess.PIPE, preexec_fn=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", command, *args],
             stdin=stdin,
@@ -26,6 +26,7 @@ class PoolProc:
             stderr=subprocess.PIPE,
             env=child_env(**(env or {})),
             cwd=ROOT,
+            preexec_fn=preexec_fn,
         )
         self.events: list[dict] = []
         self._queue: queue.Queue[dict | None] = queue.Queue()

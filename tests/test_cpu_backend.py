@@ -11,9 +11,18 @@ import pytest
 
 from tests.workerproc import ROOT, WorkerProc, child_env
 
-pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or platform.machine() != "x86_64", reason="OpenBLAS is wired up for Linux x86-64"
-)
+
+def _mlx_on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() != mx.cpu
+
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="OpenBLAS is wired up for Linux x86-64"),
+    # mlx-cuda computes on the GPU and ships no reference BLAS to replace.
+    pytest.mark.skipif(_mlx_on_gpu(), reason="MLX runs on a GPU here: the CPU backend is not used"),
+]
 
 # Multiplies through mlx, then through the expected library's own cblas_sgemm
 # with the arguments mlx passes: bitwise equality says which one mlx called.

@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import threading
-import time
 
 import psutil
 import pytest
 
-from tests.faults import FAKE_ENV, FakeModels, RawPool
+from tests.faults import FAKE_ENV, FakeModels, RawPool, stalled
 from tests.procs import pid_alive, wait_for
 
 PARTIAL = '@@lattice {"ev":"gen_token","token":"cut off'
@@ -230,7 +229,7 @@ class TestFloods:
             before = supervisor.memory_info().rss
             pool.send({"model": "a", "id": "f", "prompt": "x", "max_tokens": 1})
             sent_at = len(pool.out)
-            wait_for(blocked_for(worker, 6 * 0.5), 60, message="the worker's writes to block")
+            wait_for(stalled(worker, "write_chars", 6 * 0.5), 60, message="the worker's writes to block")
             grown = supervisor.memory_info().rss - before
             done = pool.read_until(b'"done":true')
             assert pool.close() == 0
@@ -271,20 +270,6 @@ class TestFloods:
             pool.kill()
 
 
-def blocked_for(proc: psutil.Process, seconds: float):
-    """A predicate: the process has written nothing for `seconds`."""
-    seen = {"chars": -1, "since": 0.0}
-
-    def check() -> bool:
-        chars = proc.io_counters().write_chars
-        now = time.monotonic()
-        if chars != seen["chars"]:
-            seen.update(chars=chars, since=now)
-        return now - seen["since"] > seconds
-
-    return check
-
-
 class TestGivingUp:
     def test_exit_78_fails_at_once_and_an_explicit_load_resets_it(self, fakes, fake_pool):
         fakes.add("a", [{"boot_exit": 78}, {}])
@@ -300,6 +285,29 @@ class TestGivingUp:
         pool.wait_ev("ready", model="a")
         pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 2})
         assert pool.terminal("r2")["gen_tokens"] == 2
+        assert pool.close() == 0
+
+    def test_the_cause_of_a_failed_start_keeps_all_its_lines(self, fakes, fake_pool):
+        """`last stderr` kept only the last line of a message written at once."""
+        message = "lattice-pool worker: bad model dir: cannot load it:\nValueError: shapes differ\n  (4, 8) vs (8, 4)\n"
+        fakes.add("a", {"boot_exit": 78, "boot_message": message})
+        pool = fake_pool()
+        failed = pool.wait_ev("failed", model="a")
+        assert "last stderr: lattice-pool worker: bad model dir: cannot load it: ValueError: shapes differ (4, 8) vs (8, 4)" in failed["reason"]
+        assert pool.close() == 0
+
+    def test_errors_name_the_model_as_the_request_named_it(self, fakes, spawn_pool):
+        """Two names for one model dir share one worker; an error named the
+        name that happened to start it."""
+        path = fakes.add("dir", {"boot_exit": 78})
+        config = fakes.root / "aliases.toml"
+        config.write_text(f'[[models]]\nname = "first"\npath = "{path}"\n\n[[models]]\nname = "second"\npath = "{path}"\n')
+        pool = spawn_pool("--config", str(config), env=FAKE_ENV)
+        pool.send({"model": "first", "id": "r1", "prompt": "x"})
+        assert "model 'first' failed" in pool.terminal("r1")["msg"]
+        pool.send({"model": "second", "id": "r2", "prompt": "x"})
+        err = pool.terminal("r2")
+        assert err["code"] == "model_failed" and "model 'second' has failed" in err["msg"]
         assert pool.close() == 0
 
     def test_a_crash_loop_ends_in_failed_while_other_models_serve(self, fakes, fake_pool):
@@ -448,35 +456,10 @@ class TestClientBackpressure:
         total = 150_000
         try:
             pool.read_until(b'"ev":"ready"')
-            supervisor = psutil.Process(pool.proc.pid)
-            before = supervisor.memory_info().rss
-            data = b"".join(b'{"prompt": 1, "id": %d}\n' % i for i in range(total))
-            writer = threading.Thread(target=pool.proc.stdin.write, args=(data,))
-            writer.start()
-            wait_for(reads_stalled(supervisor, 1.0), 60, message="the pool to stop reading stdin")
-            grown = supervisor.memory_info().rss - before
+            writer, grown = pool.flood(b"".join(b'{"prompt": 1, "id": %d}\n' % i for i in range(total)))
             assert writer.is_alive(), "the client was never held back"
             assert grown < 10 << 20, f"supervisor RSS grew by {grown} bytes"
-            drained = threading.Thread(target=pool.drain_stdout)
-            drained.start()
-            writer.join(60)
-            pool.proc.stdin.close()
-            drained.join(60)
-            assert pool.proc.wait(60) == 0
+            pool.finish_flood(writer)
         finally:
             pool.kill()
         assert pool.out.count(b'"code":"bad_request"') == total
-
-
-def reads_stalled(proc: psutil.Process, seconds: float):
-    """A predicate: the process has read nothing for `seconds`."""
-    seen = {"chars": -1, "since": 0.0}
-
-    def check() -> bool:
-        chars = proc.io_counters().read_chars
-        now = time.monotonic()
-        if chars != seen["chars"]:
-            seen.update(chars=chars, since=now)
-        return now - seen["since"] > seconds
-
-    return check

@@ -1,9 +1,14 @@
 """Hypothesis fuzz of the stdin decoder: whatever bytes a client sends, the
-endpoint gets a valid request or a BadRequest, and nothing else."""
+endpoint gets a valid request or a BadRequest, and nothing else; then a
+corpus of hostile lines (nesting deeper than any decoder recurses, symlink
+loops as model and adapter paths) through a real pool's stdin and control
+socket, which answer every line and go on."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import msgspec
 import pytest
@@ -16,7 +21,7 @@ from supervisor.config import Config
 from supervisor.endpoint import TOO_LONG, LineSplitter
 from supervisor.requests import OPS, BadRequest, ClientLine, encode_id, parse_line, stop_list
 from supervisor.resolve import Resolver, UnknownModel
-from tests.faults import FAKE_ENV, FakeModels
+from tests.faults import FAKE_ENV, FakeModels, RawPool
 
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -44,15 +49,27 @@ def resolver(tmp_path_factory):
     return Resolver(Config(model_cache=str(cache)))
 
 
-def check(line: bytes, resolver: Resolver) -> None:
-    """The property: a BadRequest, or a request every later stage accepts."""
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory) -> list[str]:
+    """Paths that are symlink loops: one link to itself, two to each other,
+    and names inside them."""
+    root = tmp_path_factory.mktemp("loops")
+    (root / "self").symlink_to(root / "self")
+    (root / "ping").symlink_to(root / "pong")
+    (root / "pong").symlink_to(root / "ping")
+    return [str(root / "self"), str(root / "ping"), str(root / "self" / "model"), str(root / "pong" / "adapter.safetensors")]
+
+
+def check(line: bytes, resolver: Resolver) -> BadRequest | None:
+    """The property: a BadRequest, or a request every later stage accepts.
+    Returns the BadRequest, if any."""
     try:
         msg = parse_line(line)
     except BadRequest as exc:
         assert isinstance(exc.msg, str) and exc.msg
         if exc.id_json is not None:
             json.loads(exc.id_json)
-        return
+        return exc
     assert isinstance(msg, ClientLine)
     id_json = encode_id(msg.id)
     if id_json is not None:
@@ -67,6 +84,7 @@ def check(line: bytes, resolver: Resolver) -> None:
     assert (msg.prompt is None) != (msg.messages is None)
     frame = encode_frame(Generate(rid=1, prompt=msg.prompt, messages=msg.messages, stop=stop_list(msg.stop), id_json=id_json))
     assert decode_payload(frame[4:]).prompt == msg.prompt
+    return None
 
 
 @FUZZ
@@ -98,6 +116,63 @@ def test_truncations_and_bit_flips_of_valid_lines(resolver, line, data):
     flipped = bytearray(line)
     flipped[at] ^= 1 << data.draw(st.integers(0, 7))
     check(bytes(flipped), resolver)
+
+
+def nested(depth: int, opener: bytes) -> bytes:
+    closer = b"]" if opener == b"[" else b"}"
+    return opener * depth + b"0" + closer * depth
+
+
+@settings(FUZZ, max_examples=30)
+@given(
+    st.integers(5_000, 150_000),
+    st.sampled_from([b"[", b'{"k":']),
+    st.sampled_from(["stop", "messages", "zz", "id"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_nesting_deeper_than_the_decoder_goes(resolver, depth, opener, field, id_first, op):
+    """msgspec raises RecursionError past ~1000 levels, even inside a field
+    it would skip; that used to end the pool. Now it is a BadRequest, which
+    carries the line's id when the id is readable, before or after."""
+    fields = [b'"' + field.encode() + b'":' + nested(depth, opener)]
+    if field != "id":
+        fields.insert(0 if not id_first else 1, b'"id":"deep"')
+    fields.append(b'"op":"status"' if op else b'"prompt":"x"')
+    if id_first:
+        fields.reverse()
+    error = check(b"{" + b",".join(fields) + b"}", resolver)
+    assert error is not None
+    assert error.id_json == (None if field == "id" else '"deep"')
+
+
+@FUZZ
+@given(requests, st.sets(st.sampled_from(["model", "lora"]), min_size=1), st.data())
+@example({"prompt": "hi", "id": "a"}, {"lora"}, None)
+@example({"op": "load"}, {"model"}, None)
+def test_symlink_loops_as_model_and_adapter_paths(resolver, loops, obj, fields, data):
+    """Path.resolve raised RuntimeError on a loop (before Python 3.13),
+    which the resolver let through: the stdin task ended, and the pool with it."""
+    for field in fields:
+        obj[field] = data.draw(st.sampled_from(loops)) if data is not None else loops[0]
+    check(json.dumps(obj).encode(), resolver)
+
+
+@pytest.mark.parametrize(
+    "line, id_json",
+    [
+        (b'{"id":"r5","prompt":"ab', '"r5"'),  # truncated
+        (b'{"prompt":"x","id":7,}', "7"),  # a stray comma
+        (b'{"id":"u8","prompt":"\xff"}', '"u8"'),  # not UTF-8
+        (b'{"id":"q\\"x","prompt":', '"q\\"x"'),  # an escaped quote in the id
+        (b'{"messages":[{"id":"inner"}],"prompt":', None),  # not the request's id
+        (b'{"id":1e999,"prompt":"x"}', None),  # no number JSON can echo
+        (b'{"id":[1],"prompt":"x"', None),
+    ],
+)
+def test_the_id_of_an_undecodable_line_is_still_echoed(resolver, line, id_json):
+    error = check(line, resolver)
+    assert error is not None and error.id_json == id_json
 
 
 def test_the_valid_lines_are_valid(resolver):
@@ -155,3 +230,66 @@ def test_a_model_reference_that_is_no_path_does_not_end_the_pool(tmp_path, spawn
     assert pool.terminal("load")["code"] == "unknown_model"
     assert pool.terminal("ok")["gen_tokens"] == 2
     assert pool.close() == 0
+
+
+def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
+    """Lines for a pool serving model "a" (and "looped", whose path is a
+    loop), and the ids of those that must each end with one terminal line."""
+    deep = nested(100_000, b"[")
+    lines = [
+        *VALID,
+        b'{"id":"dn3","prompt":"x","stop":' + deep + b"}",
+        b'{"prompt":"x","zz":' + deep + b',"id":"dn4"}',
+        deep,
+        b'{"op":"status","x":' + deep + b"}",
+        json.dumps({"id": "lp1", "model": "a", "lora": loops[0], "prompt": "hi"}).encode(),
+        json.dumps({"id": "lp2", "model": loops[1], "prompt": "hi"}).encode(),
+        json.dumps({"id": "lp3", "model": "looped", "prompt": "hi"}).encode(),
+        json.dumps({"op": "load", "model": loops[2], "id": "lp4"}).encode(),
+        json.dumps({"op": "unload", "model": "a", "lora": loops[3]}).encode(),
+        json.dumps({"op": "reload", "model": loops[0]}).encode(),
+        b'{"id":"tr","prompt":"x"',
+        b'{"id":"u8","prompt":"\xff\xfe"}',
+    ]
+    return lines, ["r1", 7, "dn3", "dn4", "lp1", "lp2", "lp3", "lp4", "tr", "u8"]
+
+
+def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
+    fakes = FakeModels(tmp_path)
+    fakes.add("a")
+    sock = tmp_path / "ctl.sock"
+    config = fakes.config(f'control_socket = "{sock}"', preload=False)
+    with open(config, "a") as f:
+        f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\n')
+    lines, ids = hostile_corpus(loops)
+    pool = RawPool(config, stderr=None)
+    try:
+        failed = pool.read_until(b'"ev":"failed"')  # "looped" cannot be preloaded; the pool goes on
+        assert failed["model"] == "looped" and "not a usable path" in failed["reason"]
+        # On the socket, every line gets its one reply, on a connection that stays open.
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(60)
+            client.connect(str(sock))
+            client.sendall(b"".join(line + b"\n" for line in lines) + b'{"op":"status"}\n')
+            replies = []
+            buf = b""
+            while [r["ev"] for r in replies].count("status") < 2:  # VALID's, then the last line's
+                chunk = client.recv(65536)
+                assert chunk, f"the pool closed the connection after {len(replies)} replies"
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                replies += [json.loads(line[10:]) for line in done]
+            assert len(replies) == len(lines) + 1 and replies[-1]["ev"] == "status", replies
+        # On stdin, every line with an id ends once, and the pool serves on.
+        writer = threading.Thread(target=pool.proc.stdin.write, args=(b"".join(line + b"\n" for line in lines),))
+        writer.start()
+        pool.send({"model": "a", "id": "after", "prompt": "x", "max_tokens": 2})
+        while pool.read_until(b'"id":"after"').get("done") is not True:
+            pass
+        writer.join(60)
+        assert pool.close() == 0
+    finally:
+        pool.kill()
+    events = [json.loads(line[10:]) for line in pool.out.splitlines()]
+    ends = [e["id"] for e in events if "id" in e and (e["ev"] == "error" or e.get("done") is True)]
+    assert sorted(map(str, ends)) == sorted(map(str, ids + ["after"]))

@@ -2,8 +2,12 @@
 
 import hashlib
 import os
+import signal
+import stat
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.lora_files import lora_pairs, targets_of, write_mlx
@@ -157,8 +161,83 @@ def test_adapter_directories_reload_too(tmp_path, tiny_model, spawn_pool):
     config.write_text(f'[[models]]\nname = "live"\npath = "{tiny_model}"\nlora = "{live}"\npreload = true\n')
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="live")
+    weights = sha((live / "adapter_model.safetensors").read_bytes())
     write_peft(live, pairs, r=4, alpha=16.0)  # same tensors, twice the scale
-    expected = sha((live / "adapter_model.safetensors").read_bytes() + (live / "adapter_config.json").read_bytes())
-    loaded = pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["sha256"] == expected)
-    assert loaded["lora"] == str(live)
+    config = sha((live / "adapter_config.json").read_bytes())
+    loaded = pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["config_sha256"] == config)
+    assert loaded["lora"] == str(live) and loaded["sha256"] == weights
+    assert pool.close() == 0
+
+
+@pytest.fixture
+def one_adapter(tmp_path, tiny_model, spawn_pool):
+    """A pool with one model whose adapter file the test breaks."""
+    live = tmp_path / "live" / "style.safetensors"
+    live.parent.mkdir()
+    v1 = adapter_bytes(tmp_path, tiny_model, seed=1)
+    live.write_bytes(v1)
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "live"\npath = "{tiny_model}"\nlora = "{live}"\npreload = true\n')
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="live")
+    counter = iter(range(10_000))
+
+    def greedy():
+        request_id = f"r{next(counter)}"
+        pool.send({"model": "live", "id": request_id, "prompt": CHAT, "max_tokens": 24, "temperature": 0})
+        done = pool.terminal(request_id)
+        assert done["ev"] == "gen_token", done
+        return pool.text(request_id)
+
+    return pool, live, v1, greedy
+
+
+def kill_worker(pool) -> None:
+    pool.send({"op": "status"})
+    os.kill(pool.wait_ev("status")["models"][0]["pid"], signal.SIGKILL)
+
+
+def test_an_adapter_deleted_or_looped_survives_a_worker_restart(one_adapter):
+    """The adapter in memory outlives its file: a restart after the file was
+    deleted, or turned into a symlink loop, used to exit 78 and fail the
+    model. The restarted worker now starts from the pool's private copy of
+    what it had loaded, and says so."""
+    pool, live, v1, greedy = one_adapter
+    text = greedy()
+    pool.send({"op": "status"})
+    argv = psutil.Process(pool.wait_ev("status")["models"][0]["pid"]).cmdline()
+    copies = Path(argv[argv.index("--adapter-copies") + 1])
+    assert copies.parent.name.startswith("lattice-pool-adapters-") and stat.S_IMODE(copies.parent.stat().st_mode) == 0o700
+    live.unlink()
+    assert "deleted" in pool.wait_ev("adapter_error", model="live")["msg"]
+    for breakage in ("deleted", "a symlink loop"):
+        kill_worker(pool)
+        said = pool.wait_for(lambda e: e["ev"] == "adapter_error" and "last good copy" in e["msg"])
+        assert said["lora"] == str(live) and str(live) in said["msg"] and sha(v1) in said["msg"], breakage
+        pool.wait_ev("ready", model="live")
+        assert greedy() == text, breakage
+        if breakage == "deleted":
+            live.symlink_to(live)
+            assert greedy() == text  # the configured name still reaches this worker
+    assert not [e for e in pool.events if e["ev"] == "failed"]
+    assert pool.close() == 0
+    assert not copies.parent.exists(), "the copies outlived the pool"
+
+
+def test_a_fifo_in_place_of_the_adapter_is_refused_without_blocking(one_adapter, tmp_path, tiny_model):
+    """Opening a FIFO blocks until a writer comes: the worker's loader thread
+    hung there, hot reload ended for it, and `reload` got no answer."""
+    pool, live, v1, greedy = one_adapter
+    text = greedy()
+    live.unlink()
+    os.mkfifo(live)
+    assert "is a FIFO, not a regular file" in pool.wait_for(lambda e: e["ev"] == "adapter_error" and "FIFO" in e["msg"])["msg"]
+    pool.send({"op": "reload", "model": "live"})
+    assert "FIFO" in pool.wait_for(lambda e: e["ev"] == "adapter_error" and "FIFO" in e["msg"])["msg"]
+    assert greedy() == text
+    v2 = adapter_bytes(tmp_path, tiny_model, seed=2)
+    live.unlink()
+    live.write_bytes(v2)
+    pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["sha256"] == sha(v2))
+    assert greedy() != text
     assert pool.close() == 0

@@ -3,6 +3,8 @@ real demo models (bf16 and 4-bit), and every way an adapter can be broken."""
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -209,17 +211,25 @@ def test_mlx_scaling_rules(tmp_path, tiny_model):
     assert scale_of(read_adapter(tmp_path / "lm" / "adapters.safetensors", targets), pairs, m) == pytest.approx(20.0)
 
 
-def test_sha256_is_of_the_content(tmp_path, tiny_model):
+def sha256sum(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_sha256_is_what_sha256sum_prints_for_the_weights_file(tmp_path, tiny_model):
     targets = targets_of(tiny_model)
     pairs = lora_pairs(targets, groups=("mlp",), seed=10)
     single = write_mlx(tmp_path / "x.safetensors", pairs, alpha=8)
-    assert read_adapter(single, targets).sha256 == hashlib.sha256(single.read_bytes()).hexdigest()
+    (tmp_path / "adapter_config.json").write_text("{}")  # beside chat_metal's file, not about it
+    read = read_adapter(single, targets)
+    assert read.sha256 == sha256sum(single) and read.config_sha256 is None and read.key == read.sha256
     d = write_peft(tmp_path / "p", pairs, r=RANK, alpha=8)
-    content = (d / "adapter_model.safetensors").read_bytes() + (d / "adapter_config.json").read_bytes()
-    assert read_adapter(d, targets).sha256 == hashlib.sha256(content).hexdigest()
-    # Same tensors, different alpha: a different adapter, so a different key.
-    other = write_peft(tmp_path / "q", pairs, r=RANK, alpha=16)
-    assert read_adapter(other, targets).sha256 != read_adapter(d, targets).sha256
+    peft = read_adapter(d, targets)
+    assert peft.sha256 == sha256sum(d / "adapter_model.safetensors")
+    assert peft.config_sha256 == sha256sum(d / "adapter_config.json")
+    # Same tensors, different alpha: the same weights file, but a different
+    # adapter, so a different key (what cached model state is keyed by).
+    other = read_adapter(write_peft(tmp_path / "q", pairs, r=RANK, alpha=16), targets)
+    assert other.sha256 == peft.sha256 and other.config_sha256 != peft.config_sha256 and other.key != peft.key
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
@@ -271,3 +281,38 @@ def test_more_ways_to_be_wrong(tmp_path, tiny_model):
     vision = {k.replace("model.language_model.", "model.visual."): v for k, v in ok.items()}
     assert "unmapped keys" in bad_message(tmp_path / "vision", targets, vision, {"r": RANK})
     assert "not a finite number" in bad_message(tmp_path / "meta", targets, {f"model.{q}.lora_a": a.T.copy(), f"model.{q}.lora_b": b.T.copy()}, metadata={"alpha": "x"}, name="adapters.safetensors")
+
+
+def test_only_regular_files_within_the_size_limit_are_read(tmp_path, tiny_model):
+    """A FIFO blocked the reader in open() for good (hot reload ended for
+    that worker); a device or a huge file was read whole, several times."""
+    targets = targets_of(tiny_model)
+    pairs = lora_pairs(targets, groups=("mlp",), seed=13)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    assert "fifo.safetensors is a FIFO, not a regular file" in str(pytest.raises(AdapterError, read_adapter, fifo, targets).value)
+    assert "null is a character device" in str(pytest.raises(AdapterError, read_adapter, Path("/dev/null"), targets).value)
+    in_dir = tmp_path / "fifo-dir"
+    in_dir.mkdir()
+    os.mkfifo(in_dir / "adapter_model.safetensors")
+    assert "is a FIFO" in str(pytest.raises(AdapterError, read_adapter, in_dir, targets).value)
+    # A config that is no regular file is refused, not taken for a missing one.
+    peft = write_peft(tmp_path / "peft", pairs, r=RANK, alpha=ALPHA)
+    (peft / "adapter_config.json").unlink()
+    os.mkfifo(peft / "adapter_config.json")
+    assert "adapter_config.json is a FIFO" in str(pytest.raises(AdapterError, read_adapter, peft, targets).value)
+    single = write_mlx(tmp_path / "x.safetensors", pairs, alpha=ALPHA)
+    size = single.stat().st_size
+    assert read_adapter(single, targets, max_bytes=size).sha256
+    too_big = str(pytest.raises(AdapterError, read_adapter, single, targets, max_bytes=size - 1).value)
+    assert f"is {size} bytes, more than max_adapter_bytes ({size - 1})" in too_big
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop)
+    assert "symbolic links" in str(pytest.raises(AdapterError, read_adapter, loop, targets).value)
+
+
+def test_a_config_nested_too_deeply_is_an_adapter_error(tmp_path, tiny_model):
+    targets = targets_of(tiny_model)
+    peft = write_peft(tmp_path / "peft", lora_pairs(targets, groups=("mlp",), seed=14), r=RANK, alpha=ALPHA)
+    (peft / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "nests too deeply" in str(pytest.raises(AdapterError, read_adapter, peft, targets).value)

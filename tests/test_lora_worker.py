@@ -1,9 +1,16 @@
 """LoRA through real worker processes: `--lora` at start, SetAdapter swaps,
-and broken adapters, against a model with the same update merged in."""
+and broken adapters; and, in process on the same code, logits against a
+model with the same update merged in.
+
+Greedy text is compared only between runs that compute exactly the same
+thing (the same adapter at start or swapped in, no adapter and a cleared
+one), so it cannot tie differently on another CPU; merged weights against
+an unfused adapter differ by float rounding, so those compare logits."""
 
 import hashlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from ipc.messages import Generate, SetAdapter, Stats
@@ -14,6 +21,7 @@ from tests.workerproc import WorkerProc, terminal, text_of
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = "<|im_start|>user\nWhat did the miller say?<|im_end|>\n<|im_start|>assistant\n"
 RANK, ALPHA = 4, 8.0
+FORMATS = ("peft", "mlx", "mlx-lm")
 
 _rid = iter(range(1, 1_000_000))
 
@@ -30,14 +38,16 @@ def set_adapter(w, path) -> dict:
     return w.next_event()
 
 
+def sha256sum(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
-    """One update written in all three formats (each scaling it by 2), and a
-    model with that update merged into its weights.
-
-    Strong enough that greedy text follows the adapter's scale (1.25x gives
-    other text) while bf16 rounding of merged vs unfused does not flip a token.
-    """
+    """One update written in all three formats (each scaling it by 2; the
+    tensors each format holds are the same floats, so all three compute
+    exactly the same thing), the same tensors at 1.25x the scale, and a
+    model with the update merged into its weights."""
     root = tmp_path_factory.mktemp("lora")
     pairs = lora_pairs(targets_of(tiny_model), rank=RANK, seed=21, strength=2.0)
     return {
@@ -59,8 +69,9 @@ def run_once(model, *args, prompts=(CHAT, OTHER)) -> tuple[dict, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def merged_texts(adapters):
-    return run_once(adapters["merged_model"])[1]
+def start_texts(adapters, tiny_model):
+    """Greedy texts of a worker started with `--lora` (the PEFT dir)."""
+    return run_once(tiny_model, "--lora", str(adapters["peft"]))[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,29 +85,68 @@ def worker(tiny_model):
     assert w.close() == 0
 
 
-@pytest.mark.parametrize("fmt", ["peft", "mlx", "mlx-lm"])
-def test_adapter_at_start_generates_like_the_merged_model(adapters, tiny_model, merged_texts, worker, fmt):
-    ready, texts = run_once(tiny_model, "--lora", str(adapters[fmt]))
-    assert ready["lora"] == str(adapters[fmt])
-    assert texts == merged_texts
+def test_logits_match_the_merged_model_and_follow_the_scale(adapters, tiny_model):
+    """The worker's own loader and LoRA layers, in process: each format's
+    logits are the merged model's within float32 rounding; the same tensors
+    at 1.25x the scale are far outside that tolerance; clearing gives back
+    the base logits bit for bit."""
+    from worker.adapters import read_adapter
+    from worker.loader import load
+    from worker.lora import LoRASlots
+    from worker.text import TextCodec
+
+    loaded = load(tiny_model)
+    prompt = mx.array(TextCodec(tiny_model, loaded.config).encode(CHAT))[None]
+
+    def logits(model) -> np.ndarray:
+        return np.array(model(prompt)[0].astype(mx.float32), dtype=np.float64)
+
+    def rel(a, b) -> float:
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    base = logits(loaded.model)
+    merged = logits(load(adapters["merged_model"]).model)
+    assert rel(base, merged) > 0.1, "the adapter should change the logits"
+    slots = LoRASlots(loaded.model)
+    # On CPU the worker computes in float32 (measured: 4e-7); on a GPU the
+    # merged weights themselves are rounded to bf16.
+    tolerance = 1e-4 if mx.default_device() == mx.cpu else 1e-2
+    for fmt in FORMATS:
+        slots.install(read_adapter(adapters[fmt], slots.targets))
+        assert rel(logits(loaded.model), merged) < tolerance, fmt
+    slots.install(read_adapter(adapters["peft_scale_1.25x"], slots.targets))
+    assert rel(logits(loaded.model), merged) > 5 * tolerance  # measured: 0.11
+    slots.install(None)
+    assert (logits(loaded.model) == base).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_adapter_at_start_generates_the_same_in_every_format(adapters, tiny_model, start_texts, worker, fmt):
+    ready, texts = run_once(tiny_model, "--lora", str(adapters[fmt])) if fmt != "peft" else (None, start_texts)
+    if ready is not None:
+        assert ready["lora"] == str(adapters[fmt])
+    assert texts == start_texts
     assert texts != worker.base_texts
 
 
-def test_set_adapter_swaps_and_none_restores_the_base_exactly(adapters, merged_texts, worker, tiny_model):
-    for fmt in ("peft", "mlx", "mlx-lm"):
+def test_set_adapter_swaps_and_none_restores_the_base_exactly(adapters, start_texts, worker, tiny_model):
+    for fmt in FORMATS:
         loaded = set_adapter(worker, adapters[fmt])
         assert list(loaded)[:5] == ["ev", "model", "lora", "sha256", "ms"], loaded
         assert loaded["ev"] == "adapter_loaded" and loaded["lora"] == str(adapters[fmt]) and loaded["format"] == fmt
         assert isinstance(loaded["ms"], int) and loaded["ms"] >= 0
-        assert [greedy(worker, CHAT), greedy(worker, OTHER)] == merged_texts
+        # Swapped in, it computes what it computes when loaded at start.
+        assert [greedy(worker, CHAT), greedy(worker, OTHER)] == start_texts
+    # sha256 is what `sha256sum` prints for the weights file; the config has its own.
     lm_dir = adapters["mlx-lm"]
-    lm_content = (lm_dir / "adapters.safetensors").read_bytes() + (lm_dir / "adapter_config.json").read_bytes()
-    assert loaded["sha256"] == hashlib.sha256(lm_content).hexdigest()
-    # The comparison can tell scales apart: the same tensors at 1.25x differ.
-    assert set_adapter(worker, adapters["peft_scale_1.25x"])["ev"] == "adapter_loaded"
-    assert [greedy(worker, CHAT), greedy(worker, OTHER)] != merged_texts
-    single = adapters["mlx"]
-    assert set_adapter(worker, single)["sha256"] == hashlib.sha256(single.read_bytes()).hexdigest()
+    assert loaded["sha256"] == sha256sum(lm_dir / "adapters.safetensors")
+    assert loaded["config_sha256"] == sha256sum(lm_dir / "adapter_config.json")
+    scaled = set_adapter(worker, adapters["peft_scale_1.25x"])
+    peft_dir = adapters["peft_scale_1.25x"]
+    assert scaled["ev"] == "adapter_loaded" and scaled["sha256"] == sha256sum(peft_dir / "adapter_model.safetensors")
+    assert scaled["config_sha256"] == sha256sum(peft_dir / "adapter_config.json")
+    single = set_adapter(worker, adapters["mlx"])
+    assert single["sha256"] == sha256sum(adapters["mlx"]) and single["config_sha256"] is None
 
     worker.send(Stats())
     stats = worker.next_event()
@@ -122,17 +172,17 @@ def test_bad_adapter_at_start_exits_78_with_its_message(tmp_path, tiny_model, ki
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
-def test_bad_adapter_by_set_adapter_keeps_the_old_one(tmp_path, tiny_model, adapters, merged_texts, worker, kind):
+def test_bad_adapter_by_set_adapter_keeps_the_old_one(tmp_path, tiny_model, adapters, start_texts, worker, kind):
     assert set_adapter(worker, adapters["peft"])["ev"] == "adapter_loaded"
     path, phrase, name = write_bad(kind, tmp_path / kind, lora_pairs(targets_of(tiny_model), seed=24))
     error = set_adapter(worker, path)
     assert list(error) == ["ev", "model", "lora", "code", "msg", "_line"]
     assert error["ev"] == "adapter_error" and error["code"] == "adapter_error" and error["lora"] == str(path)
     assert phrase in error["msg"] and name in error["msg"]
-    assert greedy(worker, CHAT) == merged_texts[0]
+    assert greedy(worker, CHAT) == start_texts[0]
 
 
-def test_swap_waits_for_the_running_request(adapters, merged_texts, worker):
+def test_swap_waits_for_the_running_request(adapters, start_texts, worker):
     """A request started before the swap finishes on the adapter it began with."""
     assert set_adapter(worker, None)["ev"] == "adapter_loaded"
     long_base = greedy(worker, max_tokens=300)
@@ -143,7 +193,7 @@ def test_swap_waits_for_the_running_request(adapters, merged_texts, worker):
     events = [first] + worker.collect()
     assert text_of(events) == long_base
     assert worker.next_event()["ev"] == "adapter_loaded"
-    assert greedy(worker, CHAT) == merged_texts[0]
+    assert greedy(worker, CHAT) == start_texts[0]
 
 
 def test_quantized_base_with_adapter_generates_and_differs(tiny_q4_model, tmp_path):
@@ -164,3 +214,22 @@ def test_quantized_base_with_adapter_generates_and_differs(tiny_q4_model, tmp_pa
         assert greedy(w) == adapted
     finally:
         assert w.close() == 0
+
+
+def test_an_adapter_file_over_the_size_limit_is_refused_unread(tmp_path, tiny_model, worker):
+    """A 2 GB sparse file was read whole, four times over (worker RSS 95 MB
+    to 2.1 GB). Its size is checked first: by SetAdapter, and at start."""
+    huge = tmp_path / "huge.safetensors"
+    with open(huge, "wb") as f:
+        f.truncate(2 << 30)
+    worker.send(Stats())
+    before = worker.next_event()["rss_bytes"]
+    error = set_adapter(worker, huge)
+    assert error["ev"] == "adapter_error" and f"huge.safetensors is {2 << 30} bytes, more than max_adapter_bytes" in error["msg"]
+    worker.send(Stats())
+    assert worker.next_event()["rss_bytes"] < before + (64 << 20)
+    w = WorkerProc(tiny_model, "--lora", str(huge), "--max-adapter-bytes", str(1 << 20))
+    assert w.proc.wait(timeout=120) == 78
+    w.close()
+    last = w.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("lattice-pool worker: bad adapter: ") and "more than max_adapter_bytes (1048576)" in last

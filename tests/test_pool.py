@@ -1,6 +1,8 @@
 """`lattice-pool serve` end to end: real supervisor, real workers, two demo models."""
 
 import json
+import resource
+import shutil
 import signal
 
 import pytest
@@ -172,10 +174,12 @@ def test_bad_requests_get_errors_and_the_pool_goes_on(config_file, spawn_pool):
     assert errors["t1"]["code"] == "bad_request" and "temperature" in errors["t1"]["msg"]
     assert errors[None]["code"] == "bad_request"
     assert errors["um"]["code"] == "unknown_model"
+    # Not valid UTF-8, so no JSON; its id is still read, so its error reaches it.
+    assert errors["u8"]["code"] == "bad_request" and "malformed request" in errors["u8"]["msg"]
     assert errors["np"]["msg"] == 'missing "prompt" field'
     assert "explode" in errors["op1"]["msg"] and "top_p" in errors["range"]["msg"]
     assert pool.terminal("ok")["gen_tokens"] == 4
-    pool.sent_ids += ["t1", "np", "range", "op1"]  # sent as raw bytes
+    pool.sent_ids += ["t1", "u8", "np", "range", "op1"]  # sent as raw bytes
     pool.check_terminals()
     assert pool.close() == 0
 
@@ -191,17 +195,22 @@ def test_oversized_line_is_rejected_and_skipped(config_file, spawn_pool):
 
 
 def test_duplicate_running_id_is_refused(config_file, spawn_pool):
+    """The refusal names the id but does not carry it: a line with that id
+    would read as the end of the request still running."""
     pool = spawn_pool("--config", config_file())
     pool.send({"model": "a", "id": "dup", "prompt": CHAT, "max_tokens": 100000})
     pool.wait_for(lambda e: e.get("id") == "dup")
     pool.proc.stdin.write(json.dumps({"model": "a", "id": "dup", "prompt": CHAT}).encode() + b"\n")
     pool.proc.stdin.flush()
-    err = pool.wait_for(lambda e: e["ev"] == "error" and e.get("id") == "dup")
-    assert "duplicate" in err["msg"] and err["code"] == "bad_request"
-    pool.expected_terminals["dup"] = 2  # the refusal carries the id it refused
+    err = pool.wait_for(lambda e: e["ev"] == "error")
+    assert err["code"] == "bad_request" and "duplicate id \"dup\"" in err["msg"] and "id" not in err
+    # Neither does the error of an op that happens to carry it.
+    pool.send({"op": "explode", "id": "dup"})
+    err = pool.wait_for(lambda e: e["ev"] == "error")
+    assert err["code"] == "bad_request" and "explode" in err["msg"] and "id" not in err
     pool.send({"op": "cancel", "id": "dup"})
-    pool.wait_for(lambda e: e.get("id") == "dup" and e.get("done"))
-    assert pool.close() == 0
+    assert pool.terminal("dup")["finish_reason"] == "cancelled"
+    assert pool.close() == 0  # checks that "dup" had exactly one terminal line
 
 
 def test_status_reports_measured_memory(config_file, spawn_pool):
@@ -305,3 +314,57 @@ def test_prefix_cache_budget_reaches_the_worker(tmp_path, tiny_model, spawn_pool
     assert "cached_tokens" not in first
     assert ("cached_tokens" in second and second["cached_tokens"] > 0) == reused
     assert pool.close() == 0
+
+
+def test_a_prompt_over_max_prompt_bytes_is_refused_before_any_worker_sees_it(config_file, spawn_pool):
+    """Prompt size was checked only after tokenizing: a 60 MB prompt drove a
+    worker past 9 GB, a 10 MB one took 10 s to be refused. Now its size is
+    checked in the supervisor, in bytes, before it is routed."""
+    pool = spawn_pool("--config", config_file())
+    pool.wait_ev("ready", model="a")
+    before = status(pool)["a"]
+    pool.send({"model": "a", "id": "big", "prompt": "x" * (16 << 20)})
+    err = pool.terminal("big")
+    assert err["code"] == "bad_request" and "max_prompt_bytes (1048576 bytes)" in err["msg"]
+    # Bytes, not characters: 2-byte characters, and every message counted.
+    pool.send({"model": "a", "id": "wide", "messages": [{"role": "user", "content": "é" * (1 << 19)}]})
+    assert "max_prompt_bytes" in pool.terminal("wide")["msg"]
+    after = status(pool)["a"]
+    assert after["served"] == 0 and after["rss_bytes"] < before["rss_bytes"] + (64 << 20)
+    pool.send({"model": "a", "id": "ok", "prompt": CHAT, "max_tokens": 2})
+    assert pool.terminal("ok")["gen_tokens"] == 2
+    assert pool.close() == 0
+
+
+def test_a_config_json_nested_too_deeply_fails_at_once_with_its_cause(tmp_path, tiny_model, spawn_pool):
+    """Python's json raised RecursionError, the worker exited 1, and the
+    pool restarted it five times over 22 s. It is a bad model dir: exit 78,
+    one line of cause, no retry."""
+    nested = tmp_path / "nested"
+    shutil.copytree(tiny_model, nested)
+    (nested / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "n"\npath = "{nested}"\npreload = true\n')
+    pool = spawn_pool("--config", str(config))
+    failed = pool.wait_ev("failed", model="n")
+    assert "code 78" in failed["reason"] and "config.json: it nests too deeply" in failed["reason"]
+    pool.send({"model": "n", "id": "r", "prompt": CHAT})
+    assert pool.terminal("r")["code"] == "model_failed"
+    assert pool.close() == 0
+    assert not [e for e in pool.events if e["ev"] == "restarting"]
+    assert pool.stderr.count(b"worker started") == 1
+
+
+def test_a_hard_file_limit_below_what_mlx_lm_sets_fails_at_once_with_its_cause(tiny_model, spawn_pool):
+    """mlx-lm raises RLIMIT_NOFILE to (2048, 4096) when imported, which fails
+    below a hard limit of 4096: every worker died at import, and was
+    restarted five times. A resource limit is no crash: exit 78, the cause."""
+
+    def low_hard_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    pool = spawn_pool("--model-dir", str(tiny_model), preexec_fn=low_hard_limit)
+    failed = pool.wait_ev("failed")
+    assert "code 78" in failed["reason"] and "RLIMIT_NOFILE" in failed["reason"] and "1024" in failed["reason"]
+    assert pool.close() == 0
+    assert not [e for e in pool.events if e["ev"] == "restarting"]

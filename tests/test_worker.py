@@ -5,7 +5,7 @@ import subprocess
 import sys
 import pytest
 
-from ipc.messages import Cancel, Generate, Stats
+from ipc.messages import Cancel, Generate, Message, Stats
 from tests.conftest import keep_alive_across_tests, release
 from tests.procs import pid_alive, wait_for
 from tests.workerproc import ROOT, WorkerProc, child_env, terminal, text_of
@@ -153,6 +153,25 @@ def test_missing_prompt_is_an_error_with_the_id(worker):
     events = worker.collect()
     assert events == [events[0]] and events[0]["ev"] == "error"
     assert events[0]["code"] == "bad_request" and events[0]["id"] == "np" and "prompt" in events[0]["msg"]
+
+
+def test_the_worker_refuses_a_prompt_over_its_limit_before_tokenizing(tiny_model):
+    """The supervisor checks prompt bytes first; the worker checks again, on
+    the text it would tokenize (a rendered chat template included)."""
+    w = WorkerProc(tiny_model, "--max-prompt-bytes", "100")
+    try:
+        w.wait_ready()
+        w.send(Generate(rid=1, prompt="x" * 101, id_json='"long"'))
+        err = terminal(w.collect())
+        assert err["ev"] == "error" and err["code"] == "bad_request" and err["id"] == "long"
+        assert "max_prompt_bytes (100 bytes)" in err["msg"]
+        # 60 bytes of content, more than 100 once rendered as ChatML.
+        w.send(Generate(rid=2, messages=[Message("user", "é" * 30)], id_json='"rendered"'))
+        assert "max_prompt_bytes" in terminal(w.collect())["msg"]
+        w.send(Generate(rid=3, prompt="x" * 100, max_tokens=2))
+        assert terminal(w.collect())["gen_tokens"] == 2
+    finally:
+        assert w.close() == 0
 
 
 def test_stats_reply_has_measured_memory(worker):

@@ -2,7 +2,8 @@
 
 stdin carries length-prefixed msgpack frames (ipc.framing); stdout carries
 `@@lattice` event lines only; logs go to stderr. Exit code 78 (EX_CONFIG)
-means the model dir (or adapter) is unusable, so restarting cannot help.
+means the model dir (or adapter, or a resource limit) is unusable, so
+restarting cannot help; its cause is the last line on stderr, one line.
 """
 
 from __future__ import annotations
@@ -10,11 +11,35 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import resource
 import sys
 import time
 from pathlib import Path
 
+from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+
 EX_CONFIG = 78
+# Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
+# ValueError at import) when the hard limit is lower.
+MLX_LM_NOFILE = 4096
+
+
+def fatal(cause: str) -> int:
+    """A start-up failure a restart cannot fix: its cause as one line on
+    stderr (the pool quotes the last one), and exit code 78."""
+    print("lattice-pool worker: " + re.sub(r"\s*\n\s*", " ", cause.strip()), file=sys.stderr, flush=True)
+    return EX_CONFIG
+
+
+def nofile_problem() -> str | None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < MLX_LM_NOFILE:
+        return (
+            f"the hard limit on open files (RLIMIT_NOFILE) is {hard}, below the {MLX_LM_NOFILE} "
+            f"that mlx-lm sets when it is imported; raise it (ulimit -Hn {MLX_LM_NOFILE}) where the pool starts"
+        )
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="float32",
         help="compute dtype on CPU: float32 (fast, more memory) or as stored in the checkpoint (default float32)",
     )
+    p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
+    p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
+    p.add_argument(
+        "--adapter-copies",
+        type=Path,
+        help="private directory for copies of the adapters loaded, used when an adapter file is gone or broken at a restart",
+    )
     return p.parse_args(argv)
 
 
@@ -52,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     log = logging.getLogger("worker")
+    problem = nofile_problem()
+    if problem:
+        return fatal(problem)
 
     # Before anything imports mlx: its BLAS symbols bind when it loads.
     from worker.cpu_backend import load_openblas
@@ -67,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
     bind_to_parent(int(ppid) if ppid else None)
 
-    from ipc.events import encode_event
-    from worker.adapters import AdapterError, read_adapter
+    from ipc.events import ADAPTER_ERROR, encode_event
+    from worker.adapters import AdapterError, AdapterReader
     from worker.engine import Engine
     from worker.loader import ModelDirError, load
     from worker.lora import LoRASlots
@@ -86,18 +121,34 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(model_dir, progress, cpu_float32=args.cpu_dtype == "float32")
         codec = TextCodec((args.tokenizer_dir or model_dir).expanduser().resolve(), loaded.config)
     except (ModelDirError, TokenizerError) as exc:
-        print(f"lattice-pool worker: bad model dir: {exc}", file=sys.stderr, flush=True)
-        return EX_CONFIG
-    engine = Engine(loaded, codec, prefill_step=args.prefill_step, prefix_cache_bytes=args.prefix_cache_bytes)
+        return fatal(f"bad model dir: {exc}")
+    except RecursionError:
+        return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
+    engine = Engine(
+        loaded, codec, prefill_step=args.prefill_step, prefix_cache_bytes=args.prefix_cache_bytes, max_prompt_bytes=args.max_prompt_bytes
+    )
     slots = LoRASlots(loaded.model)
+    reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     if args.lora:
+        path = Path(args.lora).expanduser()
         try:
-            adapter = read_adapter(Path(args.lora).expanduser(), slots.targets)
+            adapter = reader.read(path, slots.targets)
         except AdapterError as exc:
-            print(f"lattice-pool worker: bad adapter: {exc}", file=sys.stderr, flush=True)
-            return EX_CONFIG
+            # The adapter this worker served before a restart survives the
+            # loss of its file, as it survives a broken rewrite while running.
+            try:
+                kept = reader.read_last_good(path, slots.targets)
+            except AdapterError as copy_exc:
+                log.warning("the last good copy of adapter %s is unusable too: %s", path, copy_exc)
+                kept = None
+            if kept is None:
+                return fatal(f"bad adapter: {exc}")
+            adapter, copy = kept
+            msg = f"{exc}; started with the last good copy of it (sha256 {adapter.sha256})"
+            log.warning("%s, kept in %s", msg, copy)
+            channel.write(encode_event("adapter_error", model=name, lora=args.lora, code=ADAPTER_ERROR, msg=msg))
         slots.install(adapter)
-        engine.adapter_key = adapter.sha256
+        engine.adapter_key = adapter.key
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     engine.warm_up()
@@ -113,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.adapter_key = key
 
     # Only now, so every adapter reply comes after `ready`.
-    server.adapters.attach(slots, on_swap)
+    server.adapters.attach(slots, on_swap, reader.read)
     server.serve_forever()
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ipc.events import ADAPTER_ERROR, encode_event
-from worker.adapters import AdapterError, AdapterWeights, read_adapter
+from worker.adapters import AdapterError, AdapterWeights, Targets
 from worker.lora import LoRASlots
 
 log = logging.getLogger("worker")
@@ -35,6 +35,7 @@ class AdapterSwapper:
         self._requests: queue.Queue[str | None] = queue.Queue()
         self._slots: LoRASlots | None = None
         self._on_swap: Callable[[str | None], None] = lambda key: None
+        self._read: Callable[[Path, Targets], AdapterWeights] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -44,11 +45,13 @@ class AdapterSwapper:
         """Queues a request; safe before `attach`, which starts serving them."""
         self._requests.put(path)
 
-    def attach(self, slots: LoRASlots, on_swap: Callable[[str | None], None]) -> None:
-        """Starts serving requests on the loaded model; `on_swap(sha256 or
-        None)` runs on the main thread right after each swap."""
+    def attach(self, slots: LoRASlots, on_swap: Callable[[str | None], None], read: Callable[[Path, Targets], AdapterWeights]) -> None:
+        """Starts serving requests on the loaded model, reading adapters with
+        `read`; `on_swap(key or None)` runs on the main thread right after
+        each swap."""
         self._slots = slots
         self._on_swap = on_swap
+        self._read = read
         threading.Thread(target=self._loop, name="adapter-loader", daemon=True).start()
 
     def _loop(self) -> None:
@@ -56,7 +59,7 @@ class AdapterSwapper:
             path = self._requests.get()
             t0 = time.perf_counter()
             try:
-                weights = read_adapter(Path(path).expanduser(), self._slots.targets) if path is not None else None
+                weights = self._read(Path(path).expanduser(), self._slots.targets) if path is not None else None
             except AdapterError as exc:
                 self._error(path, str(exc))
                 continue
@@ -79,7 +82,7 @@ class AdapterSwapper:
                 self._error(path, f"adapter {path}: cannot install: {exc}")
                 return
             key = weights.sha256 if weights else None
-            self._on_swap(key)
+            self._on_swap(weights.key if weights else None)
             # Loading and swapping time; waiting for a running request is not the adapter's cost.
             ms = int((load_s + time.perf_counter() - t0) * 1000)
             log.info("adapter %s active: sha256=%s modules=%d bytes=%d ms=%d", path, key, len(weights.pairs) if weights else 0, self.nbytes, ms)
@@ -93,6 +96,7 @@ class AdapterSwapper:
                     format=weights.format if weights else None,
                     modules=len(weights.pairs) if weights else 0,
                     adapter_bytes=self.nbytes,
+                    config_sha256=weights.config_sha256 if weights else None,
                 )
             )
         finally:

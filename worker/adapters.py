@@ -13,21 +13,33 @@ any of it reaches the model.
 
 The weights file is read once into memory and hashed, and everything is
 parsed from those bytes, so a writer rewriting it in place cannot hand us a
-mix of two versions. This module is numpy only; the MLX side is worker.lora.
+mix of two versions. Only regular files are read, never more than
+`max_adapter_bytes` of one. This module is numpy only; the MLX side is
+worker.lora.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import math
+import os
 import re
+import shutil
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 import numpy as np
 import safetensors
+
+from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES
+
+log = logging.getLogger("worker")
 
 PEFT_FILE = "adapter_model.safetensors"
 MLX_LM_FILE = "adapters.safetensors"
@@ -56,10 +68,19 @@ class AdapterError(Exception):
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    sha256: str
+    sha256: str  # of the weights file's bytes: what `sha256sum` prints for it
+    config_sha256: str | None  # of adapter_config.json's bytes, when it was used
     format: str  # "peft" | "mlx" | "mlx-lm"
     # `layers.N.<module>` -> (A (d_in, r), scale * B (r, d_out)), float32.
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def key(self) -> str:
+        """One hash of everything that sets what the adapter computes: two
+        adapters with the same key compute the same thing."""
+        if self.config_sha256 is None:
+            return self.sha256
+        return hashlib.sha256(f"{self.sha256}:{self.config_sha256}".encode()).hexdigest()
 
 
 @dataclass
@@ -69,27 +90,92 @@ class _Pair:
     b: str | None = None
 
 
-def read_adapter(path: Path, targets: Targets) -> AdapterWeights:
-    """Reads, validates and scales the adapter at `path` (file or directory).
+def read_adapter(path: Path, targets: Targets, max_bytes: int = DEFAULT_MAX_ADAPTER_BYTES) -> AdapterWeights:
+    """Reads, validates and scales the adapter at `path` (file or directory)."""
+    return _read(path, targets, max_bytes)[0]
 
-    `sha256` covers the weights file's bytes, then adapter_config.json's when
-    one was used: two adapters with the same hash compute the same thing.
-    """
+
+class AdapterReader:
+    """How one worker reads adapters: within `max_bytes` per file and, with
+    `copies` (a private directory the pool owns), keeping a copy of the
+    exact bytes of every adapter read in full, so that a worker restarted
+    after its adapter file was deleted or broken can start with the version
+    it had (`last_good`)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_ADAPTER_BYTES, copies: Path | None = None):
+        self.max_bytes = max_bytes
+        self.copies = copies
+
+    def read(self, path: Path, targets: Targets) -> AdapterWeights:
+        weights, files = _read(path, targets, self.max_bytes)
+        if self.copies is not None:
+            try:
+                self._keep(path, files)
+            except OSError as exc:  # a copy is insurance: never a reason to refuse
+                log.warning("no last-good copy of adapter %s: %s", path, exc)
+        return weights
+
+    def read_last_good(self, path: Path, targets: Targets) -> tuple[AdapterWeights, Path] | None:
+        """The kept copy of the adapter last read in full from `path`, or None."""
+        copy = self._last_good(path)
+        if copy is None:
+            return None
+        return _read(copy, targets, self.max_bytes)[0], copy
+
+    def _slot(self, path: Path) -> Path:
+        return self.copies / hashlib.sha256(str(path).encode()).hexdigest()[:16]
+
+    def _keep(self, path: Path, files: dict[str, bytes]) -> None:
+        # Written aside, then renamed into place: a reader sees the old copy
+        # or the new one, never a mix.
+        slot = self._slot(path)
+        self.copies.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(prefix=".new-", dir=self.copies))
+        for name, data in files.items():
+            (fresh / name).write_bytes(data)
+        old = None
+        if slot.exists():
+            old = Path(tempfile.mkdtemp(prefix=".old-", dir=self.copies))
+            slot.rename(old / "slot")
+        fresh.rename(slot)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _last_good(self, path: Path) -> Path | None:
+        if self.copies is None:
+            return None
+        slot = self._slot(path)
+        try:
+            names = [n for n in os.listdir(slot) if n != CONFIG_FILE]
+        except OSError:
+            return None
+        if len(names) != 1:
+            return None
+        # The directory reads like the original directory did, and like a
+        # PEFT or mlx-lm file beside its config; any other file by its name.
+        return slot if names[0] in (PEFT_FILE, MLX_LM_FILE) else slot / names[0]
+
+
+def _read(path: Path, targets: Targets, max_bytes: int) -> tuple[AdapterWeights, dict[str, bytes]]:
+    """The adapter and the bytes it came from: file name -> content."""
     try:
-        return _read(path, targets)
+        return _read_checked(path, targets, max_bytes)
     except AdapterError as exc:
         raise AdapterError(f"adapter {path}: {exc}") from None
+    except RecursionError:
+        raise AdapterError(f"adapter {path}: a JSON document in it nests too deeply") from None
 
 
-def _read(path: Path, targets: Targets) -> AdapterWeights:
+def _read_checked(path: Path, targets: Targets, max_bytes: int) -> tuple[AdapterWeights, dict[str, bytes]]:
     weights_file = _weights_file(path)
-    data = _read_bytes(weights_file)
-    digest = hashlib.sha256(data)
+    data = _read_file(weights_file, max_bytes)
+    sha256 = hashlib.sha256(data).hexdigest()
     tensors, metadata = _parse_safetensors(data, weights_file.name)
+    files = {weights_file.name: data}
     del data
     style = _key_style(tensors)
     config_file = weights_file.with_name(CONFIG_FILE)
-    config_bytes = _read_bytes(config_file) if config_file.is_file() else None
+    config_bytes = _read_file(config_file, max_bytes, optional=True)
     config = _parse_json(config_bytes) if config_bytes is not None else None
     if style == "peft":
         fmt = "peft"
@@ -98,33 +184,76 @@ def _read(path: Path, targets: Targets) -> AdapterWeights:
     else:
         # A config beside chat_metal's single file is not about it.
         fmt, config, config_bytes = "mlx", None, None
+    config_sha256 = None
     if config_bytes is not None:
-        digest.update(config_bytes)
+        config_sha256 = hashlib.sha256(config_bytes).hexdigest()
+        files[CONFIG_FILE] = config_bytes
     pairs = _pairs(tensors, style, targets)
     scales = _scales(fmt, pairs, tensors, metadata, config)
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, pair in pairs.items():
         a, b = _oriented(style, tensors[pair.a], tensors[pair.b])
         out[module] = (a, b * np.float32(scales[module]))
-    return AdapterWeights(sha256=digest.hexdigest(), format=fmt, pairs=out)
+    return AdapterWeights(sha256=sha256, config_sha256=config_sha256, format=fmt, pairs=out), files
+
+
+# A worker out of descriptors or memory: no fault of the file, and it passes.
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _cannot_read(what: str, exc: OSError) -> NoReturn:
+    if exc.errno in _TRANSIENT_ERRNOS:
+        raise exc
+    raise AdapterError(f"cannot read {what}: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def _weights_file(path: Path) -> Path:
-    if path.is_dir():
+    try:
+        st = os.stat(path)
+    except OSError as exc:  # missing, a symlink loop, a name too long, ...
+        _cannot_read("it", exc)
+    if stat.S_ISDIR(st.st_mode):
         for name in (PEFT_FILE, MLX_LM_FILE):
-            if (path / name).is_file():
+            if (path / name).exists():
                 return path / name
         raise AdapterError(f"directory has neither {PEFT_FILE} nor {MLX_LM_FILE}")
-    if not path.exists():
-        raise AdapterError("no such file or directory")
     return path
 
 
-def _read_bytes(path: Path) -> bytes:
+_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory"}
+
+
+def _read_file(path: Path, max_bytes: int, optional: bool = False) -> bytes | None:
+    """The whole file, if it is a regular file of at most `max_bytes`.
+
+    O_NONBLOCK makes the open of a FIFO return at once (a plain open waits
+    for a writer, forever), and the type and size come from the open file,
+    so nothing is read from a device or a FIFO, and nothing too large."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if optional:
+            return None
+        raise AdapterError(f"cannot read {path.name}: no such file or directory") from None
     except OSError as exc:
-        raise AdapterError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+        _cannot_read(path.name, exc)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                kind = next((name for test, name in _KINDS.items() if test(st.st_mode)), "of another type")
+                raise AdapterError(f"{path.name} is {kind}, not a regular file")
+            if st.st_size > max_bytes:
+                raise AdapterError(f"{path.name} is {st.st_size} bytes, more than max_adapter_bytes ({max_bytes})")
+            # One byte more than its size tells a file that grows as it is read.
+            data = f.read(st.st_size + 1)
+            if len(data) > st.st_size:
+                data += f.read(max_bytes + 1 - len(data))
+        except OSError as exc:
+            _cannot_read(path.name, exc)
+    if len(data) > max_bytes:
+        raise AdapterError(f"{path.name} grew past max_adapter_bytes ({max_bytes}) while it was read")
+    return data
 
 
 def _parse_safetensors(data: bytes, name: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.events import encode_done, encode_token, tokens_per_second
-from ipc.messages import Generate
+from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate, utf8_len
 from worker.loader import LoadedModel
 from worker.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache, chunk_ends, message_starts
 from worker.sampling import Sampler
@@ -70,8 +70,10 @@ class Engine:
         codec: TextCodec,
         prefill_step: int = 512,
         prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     ):
         self.loaded = loaded
+        self.max_prompt_bytes = max_prompt_bytes
         self.model = loaded.model
         self.codec = codec
         self.prefill_step = prefill_step
@@ -93,6 +95,8 @@ class Engine:
                 raise RequestError("bad_request", f"chat template failed: {exc}") from exc
         else:
             raise RequestError("bad_request", 'missing "prompt" field')
+        if utf8_len(text, self.max_prompt_bytes) > self.max_prompt_bytes:
+            raise RequestError("bad_request", f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
         ids = self.codec.encode(text)
         if not ids:
             raise RequestError("bad_request", "prompt is empty after tokenization")

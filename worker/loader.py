@@ -39,6 +39,9 @@ def read_config(path: Path) -> dict:
         config = json.loads(config_path.read_text("utf-8"))
     except ValueError as exc:
         raise ModelDirError(f"cannot parse {config_path}: {exc}") from exc
+    except RecursionError:
+        # Python's json recurses per level: a hostile file is a bad dir, not a crash.
+        raise ModelDirError(f"cannot parse {config_path}: it nests too deeply") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelDirError(f"{config_path} has no model_type")
     if not any(path.glob("model*.safetensors")):
