@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import encode_event
-    from worker.adapters import AdapterError, read_adapter
+    from worker.lora.formats import AdapterError, read_adapter
     from worker.engine import Engine
     from worker.loader import ModelDirError, load
-    from worker.lora import LoRASlots
+    from worker.lora.layers import LoRASlots
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
 

@@ -14,7 +14,7 @@ import msgspec
 from ipc.events import WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
 from ipc.messages import Cancel, Generate, SetAdapter, Shutdown, Stats
-from worker.adapter_swap import AdapterSwapper
+from worker.lora.swap import AdapterSwapper
 from worker.channel import EventChannel
 from worker.engine import Engine, RequestError
 from worker.memory import memory_figures

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from ipc.events import ADAPTER_ERROR, encode_event
-from worker.adapters import AdapterError, AdapterWeights, read_adapter
-from worker.lora import LoRASlots
+from worker.lora.formats import AdapterError, AdapterWeights, read_adapter
+from worker.lora.layers import LoRASlots
 
 log = logging.getLogger("worker")
 

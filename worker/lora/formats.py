@@ -13,7 +13,7 @@ any of it reaches the model.
 
 The weights file is read once into memory and hashed, and everything is
 parsed from those bytes, so a writer rewriting it in place cannot hand us a
-mix of two versions. This module is numpy only; the MLX side is worker.lora.
+mix of two versions. This module is numpy only; the MLX side is worker.lora.layers.
 """
 
 from __future__ import annotations
