@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import threading
 
 import pytest
 from hypothesis import given, settings
@@ -163,22 +162,29 @@ def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
 # -- in-process: eviction, adapter keys, trimmable models ------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from worker.engine import Engine
+def scheduler_for(model_dir, **kw):
     from worker.loader import load
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
-    loaded = load(tiny_model)
-    return Engine(loaded, TextCodec(tiny_model, loaded.config), prefill_step=16)
+    loaded = load(model_dir)
+    lines: list[bytes] = []
+    scheduler = Scheduler(loaded, TextCodec(model_dir, loaded.config), lines.append, batch_memory=1 << 30, prefill_step=16, **kw)
+    scheduler.lines = lines
+    return scheduler
 
 
-def run(engine, **kw):
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return scheduler_for(tiny_model)
+
+
+def run(scheduler, **kw):
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 12)
-    lines = []
-    _, ids = engine.run(Generate(rid=0, **kw), lines.append, threading.Event())
-    return ids, json.loads(lines[-1][len(b"@@lattice ") :])
+    scheduler.submit(Generate(rid=0, **kw), 0.0)
+    ids = scheduler.drain()[0]
+    return ids, json.loads(scheduler.lines[-1][len(b"@@lattice ") :])
 
 
 def test_least_recently_used_snapshot_is_evicted_first(engine):
@@ -187,13 +193,14 @@ def test_least_recently_used_snapshot_is_evicted_first(engine):
 
     from worker.prefix_cache import PrefixCache
 
-    pc = PrefixCache(engine.model, budget_bytes=1 << 30)
+    model = engine.loaded.model
+    pc = PrefixCache(model, budget_bytes=1 << 30)
     prompts = [engine.codec.encode(_chatml([("user", f"Conversation number {i}.")])) for i in range(3)]
-    starts = [message_starts(ids, engine.chat_marker) for ids in prompts]
+    starts = [message_starts(ids, engine.generator.chat_marker) for ids in prompts]
 
     def store(ids, end):
-        cache = make_prompt_cache(engine.model)
-        engine.model(mx.array(ids[:end])[None], cache=cache)
+        cache = make_prompt_cache(model)
+        model(mx.array(ids[:end])[None], cache=cache)
         pc.store(None, ids[:end], cache)
 
     for ids, cuts in zip(prompts[:2], starts[:2]):
@@ -261,14 +268,9 @@ def dense_model(tmp_path_factory, tiny_model):
 
 
 def test_attention_only_model_trims_to_the_common_prefix(dense_model):
-    from worker.engine import Engine
-    from worker.loader import load
-    from worker.text import TextCodec
-
-    loaded = load(dense_model)
-    codec = TextCodec(dense_model, loaded.config)
-    cached = Engine(loaded, codec, prefill_step=16)
-    plain = Engine(loaded, codec, prefill_step=16, prefix_cache_bytes=0)
+    cached = scheduler_for(dense_model)
+    plain = scheduler_for(dense_model, prefix_cache_bytes=0)
+    codec = cached.codec
     assert cached.prefix_cache.trimmable
     turns = [("user", QUESTIONS[0])]
     ids, done = run(cached, prompt=_chatml(turns, SYSTEM))

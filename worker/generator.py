@@ -1,0 +1,221 @@
+"""The token generator: advances a batch of rows by one token per step.
+
+Rows come in (prompt ids, sampling state, adapter key) and per-step token
+ids come out; nothing here knows about text or events. Each `step()`:
+
+1. a decode step: every row of the decode batch gets one token. The next
+   step is queued on the device before this step's tokens are read, so the
+   device computes step t+1 while the caller streams step t.
+2. one prefill chunk of the rows that are still reading their prompts (the
+   "prefill group", rows admitted together): each advances by at most
+   `prefill_step` prompt tokens in one batched forward, right-padded to the
+   longest chunk. Decode rows therefore stall for at most one chunk per
+   token. A row whose prompt is read (all but its last token) joins the
+   decode batch; the last prompt token is its first decode input.
+
+The prefix cache is used per row: a row resumes from the longest stored
+snapshot of its adapter and stores snapshots at its own chunk ends.
+
+Seams for later work: `Row.adapter` is the content key of the adapter the
+row runs with (today one resident adapter; with several, the per-row index
+into stacked adapters goes next to it); a per-row logits constraint (a token
+mask) would be applied to the rows that have one between the model's logits
+and `BatchSampler`, and `force()` already replaces one row's pending token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from worker.batch_cache import BatchCache, batchable
+from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
+from worker.sampling import BatchSampler, RowSampling
+
+log = logging.getLogger("worker")
+
+
+@dataclass(eq=False)
+class Row:
+    """One request as the generator sees it."""
+
+    rid: int
+    ids: list[int]
+    sampling: RowSampling
+    adapter: str | None = None
+    cached: int = 0  # prompt tokens resumed from the prefix cache
+    pos: int = 0  # prompt tokens in the row's cache
+    ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
+    snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
+    fresh: bool = True  # its decode input is still its last prompt token
+
+
+class BatchFailed(Exception):
+    """A batched forward or its bookkeeping failed: the listed rows' state is
+    gone (they have been dropped from the generator)."""
+
+    def __init__(self, rows: list[Row], cause: BaseException):
+        super().__init__(str(cause))
+        self.rows = rows
+        self.cause = cause
+
+
+class TokenGenerator:
+    def __init__(self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None):
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.prefill_step = prefill_step
+        self.chat_marker = chat_marker
+        self.can_batch = batchable(make_prompt_cache(model))
+        self.sampler = BatchSampler(vocab_size)
+        self.decoding: list[Row] = []
+        self._cache: BatchCache | None = None
+        self._next: mx.array | None = None  # (B,) the decode batch's next inputs
+        self._forced: dict[Row, int] = {}
+        self.prefilling: list[Row] = []
+        self._group: BatchCache | None = None
+
+    # -- membership ---------------------------------------------------------
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.decoding + self.prefilling
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.prefilling)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in (self._cache, self._group) if c is not None)
+
+    def start(self, rows: list[Row]) -> None:
+        """Starts reading the rows' prompts, as one prefill group; only when
+        no group is reading (rows admitted later wait for the next group)."""
+        assert not self.prefilling, "one prefill group at a time"
+        caches = []
+        for row in rows:
+            n = len(row.ids)
+            cuts = message_starts(row.ids, self.chat_marker)
+            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts)
+            row.pos = row.cached
+            row.snapshots = self.prefix_cache.snapshot_points(n, cuts)
+            row.ends = chunk_ends(n - 1, cuts, self.prefill_step, row.cached)
+            caches.append(cache)
+        ready = [i for i, row in enumerate(rows) if not row.ends]
+        if ready:
+            self._join([rows[i] for i in ready], BatchCache.of_rows([caches[i] for i in ready]))
+        reading = [i for i, row in enumerate(rows) if row.ends]
+        if reading:
+            self.prefilling = [rows[i] for i in reading]
+            self._group = BatchCache.of_rows([caches[i] for i in reading])
+
+    def remove(self, rows: list[Row]) -> None:
+        """Drops rows (finished, cancelled or failed) and frees their state."""
+        gone = set(rows)
+        for row in gone:
+            self._forced.pop(row, None)
+        keep = [i for i, row in enumerate(self.decoding) if row not in gone]
+        if len(keep) < len(self.decoding):
+            self.decoding = [self.decoding[i] for i in keep]
+            self._cache.filter(keep)
+            self.sampler.filter(keep)
+            self._next = self._next[mx.array(keep)] if keep else None
+            if not keep:
+                self._cache = None
+        keep = [i for i, row in enumerate(self.prefilling) if row not in gone]
+        if len(keep) < len(self.prefilling):
+            self.prefilling = [self.prefilling[i] for i in keep]
+            self._group.filter(keep)
+            if not keep:
+                self._group = None
+
+    def force(self, row: Row, token: int) -> None:
+        """Replaces the row's pending token (sampled, not yet fed to the
+        model) with `token`."""
+        self._forced[row] = token
+
+    def _join(self, rows: list[Row], cache: BatchCache) -> None:
+        """Rows whose prompt is read join the decode batch."""
+        for row in rows:
+            row.fresh = True
+        first = mx.array([row.ids[-1] for row in rows], dtype=mx.uint32)
+        if self._cache is None:
+            self._cache, self._next = cache, first
+        else:
+            self._cache = self._cache.extend(cache)
+            self._next = mx.concatenate([self._next, first])
+        self.decoding = self.decoding + rows
+        self.sampler.extend([row.sampling for row in rows])
+
+    def _fail_all(self, rows: list[Row], exc: BaseException) -> BatchFailed:
+        self.remove(rows)
+        return BatchFailed(rows, exc)
+
+    # -- stepping -----------------------------------------------------------
+
+    def step(self) -> list[tuple[Row, int | None]]:
+        """One decode step and one prefill chunk. Returns each decode row
+        with its token, or None for a row whose last prompt token was fed in
+        this step (its first token is pending). Raises BatchFailed when the
+        decode batch or the prefill group is lost."""
+        out: list[tuple[Row, int | None]] = []
+        if self.decoding:
+            rows = self.decoding
+            try:
+                tokens = self._decode()
+            except Exception as exc:
+                raise self._fail_all(list(rows), exc) from exc
+            for row, token in zip(rows, tokens):
+                if row.fresh:
+                    row.fresh = False
+                    out.append((row, None))
+                else:
+                    out.append((row, token))
+        if self.prefilling:
+            rows = list(self.prefilling)
+            try:
+                self._prefill_chunk()
+            except Exception as exc:
+                raise self._fail_all(rows, exc) from exc
+        return out
+
+    def _decode(self) -> list[int]:
+        inputs = self._next
+        if self._forced:
+            where = {row: i for i, row in enumerate(self.decoding)}
+            index = mx.array([where[row] for row in self._forced])
+            inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
+            self._forced.clear()
+        logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
+        self._next = self.sampler(logits, inputs)
+        mx.async_eval(self._next)
+        return inputs.tolist()
+
+    def _prefill_chunk(self) -> None:
+        rows = self.prefilling
+        group = self._group
+        pieces = [row.ids[row.pos : row.ends[0]] for row in rows]
+        width = max(len(p) for p in pieces)
+        lengths = [len(p) for p in pieces]
+        padded = width * len(rows) > sum(lengths)
+        tokens = mx.array([p + [0] * (width - len(p)) for p in pieces], dtype=mx.uint32)
+        if padded:
+            group.pad(lengths, width)
+        self.model(tokens, cache=group.layers)
+        if group.merged:
+            group.unpad()
+        mx.async_eval(group.state)
+        for i, row in enumerate(rows):
+            row.pos = row.ends.pop(0)
+            if row.pos in row.snapshots:
+                self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
+        done = [i for i, row in enumerate(rows) if not row.ends]
+        if done:
+            joining = [rows[i] for i in done]
+            self._join(joining, group.split(done))
+            self.prefilling = [row for row in rows if row.ends]
+            if not self.prefilling:
+                self._group = None
