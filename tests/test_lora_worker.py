@@ -147,6 +147,29 @@ def test_swap_waits_for_the_running_request(adapters, merged_texts, worker):
     assert greedy(worker, CHAT) == merged_texts[0]
 
 
+def test_requests_sent_after_a_swap_wait_for_it_and_run_on_the_new_adapter(adapters, merged_texts, worker):
+    """Batching: while a swap waits for the running request, later requests
+    wait too (they do not join the old version's batch), then run on the
+    new adapter."""
+    assert set_adapter(worker, None)["ev"] == "adapter_loaded"
+    long_base = greedy(worker, max_tokens=300)
+    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=300, id_json='"old"'))
+    first = worker.next_event()
+    assert first["ev"] == "gen_token" and first["id"] == "old"
+    worker.send(SetAdapter(path=str(adapters["peft"])))
+    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=60, id_json='"new"'))
+    events = [first]
+    while not (events[-1]["ev"] == "gen_token" and events[-1]["id"] == "new" and events[-1]["done"]):
+        events.append(worker.next_event())
+    order = [(e["ev"], e.get("id"), e.get("done")) for e in events]
+    old_done = order.index(("gen_token", "old", True))
+    loaded = order.index(("adapter_loaded", None, None))
+    new_first = next(i for i, e in enumerate(events) if e.get("id") == "new")
+    assert old_done < loaded < new_first
+    assert text_of([e for e in events if e.get("id") == "old"]) == long_base
+    assert text_of([e for e in events if e.get("id") == "new"]) == merged_texts[0]
+
+
 def test_quantized_base_with_adapter_generates_and_differs(tiny_q4_model, tmp_path):
     adapter = write_peft(tmp_path / "q4", lora_pairs(targets_of(tiny_q4_model), rank=RANK, seed=25), r=RANK, alpha=ALPHA)
     w = WorkerProc(tiny_q4_model, "--lora", str(adapter))

@@ -108,6 +108,12 @@ class WorkerProc:
         return rc
 
 
+    def send_together(self, reqs: list, timeout: float = 120.0) -> dict:
+        """Generate frames in one write, so they reach the worker together;
+        returns each request's events by rid (each id_json must be its rid)."""
+        self.send_raw(b"".join(encode_frame(r) for r in reqs))
+        return self.collect_by_id([r.rid for r in reqs], timeout)
+
     def collect_by_id(self, ids, timeout: float = 120.0) -> dict:
         """Events of several requests whose lines interleave, by id, until
         each has its terminal event. Every line must carry a known id."""
