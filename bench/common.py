@@ -178,6 +178,37 @@ class WorkerClient:
             first = first or now
             last = now
 
+    def generate_many(self, requests: list[dict]) -> dict:
+        """Sends the requests in one write (they reach the worker together)
+        and reads their interleaved lines; returns per-request client-side
+        first-token times, token counts, and the wall time to the last
+        final line."""
+        from ipc.messages import Generate
+
+        frames = []
+        ids = []
+        for kw in requests:
+            self._rid += 1
+            ids.append(self._rid)
+            frames.append(self._encode(Generate(rid=self._rid, id_json=str(self._rid), **kw)))
+        t0 = time.perf_counter()
+        self.proc.stdin.write(b"".join(frames))
+        self.proc.stdin.flush()
+        first: dict[int, float] = {}
+        tokens: dict[int, int] = {}
+        pending = set(ids)
+        while pending:
+            event = self._event()
+            if event["ev"] == "error":
+                raise RuntimeError(event["msg"])
+            if event["done"]:
+                tokens[event["id"]] = event["gen_tokens"]
+                pending.discard(event["id"])
+            else:
+                first.setdefault(event["id"], time.perf_counter())
+        wall = time.perf_counter() - t0
+        return {"ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids], "tokens": sum(tokens.values()), "wall_s": wall}
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)

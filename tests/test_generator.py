@@ -44,7 +44,7 @@ class Recorder:
         return out
 
 
-def make_generator(model, vocab: int, prefill_step: int = 8) -> TokenGenerator:
+def make_generator(model, vocab: int, prefill_step: int = 64) -> TokenGenerator:
     return TokenGenerator(model, vocab, PrefixCache(model, 0), prefill_step, None)
 
 
@@ -96,7 +96,7 @@ def check_batched_equals_alone(model, vocab: int, prompts: list[list[int]], step
     return worst
 
 
-def prompts_of(vocab: int, lengths=(13, 1, 29, 8, 20)) -> list[list[int]]:
+def prompts_of(vocab: int, lengths=(130, 1, 70, 8, 200)) -> list[list[int]]:
     rng = np.random.default_rng(3)
     return [rng.integers(5, vocab, size=n).tolist() for n in lengths]
 
@@ -169,7 +169,8 @@ def scheduler_for(loaded, model=None, **kw):
 
 
 def events(lines: list[bytes]) -> list[dict]:
-    return [json.loads(line[len(b"@@lattice ") :]) for line in lines]
+    """The events of what the scheduler wrote (each write holds whole lines)."""
+    return [json.loads(line[len(b"@@lattice ") :]) for line in b"".join(lines).splitlines()]
 
 
 def ends_by_id(lines: list[bytes]) -> dict:

@@ -208,7 +208,7 @@ def run(scheduler, **kw):
     kw.setdefault("max_tokens", 12)
     scheduler.submit(Generate(rid=0, **kw), 0.0)
     ids = scheduler.drain()[0]
-    return ids, json.loads(scheduler.lines[-1][len(b"@@lattice ") :])
+    return ids, json.loads(scheduler.lines[-1].splitlines()[-1][len(b"@@lattice ") :])
 
 
 def test_least_recently_used_snapshot_is_evicted_first(engine):

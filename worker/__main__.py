@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-step",
         type=int,
-        default=defaults.PREFILL_STEP,
-        help="prompt tokens a request reads per prefill chunk; running requests wait at most one chunk (default %(default)s)",
+        help=f"prompt tokens a request reads per prefill chunk; running requests wait at most one chunk "
+        f"(default {defaults.PREFILL_STEP_CPU} on a CPU, {defaults.PREFILL_STEP_GPU} on a GPU)",
     )
     p.add_argument(
         "--max-batch",
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         channel.write,
         max_batch=args.max_batch,
         batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
-        prefill_step=args.prefill_step,
+        prefill_step=args.prefill_step,  # None: the device's default
         prefix_cache_bytes=args.prefix_cache_bytes,
     )
     slots = LoRASlots(loaded.model)

@@ -5,10 +5,13 @@ line reads them first; worker/__main__.py says why MLX must come later)."""
 # "Continuous batching".
 MAX_BATCH = 8
 
-# Prompt tokens a row reads per prefill chunk: running rows wait at most one
-# chunk per token. docs/performance.md, "Continuous batching", has the
-# measurement behind it.
-PREFILL_STEP = 512
+# Prompt tokens a request reads per prefill chunk: running requests wait at
+# most one chunk per token. On a CPU prefill throughput is flat from 128 to
+# 512 tokens per chunk while the wait grows with the chunk, so 256; on a GPU
+# a chunk's time is mostly fixed cost (H200: 61 ms for 512 tokens, 76 ms for
+# 2048), so 512. docs/performance.md, "Continuous batching", has the figures.
+PREFILL_STEP_CPU = 256
+PREFILL_STEP_GPU = 512
 
 # Memory for reusable prompt state of earlier requests (worker.prefix_cache).
 PREFIX_CACHE_BYTES = 512 * 1024 * 1024

@@ -7,11 +7,12 @@ ids come out; nothing here knows about text or events. Each `step()`:
    step is queued on the device before this step's tokens are read, so the
    device computes step t+1 while the caller streams step t.
 2. one prefill chunk of the rows that are still reading their prompts (the
-   "prefill group", rows admitted together): each advances by at most
-   `prefill_step` prompt tokens in one batched forward, right-padded to the
-   longest chunk. Decode rows therefore stall for at most one chunk per
-   token. A row whose prompt is read (all but its last token) joins the
-   decode batch; the last prompt token is its first decode input.
+   "prefill group", rows admitted together): one batched forward, right-
+   padded to the longest row's piece, in which each of the B rows reads up
+   to max(prefill_step / B, 64) prompt tokens (a lone row: prefill_step). Decode rows therefore stall
+   for at most one such chunk, max(prefill_step, 64 B) tokens, per token. A row
+   whose prompt is read (all but its last token) joins the decode batch; the
+   last prompt token is its first decode input.
 
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
@@ -32,10 +33,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.batch_cache import BatchCache, batchable
+from worker.gated_delta import CHUNK
 from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
 from worker.sampling import BatchSampler, RowSampling
 
 log = logging.getLogger("worker")
+
+# The smallest prompt piece a row reads per forward in a group: the chunked
+# gated-delta prefill's own chunk; smaller pieces gain no parallelism there.
+MIN_PIECE = CHUNK
 
 
 @dataclass(eq=False)
@@ -95,15 +101,21 @@ class TokenGenerator:
         """Starts reading the rows' prompts, as one prefill group; only when
         no group is reading (rows admitted later wait for the next group)."""
         assert not self.prefilling, "one prefill group at a time"
-        caches = []
+        caches, cuts = [], []
         for row in rows:
-            n = len(row.ids)
-            cuts = message_starts(row.ids, self.chat_marker)
-            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts)
+            cuts.append(message_starts(row.ids, self.chat_marker))
+            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts[-1])
             row.pos = row.cached
-            row.snapshots = self.prefix_cache.snapshot_points(n, cuts)
-            row.ends = chunk_ends(n - 1, cuts, self.prefill_step, row.cached)
+            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), cuts[-1])
             caches.append(cache)
+        # A forward reads about prefill_step prompt tokens however many rows
+        # share it, so running rows wait no longer for a bigger group; a
+        # row's piece stays at least MIN_PIECE tokens, so short prompts
+        # arriving together are read in one forward.
+        readers = sum(1 for row in rows if row.cached < len(row.ids) - 1)
+        step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
+        for row, row_cuts in zip(rows, cuts):
+            row.ends = chunk_ends(len(row.ids) - 1, row_cuts, step, row.cached)
         ready = [i for i, row in enumerate(rows) if not row.ends]
         if ready:
             self._join([rows[i] for i in ready], BatchCache.of_rows([caches[i] for i in ready]))

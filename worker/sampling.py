@@ -119,7 +119,8 @@ class BatchSampler:
     def __call__(self, logits: mx.array, last: mx.array) -> mx.array:
         """logits (B, V) for the position after `last` (B,), the tokens just
         fed; returns (B,) token ids."""
-        logits = logits.astype(mx.float32)
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
         if self._seen is not None:
             self._seen = _mark(self._seen, last)
             logits = _penalize(logits, self._seen, self._penalty)

@@ -61,15 +61,21 @@ class Scheduler:
         *,
         batch_memory: int,
         max_batch: int = defaults.MAX_BATCH,
-        prefill_step: int = defaults.PREFILL_STEP,
+        prefill_step: int | None = None,
         prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES,
     ):
         self.loaded = loaded
         self.codec = codec
-        self.emit = emit
+        # Lines are collected and written once per step (or per message
+        # handled): one system call for a step's tokens of every row.
+        self._write = emit
+        self._lines: list[bytes] = []
+        self.emit = self._lines.append
         self.prompts = PromptReader(codec, loaded.config)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
         self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
+        if prefill_step is None:
+            prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU
         self.prefill_step = prefill_step
         self.generator = self._generator(self.prefix_cache)
         self.max_batch = max(1, max_batch)
@@ -96,13 +102,13 @@ class Scheduler:
 
     def submit(self, req: Generate, arrived: float) -> None:
         if len(self.waiting) >= defaults.MAX_WAITING:
-            self.emit(encode_error(f"the worker already holds {defaults.MAX_WAITING} waiting requests", OVERLOADED, req.id_json))
+            self._write(encode_error(f"the worker already holds {defaults.MAX_WAITING} waiting requests", OVERLOADED, req.id_json))
             return
         try:
             ids = self.prompts.ids(req)
         except RequestError as exc:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
-            self.emit(encode_error(exc.msg, exc.code, req.id_json))
+            self._write(encode_error(exc.msg, exc.code, req.id_json))
             return
         self.waiting.append(Waiting(req, ids, arrived))
 
@@ -110,7 +116,7 @@ class Scheduler:
         for waiting in self.waiting:
             if waiting.req.rid == rid:
                 self.waiting.remove(waiting)
-                self.emit(encode_cancelled_done(waiting.req.id_json, len(waiting.ids)))
+                self._write(encode_cancelled_done(waiting.req.id_json, len(waiting.ids)))
                 return
         row = self._by_rid.get(rid)
         if row is None:
@@ -118,6 +124,12 @@ class Scheduler:
             return
         self.generator.remove([row])
         self._end(row, "cancelled")
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._lines:
+            self._write(b"".join(self._lines))
+            self._lines.clear()
 
     def run_when_idle(self, job: Callable[[], None]) -> None:
         """Runs `job` (an adapter swap) once no row is active; rows that have
@@ -152,6 +164,7 @@ class Scheduler:
             self._stream(out)
             if not self.generator:
                 mx.clear_cache()
+        self._flush()
         self.figures = self._figures()
 
     def drain(self) -> dict[int, list[int]]:
