@@ -1,6 +1,6 @@
 """Where a decode step goes, in one process: the model with argmax, with the
-worker's sampler, with mlx-lm's sampler and logits processors, and the
-worker's whole Engine.run. Each variant runs the same pipelined loop
+worker's sampler, with mlx-lm's sampler and logits processors, and one whole
+request through the worker's scheduler. Each variant runs the same pipelined loop
 (mx.async_eval one step ahead), twice; the second round is reported.
 
     python -m bench.decode_step [--size small|0.8b] [--tokens 128]
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 
@@ -33,9 +32,9 @@ def main() -> int:
 
     from bench.common import demo_model, load_average, machine, tagged, write_result
     from ipc.messages import Generate
-    from worker.engine import Engine
     from worker.loader import load
-    from worker.sampling import Sampler
+    from worker.sampling import BatchSampler, RowSampling, SamplingParams
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
     path = demo_model(args.size)
@@ -50,7 +49,7 @@ def main() -> int:
     def loop(pick) -> float:
         cache = make_prompt_cache(model)
         mx.eval(model(prompt[None, :-1], cache=cache))
-        y = pick(model(prompt[None, -1:], cache=cache)[:, -1, :], None)
+        y = pick(model(prompt[None, -1:], cache=cache)[:, -1, :], prompt[-1:])
         mx.async_eval(y)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -60,8 +59,8 @@ def main() -> int:
             y = nxt
         return (time.perf_counter() - t0) / n * 1000
 
-    ours = Sampler(vocab_size=vocab, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=1)
-    ours.observe_prompt(prompt.tolist())
+    ours = BatchSampler(vocab)
+    ours.extend([RowSampling(SamplingParams(0.7, 50, 0.9, 1.1, 1), vocab, prompt.tolist())])
     sampler = make_sampler(temp=0.7, top_p=0.9, top_k=50)
     processors = make_logits_processors(repetition_penalty=1.1)
 
@@ -70,10 +69,12 @@ def main() -> int:
             logits = proc(prompt, logits)
         return sampler(logits)
 
+    scheduler = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0)
+
     def engine_run() -> float:
-        lines: list[bytes] = []
         t0 = time.perf_counter()
-        Engine(loaded, codec).run(Generate(rid=1, prompt=text, max_tokens=n, seed=1), lines.append, threading.Event())
+        scheduler.submit(Generate(rid=1, prompt=text, max_tokens=n, seed=1), t0)
+        scheduler.drain()
         return (time.perf_counter() - t0) / n * 1000
 
     variants = {
