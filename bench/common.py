@@ -197,15 +197,24 @@ class WorkerClient:
         first: dict[int, float] = {}
         tokens: dict[int, int] = {}
         pending = set(ids)
+        stdout = self.proc.stdout
         while pending:
-            event = self._event()
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited with {self.proc.wait()}")
+            if line.startswith(b'@@lattice {"ev":"gen_token"') and b'"done":false' in line:
+                # Token lines are read the way the supervisor relays them,
+                # without decoding JSON: only the id at the tail matters.
+                rid = int(line[line.rindex(b'"id":') + 5 : -2])
+                if rid not in first:
+                    first[rid] = time.perf_counter()
+                continue
+            event = json.loads(line[len(b"@@lattice ") :])
             if event["ev"] == "error":
                 raise RuntimeError(event["msg"])
-            if event["done"]:
+            if event["ev"] == "gen_token":
                 tokens[event["id"]] = event["gen_tokens"]
                 pending.discard(event["id"])
-            else:
-                first.setdefault(event["id"], time.perf_counter())
         wall = time.perf_counter() - t0
         return {"ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids], "tokens": sum(tokens.values()), "wall_s": wall}
 
