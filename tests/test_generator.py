@@ -238,6 +238,26 @@ def test_an_exception_in_one_rows_stream_ends_that_row_alone(qwen35):
     assert [e["gen_tokens"] for e in ends[0] + ends[2]] == [12, 12]
 
 
+def test_a_fault_in_the_scheduler_itself_ends_the_active_requests_once(qwen35):
+    loaded, _ = qwen35
+    s, lines = scheduler_for(loaded)
+    submit(s, 2)
+    s.step()
+    real = s._stream
+
+    def broken(out):
+        s._stream = real
+        raise RuntimeError("scheduler bug")
+
+    s._stream = broken
+    s.step()
+    ends = ends_by_id(lines)
+    assert sorted(ends) == [0, 1] and all([e["ev"] for e in v] == ["error"] for v in ends.values())
+    submit(s, 1, start=2)
+    s.drain()
+    assert ends_by_id(lines)[2][0]["gen_tokens"] == 12 and not s.streams
+
+
 def test_memory_guard_holds_rows_back_until_others_end(qwen35):
     loaded, _ = qwen35
     probe, _ = scheduler_for(loaded)

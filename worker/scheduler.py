@@ -149,6 +149,19 @@ class Scheduler:
     def step(self) -> None:
         """Admits what may start, then runs one generator step and streams
         its tokens."""
+        try:
+            self._step()
+        except Exception as exc:  # a fault of the worker, not of a request
+            log.exception("a step failed; ending the active requests")
+            rows = [row for row in self.generator.rows if row in self.streams]
+            # Whatever state the generator was left in, start afresh.
+            self.generator = self._generator(self.prefix_cache)
+            for row in rows:
+                self._fail(row, exc)
+        self._flush()
+        self.figures = self._figures()
+
+    def _step(self) -> None:
         while self._swaps and not self.generator:
             self._swaps.popleft()()
         if not self._swaps:
@@ -164,8 +177,6 @@ class Scheduler:
             self._stream(out)
             if not self.generator:
                 mx.clear_cache()
-        self._flush()
-        self.figures = self._figures()
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated
@@ -239,7 +250,8 @@ class Scheduler:
             self._fail(row, exc)
 
     def _forget(self, row: Row) -> RowStream:
-        self._by_rid.pop(row.rid, None)
+        if self._by_rid.get(row.rid) is row:
+            del self._by_rid[row.rid]
         return self.streams.pop(row)
 
     def _end(self, row: Row, reason: str) -> None:
