@@ -83,6 +83,7 @@ class TokenGenerator:
         self._forced: dict[Row, int] = {}
         self.prefilling: list[Row] = []
         self._group: BatchCache | None = None
+        self._joining = False
 
     # -- membership ---------------------------------------------------------
 
@@ -165,9 +166,19 @@ class TokenGenerator:
         self.decoding = self.decoding + rows
         self.sampler.extend([row.sampling for row in rows])
 
-    def _fail_all(self, rows: list[Row], exc: BaseException) -> BatchFailed:
-        self.remove(rows)
-        return BatchFailed(rows, exc)
+    def _lose(self, decode: bool, group: bool) -> list[Row]:
+        """Drops the decode batch and/or the prefill group whole, without
+        touching their (possibly broken) state; returns their rows."""
+        lost = []
+        if decode:
+            lost += self.decoding
+            self.decoding, self._cache, self._next = [], None, None
+            self.sampler = BatchSampler(self.sampler.vocab_size)
+            self._forced.clear()
+        if group:
+            lost += self.prefilling
+            self.prefilling, self._group = [], None
+        return lost
 
     # -- stepping -----------------------------------------------------------
 
@@ -182,7 +193,7 @@ class TokenGenerator:
             try:
                 tokens = self._decode()
             except Exception as exc:
-                raise self._fail_all(list(rows), exc) from exc
+                raise BatchFailed(self._lose(decode=True, group=False), exc) from exc
             for row, token in zip(rows, tokens):
                 if row.fresh:
                     row.fresh = False
@@ -190,11 +201,14 @@ class TokenGenerator:
                 else:
                     out.append((row, token))
         if self.prefilling:
-            rows = list(self.prefilling)
             try:
                 self._prefill_chunk()
             except Exception as exc:
-                raise self._fail_all(rows, exc) from exc
+                # A failure while rows were joining the decode batch may have
+                # left it half-extended: then it goes too.
+                lost = self._lose(decode=self._joining, group=True)
+                self._joining = False
+                raise BatchFailed(lost, exc) from exc
         return out
 
     def _decode(self) -> list[int]:
@@ -229,8 +243,9 @@ class TokenGenerator:
                 self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
         done = [i for i, row in enumerate(rows) if not row.ends]
         if done:
-            joining = [rows[i] for i in done]
-            self._join(joining, group.split(done))
+            self._joining = True
+            self._join([rows[i] for i in done], group.split(done))
+            self._joining = False
             self.prefilling = [row for row in rows if row.ends]
             if not self.prefilling:
                 self._group = None
