@@ -2,7 +2,7 @@
 one request at a time vs mlx-lm, all in one run.
 
 For each N, N greedy requests (no repetition penalty, as batch_generate's
-defaults) with different prompts (~35 tokens each) are sent at once; each of
+defaults) with different prompts (40-80 tokens) are sent at once; each of
 `--rounds` rounds starts every side afresh, warms it up and runs each N:
 
 - `batched`: our worker (`--max-batch` = the largest N), driven over its
@@ -24,7 +24,7 @@ repeat. Goals (issue 13): at N = 8 aggregate
 >= 1.0x batch_generate; N = 1 >= 0.98x stream_generate; slowest TTFT at
 N = 8 <= 10x a lone request's on 2 CPU cores (<= 3x on an H200).
 
-    python -m bench.batch [--size small|0.8b] [--model DIR] [--max-tokens 128] [--n 1,2,4,8,16] [--rounds 2]
+    python -m bench.batch [--size small|0.8b] [--model DIR] [--max-tokens 128] [--n 1,2,4,8,16] [--rounds 3]
 """
 
 from __future__ import annotations

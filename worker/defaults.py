@@ -6,8 +6,8 @@ line reads them first; worker/__main__.py says why MLX must come later)."""
 MAX_BATCH = 8
 
 # Prompt tokens a request reads per prefill chunk: running requests wait at
-# most one chunk per token. On a CPU prefill throughput is flat from 128 to
-# 512 tokens per chunk while the wait grows with the chunk, so 256; on a GPU
+# most one chunk per token. On a CPU prefill throughput is within 4% from 128
+# to 512 tokens per chunk while the wait grows with the chunk, so 256; on a GPU
 # a chunk's time is mostly fixed cost (H200: 61 ms for 512 tokens, 76 ms for
 # 2048), so 512. docs/performance.md, "Continuous batching", has the figures.
 PREFILL_STEP_CPU = 256
