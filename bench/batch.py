@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 from bench.chat import user_messages
-from bench.common import ROOT, WorkerClient, backend, child_env, demo_model, load_average, machine, median, percentile, tagged, write_result
+from bench.common import ROOT, WorkerClient, backend, child_env, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
 
 
 class WorkerSide:
@@ -100,14 +100,11 @@ def summary(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
-    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
-    p.add_argument("--max-tokens", type=int, default=128)
+    model_arguments(p)
     p.add_argument("--n", default="1,2,4,8,16", help="comma-separated numbers of concurrent requests")
     p.add_argument("--through", choices=sorted(SIDES), default="worker", help="what the requests go through (default worker)")
     p.add_argument("--skip", default="", help="comma-separated sides to leave out: one_at_a_time, mlx_lm")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh process per side (default 3)")
-    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from tokenizers import Tokenizer

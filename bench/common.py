@@ -29,6 +29,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def model_arguments(p) -> None:
+    """The model a decode benchmark runs on, and how much it generates."""
+    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
+    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--tag", default="", help="suffix for the results file name")
+
+
 def demo_model(size: str) -> Path:
     """A demo model of the given size, built once by the demo-model builder."""
     path = MODELS / size

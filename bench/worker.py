@@ -29,6 +29,7 @@ from bench.common import (
     load_average,
     machine,
     median,
+    model_arguments,
     tagged,
     write_result,
 )
@@ -73,12 +74,9 @@ def summary(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
-    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
-    p.add_argument("--max-tokens", type=int, default=128)
+    model_arguments(p)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--baselines", default="matched,defaults")
-    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from tokenizers import Tokenizer

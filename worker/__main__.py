@@ -26,22 +26,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
     p.add_argument("--lora", help="LoRA adapter to apply: a .safetensors file or an adapter directory")
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+    p.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="requests decoded together; more wait in line (default %(default)s)")
+    p.add_argument("--batch-memory", type=int, help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory)")
     p.add_argument(
         "--prefill-step",
         type=int,
         help=f"prompt tokens a request reads per prefill chunk; running requests wait at most one chunk "
         f"(default {defaults.PREFILL_STEP_CPU} on a CPU, {defaults.PREFILL_STEP_GPU} on a GPU)",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=defaults.MAX_BATCH,
-        help="requests decoded together; more wait first in first out (default %(default)s)",
-    )
-    p.add_argument(
-        "--batch-memory",
-        type=int,
-        help="bytes the requests' caches may take before more requests wait (default: a quarter of the device's memory)",
     )
     p.add_argument(
         "--prefix-cache-bytes",
