@@ -104,10 +104,10 @@ class TokenGenerator:
         assert not self.prefilling, "one prefill group at a time"
         caches, cuts = [], []
         for row in rows:
-            # Chunks end at message starts so that a prompt resumed from a
-            # snapshot there computes what a cold one does; without a prefix
-            # cache nothing resumes, and fewer chunks cost less.
-            cuts.append(message_starts(row.ids, self.chat_marker) if self.prefix_cache.enabled else [])
+            # Chunks end at message starts, with or without a prefix cache, so
+            # a prompt resumed from a snapshot there computes what a cold one
+            # does (greedy output is the same with and without the cache).
+            cuts.append(message_starts(row.ids, self.chat_marker))
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts[-1])
             row.pos = row.cached
             row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), cuts[-1])
