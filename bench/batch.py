@@ -36,7 +36,20 @@ import sys
 from pathlib import Path
 
 from bench.chat import user_messages
-from bench.common import ROOT, WorkerClient, backend, child_env, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+from bench.common import (
+    ROOT,
+    WorkerClient,
+    backend,
+    child_env,
+    demo_model,
+    load_average,
+    machine,
+    median,
+    model_arguments,
+    percentile,
+    tagged,
+    write_result,
+)
 
 
 class WorkerSide:

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import encode_event
-    from worker.lora.formats import AdapterError, read_adapter
     from worker.loader import ModelDirError, load
+    from worker.lora.formats import AdapterError, read_adapter
     from worker.lora.layers import LoRASlots
     from worker.memory import device_memory
     from worker.scheduler import Scheduler

@@ -22,7 +22,6 @@ worker goes on with the waiting ones.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -42,7 +41,6 @@ from worker.streamer import Emit, RowStream
 from worker.text import TextCodec
 
 log = logging.getLogger("worker")
-
 
 
 @dataclass
