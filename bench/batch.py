@@ -31,25 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from bench import mlx_lm_baseline
 from bench.chat import user_messages
-from bench.common import (
-    ROOT,
-    WorkerClient,
-    backend,
-    child_env,
-    demo_model,
-    load_average,
-    machine,
-    median,
-    model_arguments,
-    percentile,
-    tagged,
-    write_result,
-)
+from bench.common import WorkerClient, backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
 
 
 class WorkerSide:
@@ -81,15 +68,10 @@ def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[
 def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict]:
     """One round of mlx-lm in a process of its own: batch runs for each N
     (after a warm-up), then a stream_generate run (after one of its own)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", "matched", "--max-tokens", str(max_tokens),
-         "--prompts-ids", json.dumps(ids), "--batch-sizes", ",".join(map(str, sizes)), "--rounds", "1",
-         "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1"],
-        capture_output=True, text=True, env=child_env(), cwd=ROOT,
+    lines = mlx_lm_baseline.run(
+        model, "matched", "--max-tokens", str(max_tokens), "--prompts-ids", json.dumps(ids), "--batch-sizes", ",".join(map(str, sizes)),
+        "--rounds", "1", "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1",
     )
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     batch = {line["n"]: line for line in lines if "n" in line}
     stream = next(line for line in lines if "n" not in line)
     return batch, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"]}

@@ -16,9 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def run(model: Path, setup: str, *args: str) -> list[dict]:
+    """This module in a process of its own (for the setup to hold); its JSON
+    lines."""
+    from bench.common import ROOT, child_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup, *args],
+        capture_output=True, text=True, env=child_env(), cwd=ROOT,
+    )
+    if out.returncode:
+        raise RuntimeError(out.stderr)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def load_model(path: Path, setup: str):

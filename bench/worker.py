@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from bench import mlx_lm_baseline
 from bench.common import (
-    ROOT,
     WorkerClient,
     backend,
-    child_env,
     demo_model,
     load_average,
     machine,
@@ -53,14 +51,7 @@ def ours(model: Path, max_tokens: int, seeds: list[int]) -> list[dict]:
 
 
 def mlx_lm(model: Path, setup: str, ids: list[int], max_tokens: int, seeds: list[int]) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup,
-         "--prompt-ids", json.dumps(ids), "--max-tokens", str(max_tokens), "--seeds", ",".join(map(str, seeds))],
-        capture_output=True, text=True, env=child_env(), cwd=ROOT,
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return mlx_lm_baseline.run(model, setup, "--prompt-ids", json.dumps(ids), "--max-tokens", str(max_tokens), "--seeds", ",".join(map(str, seeds)))
 
 
 def summary(runs: list[dict]) -> dict:

@@ -23,8 +23,8 @@ from tests.lora_files import (
     write_mlx_lm,
     write_peft,
 )
-from worker.lora.formats import AdapterError, read_adapter
 from worker.loader import load
+from worker.lora.formats import AdapterError, read_adapter
 from worker.lora.layers import AdaptedLinear, LoRASlots
 
 PROMPT = mx.array([[1, 5, 17, 200, 33, 41, 99, 7, 8, 300, 12, 64, 2]])
