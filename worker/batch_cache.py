@@ -50,7 +50,8 @@ class BatchCache:
 
     @classmethod
     def of_rows(cls, rows: list[list]) -> "BatchCache":
-        """Several rows' lone caches as one batch (a copy)."""
+        """Several rows' lone caches as one batch (copied into batch caches
+        when there are two or more)."""
         if len(rows) == 1:
             return cls.lone(rows[0])
         return cls(_merge(rows), len(rows), True)
