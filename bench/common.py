@@ -29,6 +29,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def model_arguments(p) -> None:
+    """The model a decode benchmark runs on, and how much it generates."""
+    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
+    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--tag", default="", help="suffix for the results file name")
+
+
 def demo_model(size: str) -> Path:
     """A demo model of the given size, built once by the demo-model builder."""
     path = MODELS / size
@@ -177,6 +185,46 @@ class WorkerClient:
             text.append(event["token"])
             first = first or now
             last = now
+
+    def generate_many(self, requests: list[dict]) -> dict:
+        """Sends the requests in one write (they reach the worker together)
+        and reads their interleaved lines; returns per-request client-side
+        first-token times, token counts, and the wall time to the last
+        final line."""
+        from ipc.messages import Generate
+
+        frames = []
+        ids = []
+        for kw in requests:
+            self._rid += 1
+            ids.append(self._rid)
+            frames.append(self._encode(Generate(rid=self._rid, id_json=str(self._rid), **kw)))
+        t0 = time.perf_counter()
+        self.proc.stdin.write(b"".join(frames))
+        self.proc.stdin.flush()
+        first: dict[int, float] = {}
+        tokens: dict[int, int] = {}
+        pending = set(ids)
+        stdout = self.proc.stdout
+        while pending:
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited with {self.proc.wait()}")
+            if line.startswith(b'@@lattice {"ev":"gen_token"') and b'"done":false' in line:
+                # Token lines are read the way the supervisor relays them,
+                # without decoding JSON: only the id at the tail matters.
+                rid = int(line[line.rindex(b'"id":') + 5 : -2])
+                if rid not in first:
+                    first[rid] = time.perf_counter()
+                continue
+            event = json.loads(line[len(b"@@lattice ") :])
+            if event["ev"] == "error":
+                raise RuntimeError(event["msg"])
+            if event["ev"] == "gen_token":
+                tokens[event["id"]] = event["gen_tokens"]
+                pending.discard(event["id"])
+        wall = time.perf_counter() - t0
+        return {"ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids], "tokens": sum(tokens.values()), "wall_s": wall}
 
     def close(self) -> None:
         self.proc.stdin.close()

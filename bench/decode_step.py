@@ -1,9 +1,14 @@
 """Where a decode step goes, in one process: the model with argmax, with the
-worker's sampler, with mlx-lm's sampler and logits processors, and the
-worker's whole Engine.run. Each variant runs the same pipelined loop
+worker's sampler, with mlx-lm's sampler and logits processors, and one whole
+request through the worker's scheduler. Each variant runs the same pipelined loop
 (mx.async_eval one step ahead), twice; the second round is reported.
 
-    python -m bench.decode_step [--size small|0.8b] [--tokens 128]
+    python -m bench.decode_step [--size small|0.8b] [--tokens 128] [--batches 1,2,4,8]
+
+With `--batches`, it also runs N greedy requests (no repetition penalty)
+through the worker's scheduler and through mlx-lm (stream_generate for
+N = 1, batch_generate's engine above), alternated `--runs` times: the
+engines' speeds without pipes or a client.
 
 mlx-lm's repetition penalty looks at the prompt only here (its window would
 need the generated ids, read back with a sync every step).
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 
@@ -22,6 +26,8 @@ def main() -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--tag", default="")
+    p.add_argument("--batches", help="comma-separated N: the batched engines compared in this process")
+    p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
 
     from worker.cpu_backend import load_openblas
@@ -33,9 +39,9 @@ def main() -> int:
 
     from bench.common import demo_model, load_average, machine, tagged, write_result
     from ipc.messages import Generate
-    from worker.engine import Engine
     from worker.loader import load
-    from worker.sampling import Sampler
+    from worker.sampling import BatchSampler, RowSampling, SamplingParams
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
     path = demo_model(args.size)
@@ -50,7 +56,7 @@ def main() -> int:
     def loop(pick) -> float:
         cache = make_prompt_cache(model)
         mx.eval(model(prompt[None, :-1], cache=cache))
-        y = pick(model(prompt[None, -1:], cache=cache)[:, -1, :], None)
+        y = pick(model(prompt[None, -1:], cache=cache)[:, -1, :], prompt[-1:])
         mx.async_eval(y)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -60,8 +66,8 @@ def main() -> int:
             y = nxt
         return (time.perf_counter() - t0) / n * 1000
 
-    ours = Sampler(vocab_size=vocab, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=1)
-    ours.observe_prompt(prompt.tolist())
+    ours = BatchSampler(vocab)
+    ours.extend([RowSampling(SamplingParams(0.7, 50, 0.9, 1.1, 1), vocab, prompt.tolist())])
     sampler = make_sampler(temp=0.7, top_p=0.9, top_k=50)
     processors = make_logits_processors(repetition_penalty=1.1)
 
@@ -70,10 +76,12 @@ def main() -> int:
             logits = proc(prompt, logits)
         return sampler(logits)
 
+    scheduler = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0)
+
     def engine_run() -> float:
-        lines: list[bytes] = []
         t0 = time.perf_counter()
-        Engine(loaded, codec).run(Generate(rid=1, prompt=text, max_tokens=n, seed=1), lines.append, threading.Event())
+        scheduler.submit(Generate(rid=1, prompt=text, max_tokens=n, seed=1), t0)
+        scheduler.drain()
         return (time.perf_counter() - t0) / n * 1000
 
     variants = {
@@ -87,14 +95,55 @@ def main() -> int:
     for _ in range(2):
         ms = {name: round(fn(), 3) for name, fn in variants.items()}
     result = {"size": args.size, "tokens": n, "ms_per_token": ms,
-              "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3),
-              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+              "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
+    if args.batches:
+        result["batched"] = batched_engines(loaded, codec, scheduler, [int(x) for x in args.batches.split(",")], n, args.runs)
+    result.update(machine=machine(), load_average={"before": load_before, "after": load_average()})
     backend = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else "cpu")
     write_result(tagged(f"decode-step-{backend}-{args.size}", args.tag), result)
     for name, value in ms.items():
         print(f"{name:26}{value:9.2f} ms/token")
     print(f"mlx-lm sampler / worker sampler: {result['sampler_ratio']} (above 1: the worker's step is faster)")
+    for row in result.get("batched", []):
+        print(f"N={row['n']:<3} worker {row['worker_tok_s']:8.1f} tok/s  mlx-lm {row['mlx_lm_tok_s']:8.1f}  ratio {row['ratio']}")
     return 0
+
+
+def batched_engines(loaded, codec, scheduler, sizes: list[int], tokens: int, runs: int) -> list[dict]:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from bench.chat import user_messages
+    from bench.common import median
+    from bench.mlx_lm_baseline import batch_run
+    from ipc.messages import Generate
+
+    tokenizer = load_tokenizer(loaded.path)
+    prompts = [f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n" for t in user_messages(codec.tokenizer, max(sizes), 24)]
+    ids = [codec.encode(p) for p in prompts]
+
+    def ours(n: int) -> float:
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts[:n]):
+            scheduler.submit(Generate(rid=i, prompt=prompt, max_tokens=tokens, temperature=0.0, repetition_penalty=1.0), t0)
+        made = scheduler.drain()
+        return sum(len(v) for v in made.values()) / (time.perf_counter() - t0)
+
+    def theirs(n: int) -> float:
+        if n > 1:
+            run = batch_run(loaded.model, tokenizer, ids[:n], tokens)
+            return run["tokens"] / run["wall_s"]
+        t0 = time.perf_counter()
+        made = sum(1 for _ in stream_generate(loaded.model, tokenizer, ids[0], max_tokens=tokens))
+        return made / (time.perf_counter() - t0)
+
+    rows = []
+    for n in sizes:
+        ours(n), theirs(n)  # warm-up
+        pairs = [(ours(n), theirs(n)) for _ in range(runs)]
+        rows.append({"n": n, "worker_tok_s": round(median([a for a, _ in pairs]), 1), "mlx_lm_tok_s": round(median([b for _, b in pairs]), 1),
+                     "ratio": round(median([a / b for a, b in pairs]), 3)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|i
 def write_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> int:
     """A PEFT adapter on every linear layer of every decoder layer; returns its module count."""
     from worker.loader import load
-    from worker.lora import LoRASlots
+    from worker.lora.layers import LoRASlots
 
     targets = LoRASlots(load(model_dir).model).targets
     rng = np.random.default_rng(seed)

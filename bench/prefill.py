@@ -6,6 +6,12 @@ mlx-lm's generate_step does it (a single chunk up to 2048 tokens), with each
 implementation in turn; plus the gated-delta call alone at the model's shape.
 
     python -m bench.prefill [--size small|0.8b] [--lengths 512,2048] [--runs 3]
+
+With `--chunks 64,128,...` it measures instead how the worker's chunk size
+(`--prefill-step`) trades prefill throughput against the longest chunk,
+the time running requests wait while a prompt is read: the first length,
+read in chunks of each size with the chunked gated-delta prefill
+(`--tag chunks` keeps the other results file).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ def main() -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--chunks", help="comma-separated chunk sizes: the chunk-size sweep instead")
     p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
@@ -57,6 +64,8 @@ def main() -> int:
             times.append(time.perf_counter() - t0)
         return median(times) * 1000
 
+    if args.chunks:
+        return chunk_sweep(args, model, vocab, backend, rng, load_before)
     for T in [int(x) for x in args.lengths.split(",")]:
         ids = mx.array(rng.integers(0, vocab, T), dtype=mx.uint32)[None]
         Hk, Hv, Dk, Dv = tc["linear_num_key_heads"], tc["linear_num_value_heads"], tc["linear_key_head_dim"], tc["linear_value_head_dim"]
@@ -97,6 +106,42 @@ def main() -> int:
         s, c = r["mlx_lm_sequential"], r["chunked"]
         print(f"{r['tokens']:>7}{s['prefill_ms']:>12}{c['prefill_ms']:>12}{r['speedup']:>9}{c['tok_s']:>15}"
               f"{str(s['gated_delta_ms']) + ' / ' + str(c['gated_delta_ms']):>22}")
+    return 0
+
+
+def chunk_sweep(args, model, vocab: int, backend: str, rng, load_before) -> int:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    T = int(args.lengths.split(",")[0])
+    ids = mx.array(rng.integers(0, vocab, T), dtype=mx.uint32)[None]
+    sizes = [int(x) for x in args.chunks.split(",")]
+
+    def read(step: int) -> tuple[float, float]:
+        cache = make_prompt_cache(model)
+        longest = 0.0
+        t0 = time.perf_counter()
+        for start in range(0, T, step):
+            c0 = time.perf_counter()
+            model(ids[:, start : start + step], cache=cache)
+            mx.eval([c.state for c in cache])
+            longest = max(longest, time.perf_counter() - c0)
+        return time.perf_counter() - t0, longest
+
+    for step in sizes:
+        read(step)  # warm-up: kernels compile here
+    runs: dict[int, list[tuple[float, float]]] = {step: [] for step in sizes}
+    for _ in range(args.runs):
+        for step in sizes:  # alternated, so that noise hits every size
+            runs[step].append(read(step))
+    rows = [{"chunk": step, "tok_s": round(T / median([r[0] for r in runs[step]]), 1),
+             "longest_chunk_ms": round(median([r[1] for r in runs[step]]) * 1000, 1)} for step in sizes]
+    result = {"size": args.size, "backend": backend, "tokens": T, "runs": args.runs, "chunks": rows,
+              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+    write_result(tagged(f"prefill-{backend}-{args.size}", args.tag), result)
+    print(f"{'chunk':>7}{'prefill tok/s':>15}{'longest chunk ms':>18}")
+    for r in rows:
+        print(f"{r['chunk']:>7}{r['tok_s']:>15}{r['longest_chunk_ms']:>18}")
     return 0
 
 

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from bench import mlx_lm_baseline
 from bench.common import (
-    ROOT,
     WorkerClient,
     backend,
-    child_env,
     demo_model,
     load_average,
     machine,
     median,
+    model_arguments,
     tagged,
     write_result,
 )
@@ -52,14 +51,7 @@ def ours(model: Path, max_tokens: int, seeds: list[int]) -> list[dict]:
 
 
 def mlx_lm(model: Path, setup: str, ids: list[int], max_tokens: int, seeds: list[int]) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup,
-         "--prompt-ids", json.dumps(ids), "--max-tokens", str(max_tokens), "--seeds", ",".join(map(str, seeds))],
-        capture_output=True, text=True, env=child_env(), cwd=ROOT,
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return mlx_lm_baseline.run(model, setup, "--prompt-ids", json.dumps(ids), "--max-tokens", str(max_tokens), "--seeds", ",".join(map(str, seeds)))
 
 
 def summary(runs: list[dict]) -> dict:
@@ -73,12 +65,9 @@ def summary(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
-    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
-    p.add_argument("--max-tokens", type=int, default=128)
+    model_arguments(p)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--baselines", default="matched,defaults")
-    p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
     from tokenizers import Tokenizer

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,71 @@ def second_model(models_dir) -> Path:
 @pytest.fixture(scope="session")
 def small_model(models_dir) -> Path:
     return build_demo_model(models_dir / "small", "--size", "small")
+
+
+@pytest.fixture(scope="session")
+def dense_model(models_dir, tiny_model) -> Path:
+    """A small attention-only Qwen3 (every layer a trimmable KV cache) with the
+    demo tokenizer and seeded random weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    vocab = json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+    mx.random.seed(7)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    out = models_dir / "dense"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def greedy_margins(tiny_model):
+    """margins(prompts, n): for each greedy step of each prompt, in this
+    process, how far the chosen logit is above the runner-up."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker.loader import load
+    from worker.text import TextCodec
+
+    loaded = load(tiny_model)
+    codec = TextCodec(tiny_model, loaded.config)
+    model = loaded.model
+
+    def margins(prompts: list[str], n: int) -> list[float]:
+        out = []
+        for prompt in prompts:
+            cache = make_prompt_cache(model)
+            logits = model(mx.array(codec.encode(prompt))[None], cache=cache)[0, -1]
+            for _ in range(n):
+                top = mx.sort(logits)[-2:].tolist()
+                out.append(top[1] - top[0])
+                token = int(mx.argmax(logits).item())
+                if token in codec.eos_ids:
+                    break
+                logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        return out
+
+    return margins
 
 
 @pytest.fixture(scope="session", autouse=True)

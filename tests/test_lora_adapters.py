@@ -25,9 +25,9 @@ from tests.lora_files import (
     write_mlx_lm,
     write_peft,
 )
-from worker.adapters import AdapterError, read_adapter
 from worker.loader import load
-from worker.lora import AdaptedLinear, LoRASlots
+from worker.lora.formats import AdapterError, read_adapter
+from worker.lora.layers import AdaptedLinear, LoRASlots
 
 PROMPT = mx.array([[1, 5, 17, 200, 33, 41, 99, 7, 8, 300, 12, 64, 2]])
 RANK, ALPHA = 4, 8.0  # every format below is written to scale by ALPHA / RANK

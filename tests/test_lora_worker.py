@@ -90,9 +90,9 @@ def test_logits_match_the_merged_model_and_follow_the_scale(adapters, tiny_model
     logits are the merged model's within float32 rounding; the same tensors
     at 1.25x the scale are far outside that tolerance; clearing gives back
     the base logits bit for bit."""
-    from worker.adapters import read_adapter
+    from worker.lora.formats import read_adapter
     from worker.loader import load
-    from worker.lora import LoRASlots
+    from worker.lora.layers import LoRASlots
     from worker.text import TextCodec
 
     loaded = load(tiny_model)
@@ -194,6 +194,29 @@ def test_swap_waits_for_the_running_request(adapters, start_texts, worker):
     assert text_of(events) == long_base
     assert worker.next_event()["ev"] == "adapter_loaded"
     assert greedy(worker, CHAT) == start_texts[0]
+
+
+def test_requests_sent_after_a_swap_wait_for_it_and_run_on_the_new_adapter(adapters, start_texts, worker):
+    """Batching: while a swap waits for the running request, later requests
+    wait too (they do not join the old version's batch), then run on the
+    new adapter."""
+    assert set_adapter(worker, None)["ev"] == "adapter_loaded"
+    long_base = greedy(worker, max_tokens=300)
+    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=300, id_json='"old"'))
+    first = worker.next_event()
+    assert first["ev"] == "gen_token" and first["id"] == "old"
+    worker.send(SetAdapter(path=str(adapters["peft"])))
+    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=60, id_json='"new"'))
+    events = [first]
+    while not (events[-1]["ev"] == "gen_token" and events[-1]["id"] == "new" and events[-1]["done"]):
+        events.append(worker.next_event())
+    order = [(e["ev"], e.get("id"), e.get("done")) for e in events]
+    old_done = order.index(("gen_token", "old", True))
+    loaded = order.index(("adapter_loaded", None, None))
+    new_first = next(i for i, e in enumerate(events) if e.get("id") == "new")
+    assert old_done < loaded < new_first
+    assert text_of([e for e in events if e.get("id") == "old"]) == long_base
+    assert text_of([e for e in events if e.get("id") == "new"]) == start_texts[0]
 
 
 def test_quantized_base_with_adapter_generates_and_differs(tiny_q4_model, tmp_path):

@@ -1,8 +1,6 @@
 """Prefix cache: earlier requests' model state reused, output unchanged."""
 
 import json
-import shutil
-import threading
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +8,7 @@ from hypothesis import strategies as st
 
 from ipc.messages import Generate, Message
 from tests.conftest import keep_alive_across_tests, release
+from tests.test_generator import LOGIT_TOLERANCE
 from tests.workerproc import WorkerProc, terminal, text_of
 from worker.prefix_cache import chunk_ends, message_starts
 
@@ -149,6 +148,30 @@ def test_repeated_prompt_still_runs_its_last_token(pair):
     assert 0 < second[1]["cached_tokens"] < second[1]["prompt_tokens"]
 
 
+def test_rows_of_one_batch_resume_and_store_their_own_snapshots(pair, tokenizer, greedy_margins):
+    cached, plain = pair
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    systems = [f"{SYSTEM} Conversation {i}." for i in range(3)]
+    firsts = [_chatml([("user", q)], system) for q, system in zip(QUESTIONS, systems)]
+    rids = [next(_rid) for _ in firsts]
+    events = cached.send_together([Generate(rid=r, id_json=str(r), prompt=p, temperature=0.0, max_tokens=24) for r, p in zip(rids, firsts)])
+    replies = [text_of(events[r]) for r in rids]
+    seconds = [
+        _chatml([("user", q), ("assistant", reply), ("user", "Go on.")], system)
+        for q, reply, system in zip(QUESTIONS, replies, systems)
+    ]
+    rids = [next(_rid) for _ in seconds]
+    events = cached.send_together([Generate(rid=r, id_json=str(r), prompt=p, temperature=0.0, max_tokens=24) for r, p in zip(rids, seconds)])
+    for rid, first, second in zip(rids, firsts, seconds):
+        ids = tokenizer.encode(first, add_special_tokens=False).ids
+        # Each row resumed from its own conversation's snapshot.
+        assert terminal(events[rid])["cached_tokens"] == max(i for i, t in enumerate(ids) if t == im_start)
+        assert text_of(events[rid]) == ask(plain, prompt=second)[0]
+    # Batched and resumed, a row's logits move by float noise only; these
+    # greedy choices win by far more.
+    assert min(greedy_margins(seconds, 24)) > 10 * LOGIT_TOLERANCE
+
+
 def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
     w = WorkerProc(tiny_model, "--prefix-cache-bytes", "1000")
     try:
@@ -163,22 +186,29 @@ def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
 # -- in-process: eviction, adapter keys, trimmable models ------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from worker.engine import Engine
+def scheduler_for(model_dir, **kw):
     from worker.loader import load
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
-    loaded = load(tiny_model)
-    return Engine(loaded, TextCodec(tiny_model, loaded.config), prefill_step=16)
+    loaded = load(model_dir)
+    lines: list[bytes] = []
+    scheduler = Scheduler(loaded, TextCodec(model_dir, loaded.config), lines.append, batch_memory=1 << 30, prefill_step=16, **kw)
+    scheduler.lines = lines
+    return scheduler
 
 
-def run(engine, **kw):
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return scheduler_for(tiny_model)
+
+
+def run(scheduler, **kw):
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 12)
-    lines = []
-    _, ids = engine.run(Generate(rid=0, **kw), lines.append, threading.Event())
-    return ids, json.loads(lines[-1][len(b"@@lattice ") :])
+    scheduler.submit(Generate(rid=0, **kw), 0.0)
+    ids = scheduler.drain()[0]
+    return ids, json.loads(scheduler.lines[-1].splitlines()[-1][len(b"@@lattice ") :])
 
 
 def test_least_recently_used_snapshot_is_evicted_first(engine):
@@ -187,13 +217,14 @@ def test_least_recently_used_snapshot_is_evicted_first(engine):
 
     from worker.prefix_cache import PrefixCache
 
-    pc = PrefixCache(engine.model, budget_bytes=1 << 30)
+    model = engine.loaded.model
+    pc = PrefixCache(model, budget_bytes=1 << 30)
     prompts = [engine.codec.encode(_chatml([("user", f"Conversation number {i}.")])) for i in range(3)]
-    starts = [message_starts(ids, engine.chat_marker) for ids in prompts]
+    starts = [message_starts(ids, engine.generator.chat_marker) for ids in prompts]
 
     def store(ids, end):
-        cache = make_prompt_cache(engine.model)
-        engine.model(mx.array(ids[:end])[None], cache=cache)
+        cache = make_prompt_cache(model)
+        model(mx.array(ids[:end])[None], cache=cache)
         pc.store(None, ids[:end], cache)
 
     for ids, cuts in zip(prompts[:2], starts[:2]):
@@ -227,48 +258,10 @@ def test_snapshots_are_keyed_by_adapter(engine):
         engine.adapter_key = None
 
 
-@pytest.fixture(scope="module")
-def dense_model(tmp_path_factory, tiny_model):
-    """A small attention-only Qwen3 (every layer a trimmable KV cache) with the
-    demo tokenizer and seeded random weights."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
-
-    vocab = json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
-    config = {
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
-    mx.random.seed(7)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    out = tmp_path_factory.mktemp("dense")
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model / name, out / name)
-    return out
-
-
 def test_attention_only_model_trims_to_the_common_prefix(dense_model):
-    from worker.engine import Engine
-    from worker.loader import load
-    from worker.text import TextCodec
-
-    loaded = load(dense_model)
-    codec = TextCodec(dense_model, loaded.config)
-    cached = Engine(loaded, codec, prefill_step=16)
-    plain = Engine(loaded, codec, prefill_step=16, prefix_cache_bytes=0)
+    cached = scheduler_for(dense_model)
+    plain = scheduler_for(dense_model, prefix_cache_bytes=0)
+    codec = cached.codec
     assert cached.prefix_cache.trimmable
     turns = [("user", QUESTIONS[0])]
     ids, done = run(cached, prompt=_chatml(turns, SYSTEM))

@@ -4,63 +4,71 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.sampling import Sampler
+from worker.sampling import BatchSampler, RowSampling, SamplingParams
 
 V = 64
 
 
-def logits_row(seed=0):
+def logits_rows(seed=0, rows=1):
     rng = np.random.default_rng(seed)
-    return mx.array(rng.normal(0, 2, size=(1, V)).astype(np.float32))
+    return mx.array(rng.normal(0, 2, size=(rows, V)).astype(np.float32))
 
 
-def draw(sampler, n=50, seed=0):
-    out, last = [], None
-    for i in range(n):
-        last = sampler(logits_row(seed + i), last)
-        out.append(last.item())
-    return out
-
-
-def make(**kw):
-    base = dict(vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=7)
+def params(**kw):
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=7)
     base.update(kw)
-    return Sampler(**base)
+    return SamplingParams(**base)
+
+
+def sampler(*rows: SamplingParams, prompt=()) -> BatchSampler:
+    s = BatchSampler(V)
+    s.extend([RowSampling(p, V, list(prompt)) for p in rows])
+    return s
+
+
+def draw(s, n=50, seed=0, width=None):
+    """n steps of a batch; each row gets its own logits row every step."""
+    width = width or len(s)
+    out, last = [], mx.zeros((width,), dtype=mx.uint32)
+    for i in range(n):
+        last = s(logits_rows(seed + i, width), last)
+        out.append(last.tolist())
+    return [list(col) for col in zip(*out)]
 
 
 def test_greedy_is_argmax_and_ignores_seed():
-    row = logits_row()
-    assert make(temperature=0.0, seed=1)(row, None).item() == int(np.argmax(np.array(row)))
+    row = logits_rows()
+    s = sampler(params(temperature=0.0, seed=1))
+    assert s(row, mx.zeros((1,), dtype=mx.uint32)).item() == int(np.argmax(np.array(row)))
 
 
 def test_same_seed_same_tokens_different_seed_different():
-    assert draw(make(seed=7)) == draw(make(seed=7))
-    assert draw(make(seed=7)) != draw(make(seed=8))
+    assert draw(sampler(params(seed=7))) == draw(sampler(params(seed=7)))
+    assert draw(sampler(params(seed=7))) != draw(sampler(params(seed=8)))
 
 
 def test_top_k_one_is_greedy():
-    assert draw(make(top_k=1), n=10) == draw(make(temperature=0.0), n=10)
+    assert draw(sampler(params(top_k=1)), n=10) == draw(sampler(params(temperature=0.0)), n=10)
 
 
 def test_top_k_limits_choices():
-    row = logits_row(3)
+    row = logits_rows(3)
     allowed = set(np.argsort(-np.array(row)[0])[:3].tolist())
-    s = make(top_k=3, seed=1)
-    assert {s(row, None).item() for _ in range(200)} <= allowed
+    s = sampler(params(top_k=3, seed=1))
+    assert {s(row, mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(200)} <= allowed
 
 
 def test_top_p_keeps_the_nucleus():
     probs = np.array([0.5, 0.3, 0.15, 0.05] + [0.0] * (V - 4)) + 1e-12
     row = mx.array(np.log(probs)[None].astype(np.float32))
-    s = make(top_p=0.75, seed=2)
-    assert {s(row, None).item() for _ in range(300)} == {0, 1}
+    s = sampler(params(top_p=0.75, seed=2))
+    assert {s(row, mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(300)} == {0, 1}
 
 
 def test_repetition_penalty_discourages_seen_tokens():
     row = mx.array(np.array([[5.0, 4.9] + [-10.0] * (V - 2)], dtype=np.float32))
-    s = make(temperature=0.0, repetition_penalty=1.5)
-    s.observe_prompt([0])
-    assert s(row, None).item() == 1
+    s = sampler(params(temperature=0.0, repetition_penalty=1.5), prompt=[0])
+    assert s(row, mx.array([0], dtype=mx.uint32)).item() == 1
 
 
 def test_sampling_in_a_side_thread_is_random_and_seeded():
@@ -68,7 +76,7 @@ def test_sampling_in_a_side_thread_is_random_and_seeded():
     results = []
 
     def run():
-        results.append(draw(make(seed=11), n=40))
+        results.append(draw(sampler(params(seed=11)), n=40)[0])
 
     threads = [threading.Thread(target=run) for _ in range(2)]
     for t in threads:
@@ -81,7 +89,48 @@ def test_sampling_in_a_side_thread_is_random_and_seeded():
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_output_is_a_valid_id(temperature):
-    s = make(temperature=temperature, top_k=50, top_p=0.9, repetition_penalty=1.1)
-    s.observe_prompt([1, 2, 3])
-    for tok in draw(s, n=20):
+    s = sampler(params(temperature=temperature, top_k=50, top_p=0.9, repetition_penalty=1.1), prompt=[1, 2, 3])
+    for tok in draw(s, n=20)[0]:
         assert 0 <= tok < V
+
+
+MIXED = [
+    params(seed=1, top_k=5, top_p=0.8, repetition_penalty=1.3),
+    params(temperature=0.0),
+    params(seed=2, temperature=0.5),
+    params(seed=3, top_p=0.9),
+    params(seed=4, top_k=5, top_p=0.8, repetition_penalty=1.3),
+]
+
+
+def test_a_row_draws_the_same_tokens_alone_and_in_a_mixed_batch():
+    """Row i sees the same logits either way; its own settings, key and seen
+    tokens decide its draw, whatever else shares the batch."""
+    n = 30
+    batch = draw(sampler(*MIXED, prompt=[1, 2]), n=n)
+    for i, p in enumerate(MIXED):
+        alone = BatchSampler(V)
+        alone.extend([RowSampling(p, V, [1, 2])])
+        last, got = mx.array([0], dtype=mx.uint32), []
+        for step in range(n):
+            # The batch's row i at this step, and the batch's previous token.
+            row = logits_rows(step, len(MIXED))[i : i + 1]
+            last = alone(row, mx.array([batch[i][step - 1]] if step else [0], dtype=mx.uint32))
+            got.append(last.item())
+        assert got == batch[i], i
+    assert batch[1] == [int(np.argmax(np.array(logits_rows(s, len(MIXED))[1]))) for s in range(n)]
+
+
+def test_rows_leave_and_join_with_their_state():
+    s = sampler(*MIXED[:3], prompt=[1])
+    before = draw(s, n=5)
+    s.filter([2, 0])
+    s.extend([RowSampling(MIXED[3], V, [1])])
+    assert [r.top_p for r in s.rows] == [1.0, 0.8, 0.9]
+    after = draw(s, n=5, seed=100)
+    # The same three rows from a fresh start, driven the same way.
+    t = sampler(*MIXED[:3], prompt=[1])
+    assert draw(t, n=5) == before
+    t.filter([2, 0])
+    t.extend([RowSampling(MIXED[3], V, [1])])
+    assert draw(t, n=5, seed=100) == after

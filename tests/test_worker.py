@@ -102,10 +102,8 @@ def test_stop_string_ends_generation_and_is_not_emitted(worker):
 
 
 def test_utf8_deltas_match_an_in_process_run(worker, tiny_model):
-    import threading as th
-
-    from worker.engine import Engine
     from worker.loader import load
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
     req = dict(prompt="日本語の文章も少し", temperature=1.0, top_k=0, top_p=1.0, seed=5, max_tokens=150)
@@ -116,8 +114,10 @@ def test_utf8_deltas_match_an_in_process_run(worker, tiny_model):
     loaded = load(tiny_model)
     codec = TextCodec(tiny_model, loaded.config)
     lines = []
-    _, ids = Engine(loaded, codec).run(Generate(rid=0, **req), lines.append, th.Event())
-    local = [json.loads(line[10:]) for line in lines]
+    scheduler = Scheduler(loaded, codec, lines.append, batch_memory=1 << 30)
+    scheduler.submit(Generate(rid=0, **req), 0.0)
+    ids = scheduler.drain()[0]
+    local = [json.loads(line[10:]) for line in b"".join(lines).splitlines()]
     assert [e["token"] for e in local if not e["done"]] == pieces
     # Streaming added no replacement character that a one-shot decode lacks:
     # every character split across tokens was held back until complete.
@@ -125,18 +125,20 @@ def test_utf8_deltas_match_an_in_process_run(worker, tiny_model):
     assert sum(1 for i in ids if "\ufffd" in codec.decode([i])) >= 3
 
 
-def test_cancel_running_and_queued(worker):
-    worker.send(Generate(rid=900, prompt=CHAT, max_tokens=100_000, id_json="900"))
-    worker.send(Generate(rid=901, prompt=CHAT, max_tokens=5, id_json="901"))
+def test_cancel_ends_only_the_cancelled_requests(worker):
+    # Both run at once (batched); the cancelled ones end, the other goes on.
+    for rid in (900, 901, 902):
+        worker.send(Generate(rid=rid, prompt=CHAT, max_tokens=100_000 if rid < 902 else 40, id_json=str(rid)))
     first = worker.next_event()
-    assert first["ev"] == "gen_token" and first["id"] == 900
+    assert first["ev"] == "gen_token" and first["id"] in (900, 901, 902)
     worker.send(Cancel(rid=901))
     worker.send(Cancel(rid=900))
-    running = [first] + worker.collect()
-    done = terminal(running)
-    assert done["finish_reason"] == "cancelled" and done["id"] == 900 and done["gen_tokens"] < 100_000
-    queued = worker.collect()
-    assert len(queued) == 1 and queued[0]["finish_reason"] == "cancelled" and queued[0]["id"] == 901
+    events = worker.collect_by_id([900, 901, 902])
+    events[first["id"]].insert(0, first)
+    for rid in (900, 901):
+        done = terminal(events[rid])
+        assert done["finish_reason"] == "cancelled" and done["gen_tokens"] < 100_000
+    assert terminal(events[902])["finish_reason"] == "length" and terminal(events[902])["gen_tokens"] == 40
 
 
 def test_malformed_frames_get_an_error_and_the_worker_goes_on(worker):

@@ -91,7 +91,7 @@ class WorkerProc:
             event = self.next_event(timeout)
             assert event is not None, f"worker exited mid-request: {self.stderr.decode(errors='replace')}"
             events.append(event)
-            if event["ev"] == "error" or (event["ev"] == "gen_token" and event["done"]):
+            if is_terminal(event):
                 return events
 
     def close(self) -> int:
@@ -108,12 +108,38 @@ class WorkerProc:
         return rc
 
 
+    def send_together(self, reqs: list, timeout: float = 120.0) -> dict:
+        """Generate frames in one write, so they reach the worker together;
+        returns each request's events by rid (each id_json must be its rid)."""
+        self.send_raw(b"".join(encode_frame(r) for r in reqs))
+        return self.collect_by_id([r.rid for r in reqs], timeout)
+
+    def collect_by_id(self, ids, timeout: float = 120.0) -> dict:
+        """Events of several requests whose lines interleave, by id, until
+        each has its terminal event. Every line must carry a known id."""
+        pending = set(ids)
+        out: dict = {i: [] for i in ids}
+        while pending:
+            event = self.next_event(timeout)
+            assert event is not None, f"worker exited mid-request: {self.stderr.decode(errors='replace')}"
+            assert event.get("id") in out, event
+            assert event["id"] in pending, f"a line after the terminal one: {event}"
+            out[event["id"]].append(event)
+            if is_terminal(event):
+                pending.discard(event["id"])
+        return out
+
+
+def is_terminal(event: dict) -> bool:
+    return event["ev"] == "error" or (event["ev"] == "gen_token" and event["done"])
+
+
 def text_of(events: list[dict]) -> str:
     return "".join(e["token"] for e in events if e["ev"] == "gen_token")
 
 
 def terminal(events: list[dict]) -> dict:
-    finals = [e for e in events if e["ev"] == "error" or (e["ev"] == "gen_token" and e["done"])]
+    finals = [e for e in events if is_terminal(e)]
     assert len(finals) == 1, events
     assert events[-1] is finals[0]
     return finals[0]

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+from worker import defaults
 
 EX_CONFIG = 78
 # Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
@@ -49,11 +50,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
     p.add_argument("--lora", help="LoRA adapter to apply: a .safetensors file or an adapter directory")
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
-    p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="requests decoded together; more wait in line (default %(default)s)")
+    p.add_argument("--batch-memory", type=int, help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory)")
+    p.add_argument(
+        "--prefill-step",
+        type=int,
+        help=f"prompt tokens a request reads per prefill chunk; running requests wait at most one chunk "
+        f"(default {defaults.PREFILL_STEP_CPU} on a CPU, {defaults.PREFILL_STEP_GPU} on a GPU)",
+    )
     p.add_argument(
         "--prefix-cache-bytes",
         type=int,
-        default=512 * 1024 * 1024,
+        default=defaults.PREFIX_CACHE_BYTES,
         help="memory for reusable prompt state of earlier requests, 0 to disable (default 512 MiB)",
     )
     p.add_argument(
@@ -103,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import ADAPTER_ERROR, encode_event
-    from worker.adapters import AdapterError, AdapterReader
-    from worker.engine import Engine
     from worker.loader import ModelDirError, load
-    from worker.lora import LoRASlots
+    from worker.lora.formats import AdapterError, AdapterReader
+    from worker.lora.layers import LoRASlots
+    from worker.memory import device_memory
+    from worker.scheduler import Scheduler
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
 
@@ -124,8 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"bad model dir: {exc}")
     except RecursionError:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
-    engine = Engine(
-        loaded, codec, prefill_step=args.prefill_step, prefix_cache_bytes=args.prefix_cache_bytes, max_prompt_bytes=args.max_prompt_bytes
+    scheduler = Scheduler(
+        loaded,
+        codec,
+        channel.write,
+        max_batch=args.max_batch,
+        batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
+        prefill_step=args.prefill_step,  # None: the device's default
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
     )
     slots = LoRASlots(loaded.model)
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
@@ -148,20 +164,24 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("%s, kept in %s", msg, copy)
             channel.write(encode_event("adapter_error", model=name, lora=args.lora, code=ADAPTER_ERROR, msg=msg))
         slots.install(adapter)
-        engine.adapter_key = adapter.key
+        scheduler.adapter_key = adapter.key
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
-    engine.warm_up()
-    server.engine = engine
+    scheduler.warm_up()
+    server.scheduler = scheduler
     server.format = loaded.format
+    server.weights_bytes = loaded.weights_bytes
     load_ms = int((time.perf_counter() - t0) * 1000)
-    log.info("ready: format=%s weights=%d bytes load_ms=%d", loaded.format, loaded.weights_bytes, load_ms)
+    log.info(
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d",
+        loaded.format, loaded.weights_bytes, load_ms, scheduler.max_batch, scheduler.batch_memory,
+    )
     channel.write(
         encode_event("ready", model=name, format=loaded.format, lora=args.lora, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
     )
 
     def on_swap(key: str | None) -> None:
-        engine.adapter_key = key
+        scheduler.adapter_key = key
 
     # Only now, so every adapter reply comes after `ready`.
     server.adapters.attach(slots, on_swap, reader.read)

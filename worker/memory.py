@@ -21,3 +21,9 @@ def memory_figures() -> dict[str, int]:
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "mlx_cache_bytes": int(mx.get_cache_memory()),
     }
+
+
+def device_memory() -> int:
+    """Memory of the device MLX computes on: the GPU's, else the machine's RAM."""
+    size = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None
+    return int(size) if size else int(psutil.virtual_memory().total)

@@ -28,8 +28,6 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 log = logging.getLogger("worker")
 
-DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
-
 
 def message_starts(ids: list[int], marker: int | None) -> list[int]:
     """Positions of the chat markers that open a block, the first excluded."""
@@ -104,7 +102,7 @@ def _restore(model, layers: list, length: int) -> list:
 
 
 class PrefixCache:
-    def __init__(self, model, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+    def __init__(self, model, budget_bytes: int):
         self.model = model
         self.budget = budget_bytes
         self.used = 0

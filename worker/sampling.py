@@ -1,79 +1,160 @@
-"""Token selection: repetition penalty, temperature, top-k, top-p, seeded keys.
+"""Token selection for a batch of rows: repetition penalty, temperature,
+top-k, top-p and a PRNG key, each per row.
 
 The order is Hugging Face's (penalty, temperature, top-k, top-p, then a draw),
 which is what users of transformers and vLLM expect; mlx-lm filters before
-applying temperature. Every request owns its PRNG key, so a seed reproduces
-the same tokens in any process regardless of what ran before.
+applying temperature. Every row owns its PRNG key and nothing in a row's draw
+reads another row, so a seeded row gives the same tokens alone or beside any
+other rows, in any process.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ipc.messages import Generate
 
-class Sampler:
-    """Picks the next token from a (1, vocab) logits row, lazily (no sync)."""
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        repetition_penalty: float,
-        seed: int | None,
-    ):
-        self.greedy = temperature <= 0.0
-        self.inv_temp = 0.0 if self.greedy else 1.0 / temperature
-        self.top_k = top_k if 0 < top_k < vocab_size else 0
-        self.top_p = top_p if 0.0 < top_p < 1.0 else 1.0
-        self.penalty = repetition_penalty
-        self.vocab_size = vocab_size
-        self._inv_temp = mx.array(self.inv_temp, dtype=mx.float32)
-        self._top_p = mx.array(self.top_p, dtype=mx.float32)
-        self._penalty = mx.array(repetition_penalty, dtype=mx.float32)
-        self._seen: mx.array | None = None
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        self._key = mx.random.key(seed)
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int | None
 
-    def observe_prompt(self, ids: list[int]) -> None:
-        """Marks prompt tokens as seen, for the repetition penalty."""
-        if self.penalty == 1.0:
-            return
-        seen = mx.zeros((self.vocab_size,), dtype=mx.bool_)
-        if ids:
-            valid = [i for i in ids if i < self.vocab_size]
+    @classmethod
+    def of(cls, req: Generate) -> "SamplingParams":
+        return cls(req.temperature, req.top_k, req.top_p, req.repetition_penalty, req.seed)
+
+
+class RowSampling:
+    """One row's settings, normalised, and its starting state."""
+
+    __slots__ = ("greedy", "inv_temp", "top_k", "top_p", "penalty", "seen", "key")
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt: list[int]):
+        self.greedy = params.temperature <= 0.0
+        self.inv_temp = 0.0 if self.greedy else 1.0 / params.temperature
+        self.top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+        self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
+        self.penalty = params.repetition_penalty
+        # Prompt tokens count as seen, for the repetition penalty.
+        self.seen: mx.array | None = None
+        if self.penalty != 1.0:
+            seen = mx.zeros((vocab_size,), dtype=mx.bool_)
+            valid = [i for i in prompt if 0 <= i < vocab_size]
             if valid:
                 seen[mx.array(valid)] = True
-        self._seen = seen
+            self.seen = seen
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.key = mx.random.key(seed)
 
-    def __call__(self, logits: mx.array, last: mx.array | None) -> mx.array:
-        """logits: (1, V) for the position after `last` (a (1,) token or None)."""
-        logits = logits.astype(mx.float32)
+    @property
+    def kind(self) -> tuple:
+        """Rows of one kind are drawn by one compiled kernel."""
+        return ("greedy",) if self.greedy else (self.top_k, self.top_p < 1.0)
+
+
+class BatchSampler:
+    """Picks the next token of every row of a decode batch, lazily (no sync).
+
+    Rows are kept in the batch's order; `extend` and `filter` follow the
+    batch's membership. A batch whose rows share one kind costs one kernel
+    call, as a lone row does; mixed kinds are drawn group by group.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.rows: list[RowSampling] = []
+        self._keys: mx.array | None = None  # (B, 2) uint32
+        self._seen: mx.array | None = None  # (B, V) bool, only while a row has a penalty
+        self._params()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def extend(self, rows: list[RowSampling]) -> None:
+        if not rows:
+            return
+        keys = mx.stack([r.key for r in rows])
+        self._keys = keys if self._keys is None else mx.concatenate([self._keys, keys])
+        if self._seen is not None or any(r.seen is not None for r in rows):
+            blank = mx.zeros((self.vocab_size,), dtype=mx.bool_)
+            seen = mx.stack([blank if r.seen is None else r.seen for r in rows])
+            # Rows already here have no penalty when nothing was tracked.
+            before = self._seen if self._seen is not None else mx.zeros((len(self.rows), self.vocab_size), dtype=mx.bool_)
+            self._seen = mx.concatenate([before, seen])
+        self.rows = self.rows + rows
+        self._params()
+
+    def filter(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._keys = self._seen = None
+        else:
+            index = mx.array(keep)
+            self._keys = self._keys[index]
+            if self._seen is not None:
+                self._seen = self._seen[index] if any(r.penalty != 1.0 for r in self.rows) else None
+        self._params()
+
+    def _params(self) -> None:
+        rows = self.rows
+        self._inv_temp = mx.array([r.inv_temp for r in rows], dtype=mx.float32)
+        self._top_p = mx.array([r.top_p for r in rows], dtype=mx.float32)
+        self._penalty = mx.array([r.penalty for r in rows], dtype=mx.float32)[:, None]
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r.kind, []).append(i)
+        self._groups = [(kind, mx.array(idx)) for kind, idx in groups.items()]
+        # Where each row's token lands when the groups are concatenated.
+        order = [i for idx in groups.values() for i in idx]
+        self._unsort = mx.argsort(mx.array(order)) if len(groups) > 1 else None
+
+    def __call__(self, logits: mx.array, last: mx.array) -> mx.array:
+        """logits (B, V) for the position after `last` (B,), the tokens just
+        fed; returns (B,) token ids."""
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
         if self._seen is not None:
-            if last is not None:
-                self._seen = _mark(self._seen, last)
+            self._seen = _mark(self._seen, last)
             logits = _penalize(logits, self._seen, self._penalty)
-        if self.greedy:
-            return mx.argmax(logits, axis=-1)
-        token, self._key = _draw(self.top_k, self.top_p < 1.0)(logits, self._inv_temp, self._top_p, self._key)
-        return token
+        if self._unsort is None:
+            kind = self._groups[0][0]
+            tokens, self._keys = _draw_kind(kind, logits, self._inv_temp, self._top_p, self._keys)
+            return tokens
+        tokens, keys = [], []
+        for kind, idx in self._groups:
+            t, k = _draw_kind(kind, logits[idx], self._inv_temp[idx], self._top_p[idx], self._keys[idx])
+            tokens.append(t)
+            keys.append(k)
+        self._keys = mx.concatenate(keys)[self._unsort]
+        return mx.concatenate(tokens)[self._unsort]
 
 
-# Compiled once per shape of the computation (top-k size, top-p on or off);
-# the numbers that vary per request (temperature, top-p, penalty) are array
-# inputs, so a new request never recompiles. Fused, they cost less Python
-# and fewer kernel launches per token than the op-by-op graph.
+def _draw_kind(kind: tuple, logits, inv_temp, top_p, keys) -> tuple[mx.array, mx.array]:
+    if kind[0] == "greedy":
+        return mx.argmax(logits, axis=-1), keys
+    top_k, use_top_p = kind
+    return _draw(top_k, use_top_p, logits.shape[-1])(logits, inv_temp, top_p, keys)
+
+
+# Compiled once per kind of row (top-k size, top-p on or off); the numbers
+# that vary per row (temperature, top-p, penalty) are array inputs, so a new
+# request never recompiles. Fused, they cost less Python and fewer kernel
+# launches per token than the op-by-op graph.
 
 
 @mx.compile
 def _mark(seen: mx.array, last: mx.array) -> mx.array:
-    return mx.logical_or(seen, mx.arange(seen.shape[0]) == last)
+    # A scatter of one element per row (4x faster than comparing every id
+    # at a 248k vocabulary on a CPU).
+    return mx.put_along_axis(seen, last[:, None].astype(mx.int32), mx.array(True), axis=-1)
 
 
 @mx.compile
@@ -82,32 +163,42 @@ def _penalize(logits: mx.array, seen: mx.array, penalty: mx.array) -> mx.array:
     return mx.where(seen, scaled, logits)
 
 
+_split = mx.vmap(mx.random.split)
+
+
 @functools.lru_cache(maxsize=None)
-def _draw(top_k: int, use_top_p: bool):
-    def draw(logits: mx.array, inv_temp: mx.array, top_p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
-        logits = logits * inv_temp
-        key, sub = mx.random.split(key)
+def _draw(top_k: int, use_top_p: bool, vocab: int):
+    # A Gumbel-max draw whose noise comes from each row's own key (vmap over
+    # the keys): categorical sampling without one row's noise depending on
+    # where it sits in the batch.
+    noise = mx.vmap(lambda key: mx.random.gumbel((top_k or vocab,), key=key))
+
+    def draw(logits: mx.array, inv_temp: mx.array, top_p: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+        logits = logits * inv_temp[:, None]
+        pairs = _split(keys)
+        keys, sub = pairs[:, 0], pairs[:, 1]
         if top_k:
             # Work on the k best only: O(V) to find them, O(k log k) for top-p.
             idx = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
             vals = mx.take_along_axis(logits, idx, axis=-1)
             if use_top_p:
                 vals = _top_p(vals, top_p)
-            choice = mx.random.categorical(vals, key=sub)
-            return mx.take_along_axis(idx, choice[:, None], axis=-1)[:, 0], key
+            choice = mx.argmax(vals + noise(sub), axis=-1)
+            return mx.take_along_axis(idx, choice[:, None], axis=-1)[:, 0], keys
         if use_top_p:
             logits = _top_p(logits, top_p)
-        return mx.random.categorical(logits, key=sub), key
+        return mx.argmax(logits + noise(sub), axis=-1), keys
 
     return mx.compile(draw)
 
 
 def _top_p(logits: mx.array, top_p: mx.array) -> mx.array:
-    """Keeps the smallest set of highest-probability tokens whose mass reaches top_p."""
+    """Keeps, per row, the smallest set of highest-probability tokens whose
+    mass reaches that row's top_p."""
     order = mx.argsort(-logits, axis=-1)
     ranked = mx.take_along_axis(logits, order, axis=-1)
     probs = mx.softmax(ranked, axis=-1)
     before = mx.cumsum(probs, axis=-1) - probs
-    ranked = mx.where(before < top_p, ranked, -mx.inf)
+    ranked = mx.where(before < top_p[:, None], ranked, -mx.inf)
     inverse = mx.argsort(order, axis=-1)
     return mx.take_along_axis(ranked, inverse, axis=-1)

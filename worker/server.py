@@ -1,5 +1,11 @@
 """The worker process: a frame reader thread, a heartbeat thread, and the
-main thread running one request at a time on the model."""
+main thread running the scheduler's steps on the model.
+
+Every message from the supervisor goes through one inbox in arrival order, so
+a Cancel always finds the Generate sent before it. The main thread takes all
+that has arrived at each step boundary (and sleeps on the inbox when there
+is no work), so requests written together start together.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,13 @@ import time
 
 import msgspec
 
-from ipc.events import WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
+from ipc.events import encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
 from ipc.messages import Cancel, Generate, SetAdapter, Shutdown, Stats
-from worker.adapter_swap import AdapterSwapper
 from worker.channel import EventChannel
-from worker.engine import Engine, RequestError
+from worker.lora.swap import AdapterSwapper
 from worker.memory import memory_figures
+from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker")
 
@@ -29,14 +35,13 @@ class WorkerServer:
         self.name = name
         self.channel = channel
         self.request_fd = request_fd
-        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
         self.format = "unknown"
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._current: int | None = None
-        self._cancel = threading.Event()
-        self._cancelled: set[int] = set()
-        self.adapters = AdapterSwapper(name, channel.write, self._jobs.put)
+        self.weights_bytes = 0
+        # Emptied at every step; what it feeds is bounded by the scheduler's
+        # waiting line (MAX_WAITING, beyond which requests are refused).
+        self._inbox: queue.Queue = queue.Queue()
+        self.adapters = AdapterSwapper(name, channel.write, lambda job: self._inbox.put(job))
 
     # -- side threads -------------------------------------------------------
 
@@ -49,7 +54,8 @@ class WorkerServer:
         def beat() -> None:
             while True:
                 time.sleep(interval_s)
-                self.channel.write(encode_event("heartbeat", busy=self._current is not None))
+                busy = self.scheduler is not None and self.scheduler.busy
+                self.channel.write(encode_event("heartbeat", busy=busy))
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
@@ -72,59 +78,46 @@ class WorkerServer:
                 log.warning("malformed frame: %s", exc)
                 self.channel.write(encode_error(f"malformed frame: {exc}", "bad_request"))
                 continue
-            self._dispatch(msg)
-
-    def _dispatch(self, msg) -> None:
-        if isinstance(msg, Generate):
-            self._jobs.put(msg)
-        elif isinstance(msg, SetAdapter):
-            self.adapters.submit(msg.path)
-        elif isinstance(msg, Cancel):
-            with self._lock:
-                if self._current == msg.rid:
-                    self._cancel.set()
-                else:
-                    self._cancelled.add(msg.rid)
-        elif isinstance(msg, Stats):
-            self.channel.write(self.stats_event())
-        elif isinstance(msg, Shutdown):
-            self._jobs.put(_SHUTDOWN)
+            if isinstance(msg, Generate):
+                self._inbox.put((msg, time.perf_counter()))
+            elif isinstance(msg, SetAdapter):
+                self.adapters.submit(msg.path)
+            elif isinstance(msg, Stats):
+                self.channel.write(self.stats_event())
+            elif isinstance(msg, Shutdown):
+                self._inbox.put(_SHUTDOWN)
+            else:
+                self._inbox.put(msg)
 
     def stats_event(self) -> bytes:
         figures = memory_figures()
-        weights = self.engine.loaded.weights_bytes if self.engine else 0
-        return encode_event("worker_stats", model=self.name, format=self.format, weights_bytes=weights, adapter_bytes=self.adapters.nbytes, **figures)
+        batch = self.scheduler.figures if self.scheduler else {}
+        return encode_event(
+            "worker_stats", model=self.name, format=self.format, weights_bytes=self.weights_bytes, adapter_bytes=self.adapters.nbytes, **figures, **batch
+        )
 
     # -- main thread --------------------------------------------------------
 
     def serve_forever(self) -> None:
+        scheduler = self.scheduler
+        stopping = False
         while True:
-            job = self._jobs.get()
-            if job is _SHUTDOWN:
+            block = not scheduler.has_work
+            if stopping and block:
                 log.info("shutdown requested; exiting")
                 return
-            if isinstance(job, Generate):
-                self._run(job)
-            else:
-                job()  # an adapter swap, due between two requests
-
-    def _run(self, req: Generate) -> None:
-        with self._lock:
-            if req.rid in self._cancelled:
-                self._cancelled.discard(req.rid)
-                self.channel.write(encode_cancelled_done(req.id_json))
-                return
-            self._current = req.rid
-            self._cancel.clear()
-        try:
-            finish, _ = self.engine.run(req, self.channel.write, self._cancel)
-            log.debug("request %s finished: %s", req.id_json or req.rid, finish)
-        except RequestError as exc:
-            log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
-            self.channel.write(encode_error(exc.msg, exc.code, req.id_json))
-        except Exception as exc:  # the request must still end with one terminal line
-            log.exception("request %s failed", req.id_json or req.rid)
-            self.channel.write(encode_error(f"generation failed in the worker: {exc}", WORKER_CRASHED, req.id_json))
-        finally:
-            with self._lock:
-                self._current = None
+            # What has arrived by now; with nothing to do, wait for one.
+            items = [self._inbox.get()] if block else []
+            for _ in range(self._inbox.qsize()):
+                items.append(self._inbox.get_nowait())
+            for item in items:
+                if item is _SHUTDOWN:
+                    # Everything sent before it still runs to its end.
+                    stopping = True
+                elif isinstance(item, tuple):
+                    scheduler.submit(*item)
+                elif isinstance(item, Cancel):
+                    scheduler.cancel(item.rid)
+                else:
+                    scheduler.run_when_idle(item)  # an adapter swap
+            scheduler.step()

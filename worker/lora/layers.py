@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from worker.adapters import AdapterWeights, Targets
+from worker.lora.formats import AdapterWeights, Targets
 
 
 class AdaptedLinear(nn.Module):

@@ -15,7 +15,7 @@ The weights file is read once into memory and hashed, and everything is
 parsed from those bytes, so a writer rewriting it in place cannot hand us a
 mix of two versions. Only regular files are read, never more than
 `max_adapter_bytes` of one. This module is numpy only; the MLX side is
-worker.lora.
+worker.lora.layers.
 """
 
 from __future__ import annotations

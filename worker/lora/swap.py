@@ -1,10 +1,11 @@
-"""Set-adapter requests: load and validate off the token path, swap between
-requests.
+"""Set-adapter requests: load and validate off the token path, swap when no
+request is running.
 
 A loader thread reads and checks each adapter while the model keeps serving
-with the current one; the swap itself is handed to the main thread's job
-queue, so it lands between two requests and every request runs with exactly
-one adapter version. Requests are handled one at a time, in order, so the
+with the current one; the swap itself is handed to the main thread, which
+runs it at a step boundary once no row is active (the scheduler holds new
+requests back meanwhile), so every request runs with exactly one adapter
+version. Set-adapter requests are handled one at a time, in order, so the
 replies come in the order they were asked for.
 """
 
@@ -18,20 +19,20 @@ from pathlib import Path
 from typing import Callable
 
 from ipc.events import ADAPTER_ERROR, encode_event
-from worker.adapters import AdapterError, AdapterWeights, Targets
-from worker.lora import LoRASlots
+from worker.lora.formats import AdapterError, AdapterWeights, Targets
+from worker.lora.layers import LoRASlots
 
 log = logging.getLogger("worker")
 
 Emit = Callable[[bytes], None]
-RunBetweenRequests = Callable[[Callable[[], None]], None]
+RunWhenIdle = Callable[[Callable[[], None]], None]
 
 
 class AdapterSwapper:
-    def __init__(self, name: str, emit: Emit, run_between_requests: RunBetweenRequests):
+    def __init__(self, name: str, emit: Emit, run_when_idle: RunWhenIdle):
         self.name = name
         self._emit = emit
-        self._run_between_requests = run_between_requests
+        self._run_when_idle = run_when_idle
         self._requests: queue.Queue[str | None] = queue.Queue()
         self._slots: LoRASlots | None = None
         self._on_swap: Callable[[str | None], None] = lambda key: None
@@ -69,7 +70,7 @@ class AdapterSwapper:
                 continue
             load_s = time.perf_counter() - t0
             done = threading.Event()
-            self._run_between_requests(lambda: self._swap(path, weights, load_s, done))
+            self._run_when_idle(lambda: self._swap(path, weights, load_s, done))
             done.wait()
 
     def _swap(self, path: str | None, weights: AdapterWeights | None, load_s: float, done: threading.Event) -> None:

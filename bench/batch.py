@@ -1,0 +1,165 @@
+"""N concurrent requests to one model: the batched worker vs the same worker
+one request at a time vs mlx-lm, all in one run.
+
+For each N, N greedy requests (no repetition penalty, as batch_generate's
+defaults) with different prompts (40-80 tokens) are sent at once; each of
+`--rounds` rounds starts every side afresh, warms it up and runs each N:
+
+- `batched`: our worker (`--max-batch` = the largest N), driven over its
+  pipes (`--through worker`; a `serve` side would drive `lattice-pool serve`
+  through the same interface);
+- `one_at_a_time`: the same worker with `--max-batch 1`, which serves them
+  one after another as the worker did before batching;
+- `mlx_lm_batch_generate`: mlx-lm's continuous-batching engine driven as
+  `batch_generate` drives it (defaults: prefill batches of 8, up to 32 rows)
+  on the same prompts, in its own process, on the worker's compute setup
+  (`matched`: float32 + OpenBLAS on CPU, chunked gated-delta prefill);
+- `mlx_lm_stream_generate`: for N = 1, `stream_generate` on the first prompt.
+
+Figures: aggregate tok/s (generated tokens / time from sending to the last
+final line), TTFT p50 and p99 over the N requests (client side, from the
+send), and the slowest TTFT over a lone request's; medians over rounds,
+ratios per round then their median. Prefix caches are off: the same prompts
+repeat. Goals (issue 13): at N = 8 aggregate
+>= 1.0x batch_generate; N = 1 >= 0.98x stream_generate; slowest TTFT at
+N = 8 <= 10x a lone request's on 2 CPU cores (<= 3x on an H200).
+
+    python -m bench.batch [--size small|0.8b] [--model DIR] [--max-tokens 128] [--n 1,2,4,8,16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench import mlx_lm_baseline
+from bench.chat import user_messages
+from bench.common import WorkerClient, backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+
+
+class WorkerSide:
+    """Requests sent straight to a worker process over its pipes."""
+
+    def __init__(self, model: Path, max_batch: int):
+        self.client = WorkerClient(model, "--max-batch", str(max_batch), "--prefix-cache-bytes", "0")
+
+    def run(self, prompts: list[str], max_tokens: int) -> dict:
+        return self.client.generate_many([dict(prompt=p, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.0) for p in prompts])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+SIDES = {"worker": WorkerSide}
+
+
+def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[int], max_tokens: int) -> dict[int, dict]:
+    """One round: a fresh process, a warm-up batch, then each N once."""
+    side = side_cls(model, max_batch)
+    try:
+        side.run(prompts[: max(sizes)], 8)
+        return {n: side.run(prompts[:n], max_tokens) for n in sizes}
+    finally:
+        side.close()
+
+
+def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict]:
+    """One round of mlx-lm in a process of its own: batch runs for each N
+    (after a warm-up), then a stream_generate run (after one of its own)."""
+    lines = mlx_lm_baseline.run(
+        model, "matched", "--max-tokens", str(max_tokens), "--prompts-ids", json.dumps(ids), "--batch-sizes", ",".join(map(str, sizes)),
+        "--rounds", "1", "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1",
+    )
+    batch = {line["n"]: line for line in lines if "n" in line}
+    stream = next(line for line in lines if "n" not in line)
+    return batch, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"]}
+
+
+def agg(run: dict) -> float:
+    return run["tokens"] / run["wall_s"]
+
+
+def summary(runs: list[dict]) -> dict:
+    """Median over rounds of each figure."""
+    ttfts = [sorted(r["ttft_ms"]) for r in runs]
+    return {
+        "aggregate_tok_s": round(median([agg(r) for r in runs]), 1),
+        "ttft_p50_ms": round(median([percentile(t, 50) for t in ttfts]), 1),
+        "ttft_p99_ms": round(median([percentile(t, 99) for t in ttfts]), 1),
+        "ttft_max_ms": round(median([t[-1] for t in ttfts]), 1),
+        "tokens": [r["tokens"] for r in runs],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p)
+    p.add_argument("--n", default="1,2,4,8,16", help="comma-separated numbers of concurrent requests")
+    p.add_argument("--through", choices=sorted(SIDES), default="worker", help="what the requests go through (default worker)")
+    p.add_argument("--skip", default="", help="comma-separated sides to leave out: one_at_a_time, mlx_lm")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh process per side (default 3)")
+    args = p.parse_args()
+
+    from tokenizers import Tokenizer
+
+    model = args.model or demo_model(args.size)
+    sizes = [int(n) for n in args.n.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompts = [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" for text in user_messages(tokenizer, max(sizes), 24)]
+    ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    side = SIDES[args.through]
+    result = {"model": str(model), "size": None if args.model else args.size, "backend": backend(), "through": args.through,
+              "prompt_tokens": [len(i) for i in ids], "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine(),
+              "load_average": {"before": load_average()}}
+    names = ["batched"]
+    if "one_at_a_time" not in skip:
+        names.append("one_at_a_time")
+    if "mlx_lm" not in skip:
+        names += ["mlx_lm_batch_generate", "mlx_lm_stream_generate"]
+    sides: dict[str, dict[int, list[dict]]] = {name: {} for name in names}
+    # Rounds alternate the sides, so that a busy spell on a shared machine
+    # hits all of them.
+    for _ in range(args.rounds):
+        rounds = {"batched": ours(side, model, max(sizes), prompts, sizes, args.max_tokens)}
+        if "one_at_a_time" in sides:
+            rounds["one_at_a_time"] = ours(side, model, 1, prompts, sizes, args.max_tokens)
+        if "mlx_lm_batch_generate" in sides:
+            rounds["mlx_lm_batch_generate"], stream = mlx_lm(model, ids, sizes, args.max_tokens)
+            rounds["mlx_lm_stream_generate"] = {1: stream}
+        for name, by_n in rounds.items():
+            for n, run in by_n.items():
+                sides[name].setdefault(n, []).append(run)
+    result["load_average"]["after"] = load_average()
+    table = {name: {n: summary(runs) for n, runs in by_n.items()} for name, by_n in sides.items()}
+    result["sides"] = table
+    lone = table["batched"][1]["ttft_p50_ms"] if 1 in sizes else None
+    ratios = {}
+    for n in sizes:
+        r = {}
+        for name in names[1:]:
+            if n in sides[name]:
+                # Per round (the sides ran close in time), then the median.
+                per_round = [agg(a) / agg(b) for a, b in zip(sides["batched"][n], sides[name][n])]
+                r[f"aggregate_vs_{name}"] = round(median(per_round), 3)
+        if lone:
+            r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
+        ratios[n] = r
+    result["ratios"] = ratios
+    name = f"batch-{result['backend']}-{args.size if not args.model else model.name}"
+    write_result(tagged(name, args.tag), result)
+
+    print(f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}")
+    for n in sizes:
+        for name in table:
+            if n in table[name]:
+                s = table[name][n]
+                print(f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}")
+        print(f"    ratios: {ratios[n]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

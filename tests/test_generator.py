@@ -1,0 +1,302 @@
+"""The token generator and scheduler in one process: rows batched together
+compute what each computes alone (up to float noise) for every cache type
+mlx-lm models use, and failures end each request exactly once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+
+from ipc.messages import Generate
+from worker.batch_cache import batchable
+from worker.generator import Row, TokenGenerator
+from worker.prefix_cache import PrefixCache
+from worker.sampling import RowSampling, SamplingParams
+
+# How far batching may move a row's logits (float32 on CPU). Measured: 0
+# with mlx's bundled BLAS (this process), about 1e-5 with the workers'
+# OpenBLAS, whose kernels depend on the matrix shapes.
+LOGIT_TOLERANCE = 1e-3
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
+
+GREEDY = SamplingParams(0.0, 0, 1.0, 1.0, None)
+
+
+class Recorder:
+    """A model that keeps the last-position logits of every call."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: list[mx.array] = []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        self.calls.append(out[:, -1, :])
+        return out
+
+
+def make_generator(model, vocab: int, prefill_step: int = 64) -> TokenGenerator:
+    return TokenGenerator(model, vocab, PrefixCache(model, 0), prefill_step, None)
+
+
+def run(model, vocab: int, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None, join_after: int = 0):
+    """Greedy rows through one generator; with `join_after`, the rest of the
+    prompts start once the first ones have decoded two tokens. With
+    `forced`, row i is fed forced[i] (teacher forcing) whatever it samples.
+    Returns each row's decode logits, step by step."""
+    rec = Recorder(model)
+    gen = make_generator(rec, vocab)
+    rows = [Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)]
+    logits = {row: [] for row in rows}
+    first, later = (rows[:join_after], rows[join_after:]) if join_after else (rows, [])
+    gen.start(first)
+    if later:
+        while min(len(logits[row]) for row in first) < 2:
+            _step(gen, rec, logits, forced)
+        gen.start(later)
+    while min(len(v) for v in logits.values()) < steps:
+        _step(gen, rec, logits, forced)
+    return [np.array(mx.stack(logits[row][:steps]).astype(mx.float32)) for row in rows]
+
+
+def _step(gen, rec, logits, forced) -> None:
+    order = list(gen.decoding)
+    before = len(rec.calls)
+    gen.step()
+    if not order:
+        return
+    batch = rec.calls[before]
+    for i, row in enumerate(order):
+        n = len(logits[row])
+        logits[row].append(batch[i])
+        if forced is None:
+            gen.force(row, int(mx.argmax(batch[i]).item()))
+        elif n < len(forced[row.rid]):
+            gen.force(row, forced[row.rid][n])
+
+
+def check_batched_equals_alone(model, vocab: int, prompts: list[list[int]], steps: int = 6) -> float:
+    alone = [run(model, vocab, [p], steps)[0] for p in prompts]
+    tokens = [a.argmax(-1).tolist() for a in alone]
+    worst = 0.0
+    for join_after in (0, 2):
+        batched = run(model, vocab, prompts, steps, forced=tokens, join_after=join_after)
+        for a, b in zip(alone, batched):
+            worst = max(worst, float(np.abs(a - b).max()))
+    assert worst <= LOGIT_TOLERANCE
+    return worst
+
+
+def prompts_of(vocab: int, lengths=(130, 1, 70, 8, 200)) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(5, vocab, size=n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_model):
+    from worker.loader import load
+
+    loaded = load(tiny_model)
+    return loaded, json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
+
+
+def test_hybrid_model_rows_batched_compute_what_they_compute_alone(qwen35):
+    """Qwen3.5: gated-delta ArraysCache (chunked prefill with row masks) and
+    attention KV caches; prompts of different lengths over several chunks,
+    one of a single token, rows joining while others decode."""
+    (loaded, vocab) = qwen35
+    assert {type(c).__name__ for c in make_prompt_cache(loaded.model)} == {"ArraysCache", "KVCache"}
+    check_batched_equals_alone(loaded.model, vocab, prompts_of(vocab))
+
+
+def random_model(module, config: dict):
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_sliding_window_model_rows_batched_compute_what_they_compute_alone():
+    """Gemma 3: RotatingKVCache layers with a window shorter than the
+    prompts, so rows rotate, beside plain KV layers."""
+    from mlx_lm.models import gemma3_text
+
+    config = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  head_dim=16, num_key_value_heads=2, vocab_size=256, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    model = random_model(gemma3_text, config)
+    assert {type(c).__name__ for c in make_prompt_cache(model)} == {"RotatingKVCache", "KVCache"}
+    check_batched_equals_alone(model, 256, prompts_of(256), steps=12)
+
+
+def test_attention_only_model_rows_batched_compute_what_they_compute_alone():
+    from mlx_lm.models import qwen3
+
+    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True,
+                  max_position_embeddings=4096)
+    model = random_model(qwen3, config)
+    check_batched_equals_alone(model, 256, prompts_of(256))
+
+
+def test_caches_without_batch_support_are_detected():
+    assert batchable([KVCache(), KVCache()])
+    assert not batchable([KVCache(), ChunkedKVCache(8)])
+    assert not batchable([QuantizedKVCache()])
+
+
+# -- the scheduler: failures, memory guard, one-at-a-time fallback --------------
+
+
+def scheduler_for(loaded, model=None, **kw):
+    from worker.scheduler import Scheduler
+    from worker.text import TextCodec
+
+    lines: list[bytes] = []
+    kw.setdefault("batch_memory", 1 << 30)
+    if model is not None:
+        loaded = dataclasses.replace(loaded, model=model)
+    s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, prefix_cache_bytes=0, **kw)
+    return s, lines
+
+
+def events(lines: list[bytes]) -> list[dict]:
+    """The events of what the scheduler wrote (each write holds whole lines)."""
+    return [json.loads(line[len(b"@@lattice ") :]) for line in b"".join(lines).splitlines()]
+
+
+def ends_by_id(lines: list[bytes]) -> dict:
+    out: dict = {}
+    for e in events(lines):
+        if e["ev"] == "error" or e.get("done"):
+            out.setdefault(e["id"], []).append(e)
+    return out
+
+
+def submit(s, n: int, start: int = 0, **kw) -> None:
+    kw.setdefault("max_tokens", 12)
+    for i in range(start, start + n):
+        s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **kw), 0.0)
+
+
+class Failing(Recorder):
+    def __init__(self, model):
+        super().__init__(model)
+        self.fail = False
+
+    def __call__(self, inputs, cache=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("injected failure")
+        return super().__call__(inputs, cache)
+
+
+def test_a_failed_batch_step_ends_every_active_row_once_and_the_worker_goes_on(qwen35):
+    loaded, _ = qwen35
+    model = Failing(loaded.model)
+    s, lines = scheduler_for(loaded, model)
+    submit(s, 3, max_tokens=50)
+    while len(s.generator.decoding) < 3:
+        s.step()
+    submit(s, 1, start=3)  # starts reading its prompt in the failing step
+    model.fail = True
+    s.step()
+    ends = ends_by_id(lines)
+    assert sorted(ends) == [0, 1, 2]
+    assert all(len(v) == 1 and v[0]["ev"] == "error" and v[0]["code"] == "worker_crashed" for v in ends.values())
+    # The decode batch is gone; the prefill group's own state is intact.
+    assert [row.rid for row in s.generator.rows] == [3] and [row.rid for row in s.streams] == [3]
+    s.drain()
+    ends = ends_by_id(lines)
+    assert ends[3][0]["ev"] == "gen_token" and ends[3][0]["gen_tokens"] == 12
+    assert all(len(v) == 1 for v in ends.values())
+
+
+def test_an_exception_in_one_rows_stream_ends_that_row_alone(qwen35):
+    loaded, _ = qwen35
+    s, lines = scheduler_for(loaded)
+    submit(s, 3)
+    s.step()
+    victim = next(row for row in s.streams if row.rid == 1)
+    stream = s.streams[victim]
+
+    def broken(token):
+        raise ValueError("detokenizer broke")
+
+    stream.feed = broken
+    s.drain()
+    ends = ends_by_id(lines)
+    assert [e["ev"] for e in ends[1]] == ["error"] and "detokenizer broke" in ends[1][0]["msg"]
+    assert [e["gen_tokens"] for e in ends[0] + ends[2]] == [12, 12]
+
+
+def test_a_fault_in_the_scheduler_itself_ends_the_active_requests_once(qwen35):
+    loaded, _ = qwen35
+    s, lines = scheduler_for(loaded)
+    submit(s, 2)
+    s.step()
+    real = s._stream
+
+    def broken(out):
+        s._stream = real
+        raise RuntimeError("scheduler bug")
+
+    s._stream = broken
+    s.step()
+    ends = ends_by_id(lines)
+    assert sorted(ends) == [0, 1] and all([e["ev"] for e in v] == ["error"] for v in ends.values())
+    submit(s, 1, start=2)
+    s.drain()
+    assert ends_by_id(lines)[2][0]["gen_tokens"] == 12 and not s.streams
+
+
+def test_memory_guard_holds_rows_back_until_others_end(qwen35):
+    loaded, _ = qwen35
+    probe, _ = scheduler_for(loaded)
+    one_row = probe._projected_bytes([40])
+    s, lines = scheduler_for(loaded, batch_memory=one_row + one_row // 2)
+    submit(s, 3, max_tokens=6)
+    s.step()
+    assert (s.figures["active_rows"], s.figures["waiting_rows"]) == (1, 2)
+    assert 0 < s.figures["rows_cache_bytes"] <= one_row
+    s.drain()
+    assert sorted(ends_by_id(lines)) == [0, 1, 2]
+    assert s.figures["rows_cache_bytes"] == 0
+
+
+class ChunkedKV:
+    """A dense model whose attention keeps mlx-lm's chunked KV cache (llama4's),
+    which has no batch form; its chunk is longer than any test prompt."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None):
+        return self.model(inputs, cache=cache)
+
+    def make_cache(self):
+        return [ChunkedKVCache(4096) for _ in self.model.layers]
+
+
+def test_unbatchable_caches_run_one_request_at_a_time(dense_model):
+    from worker.loader import load
+
+    loaded = load(dense_model)
+    s, lines = scheduler_for(loaded, ChunkedKV(loaded.model), max_batch=8)
+    assert s.max_batch == 1
+    submit(s, 3)
+    s.step()
+    assert (s.figures["active_rows"], s.figures["waiting_rows"]) == (1, 2)
+    s.drain()
+    assert [v[0]["gen_tokens"] for _, v in sorted(ends_by_id(lines).items())] == [12, 12, 12]

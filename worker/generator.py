@@ -1,0 +1,251 @@
+"""The token generator: advances a batch of rows by one token per step.
+
+Rows come in (prompt ids, sampling state, adapter key) and per-step token
+ids come out; nothing here knows about text or events. Each `step()`:
+
+1. a decode step: every row of the decode batch gets one token. The next
+   step is queued on the device before this step's tokens are read, so the
+   device computes step t+1 while the caller streams step t.
+2. one prefill chunk of the rows that are still reading their prompts (the
+   "prefill group", rows admitted together): one batched forward, right-
+   padded to the longest row's piece, in which each of the B rows reads up
+   to max(prefill_step / B, 64) prompt tokens (a lone row: prefill_step). Decode rows therefore stall
+   for at most one such chunk, max(prefill_step, 64 B) tokens, per token. A row
+   whose prompt is read (all but its last token) joins the decode batch; the
+   last prompt token is its first decode input.
+
+The prefix cache is used per row: a row resumes from the longest stored
+snapshot of its adapter and stores snapshots at its own chunk ends.
+
+Seams for later work: `Row.adapter` is the content key of the adapter the
+row runs with (today one resident adapter; with several, the per-row index
+into stacked adapters goes next to it); a per-row logits constraint (a token
+mask) would be applied to the rows that have one between the model's logits
+and `BatchSampler`, and `force()` already replaces one row's pending token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from worker.batch_cache import BatchCache, batchable
+from worker.gated_delta import CHUNK
+from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
+from worker.sampling import BatchSampler, RowSampling
+
+log = logging.getLogger("worker")
+
+# The smallest prompt piece a row reads per forward in a group: the chunked
+# gated-delta prefill's own chunk; smaller pieces gain no parallelism there.
+MIN_PIECE = CHUNK
+
+
+@dataclass(eq=False)
+class Row:
+    """One request as the generator sees it."""
+
+    rid: int
+    ids: list[int]
+    sampling: RowSampling
+    adapter: str | None = None
+    cached: int = 0  # prompt tokens resumed from the prefix cache
+    pos: int = 0  # prompt tokens in the row's cache
+    ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
+    snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
+    fresh: bool = True  # its decode input is still its last prompt token
+
+
+class BatchFailed(Exception):
+    """A batched forward or its bookkeeping failed: the listed rows' state is
+    gone (they have been dropped from the generator)."""
+
+    def __init__(self, rows: list[Row], cause: BaseException):
+        super().__init__(str(cause))
+        self.rows = rows
+        self.cause = cause
+
+
+class TokenGenerator:
+    def __init__(self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None):
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.prefill_step = prefill_step
+        self.chat_marker = chat_marker
+        self.can_batch = batchable(make_prompt_cache(model))
+        self.sampler = BatchSampler(vocab_size)
+        self.decoding: list[Row] = []
+        self._cache: BatchCache | None = None
+        self._next: mx.array | None = None  # (B,) the decode batch's next inputs
+        self._forced: dict[Row, int] = {}
+        self.prefilling: list[Row] = []
+        self._group: BatchCache | None = None
+        self._joining = False
+
+    # -- membership ---------------------------------------------------------
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.decoding + self.prefilling
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.prefilling)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in (self._cache, self._group) if c is not None)
+
+    def start(self, rows: list[Row]) -> None:
+        """Starts reading the rows' prompts, as one prefill group; only when
+        no group is reading (rows admitted later wait for the next group)."""
+        assert not self.prefilling, "one prefill group at a time"
+        caches, cuts = [], []
+        for row in rows:
+            # Chunks end at message starts, with or without a prefix cache, so
+            # a prompt resumed from a snapshot there computes what a cold one
+            # does (greedy output is the same with and without the cache).
+            cuts.append(message_starts(row.ids, self.chat_marker))
+            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts[-1])
+            row.pos = row.cached
+            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), cuts[-1])
+            caches.append(cache)
+        # A forward reads about prefill_step prompt tokens however many rows
+        # share it, so running rows wait no longer for a bigger group; a
+        # row's piece stays at least MIN_PIECE tokens, so short prompts
+        # arriving together are read in one forward.
+        readers = sum(1 for row in rows if row.cached < len(row.ids) - 1)
+        step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
+        for row, row_cuts in zip(rows, cuts):
+            row.ends = chunk_ends(len(row.ids) - 1, row_cuts, step, row.cached)
+        ready = [i for i, row in enumerate(rows) if not row.ends]
+        if ready:
+            self._join([rows[i] for i in ready], BatchCache.of_rows([caches[i] for i in ready]))
+        reading = [i for i, row in enumerate(rows) if row.ends]
+        if reading:
+            self.prefilling = [rows[i] for i in reading]
+            self._group = BatchCache.of_rows([caches[i] for i in reading])
+
+    def remove(self, rows: list[Row]) -> None:
+        """Drops rows (finished, cancelled or failed) and frees their state."""
+        gone = set(rows)
+        for row in gone:
+            self._forced.pop(row, None)
+        keep = [i for i, row in enumerate(self.decoding) if row not in gone]
+        if len(keep) < len(self.decoding):
+            self.decoding = [self.decoding[i] for i in keep]
+            self._cache.filter(keep)
+            self.sampler.filter(keep)
+            self._next = self._next[mx.array(keep)] if keep else None
+            if not keep:
+                self._cache = None
+        keep = [i for i, row in enumerate(self.prefilling) if row not in gone]
+        if len(keep) < len(self.prefilling):
+            self.prefilling = [self.prefilling[i] for i in keep]
+            self._group.filter(keep)
+            if not keep:
+                self._group = None
+
+    def force(self, row: Row, token: int) -> None:
+        """Replaces the row's pending token (sampled, not yet fed to the
+        model) with `token`."""
+        self._forced[row] = token
+
+    def _join(self, rows: list[Row], cache: BatchCache) -> None:
+        """Rows whose prompt is read join the decode batch."""
+        for row in rows:
+            row.fresh = True
+        first = mx.array([row.ids[-1] for row in rows], dtype=mx.uint32)
+        if self._cache is None:
+            self._cache, self._next = cache, first
+        else:
+            self._cache = self._cache.extend(cache)
+            self._next = mx.concatenate([self._next, first])
+        self.decoding = self.decoding + rows
+        self.sampler.extend([row.sampling for row in rows])
+
+    def _lose(self, decode: bool, group: bool) -> list[Row]:
+        """Drops the decode batch and/or the prefill group whole, without
+        touching their (possibly broken) state; returns their rows."""
+        lost = []
+        if decode:
+            lost += self.decoding
+            self.decoding, self._cache, self._next = [], None, None
+            self.sampler = BatchSampler(self.sampler.vocab_size)
+            self._forced.clear()
+        if group:
+            lost += self.prefilling
+            self.prefilling, self._group = [], None
+        return lost
+
+    # -- stepping -----------------------------------------------------------
+
+    def step(self) -> list[tuple[Row, int | None]]:
+        """One decode step and one prefill chunk. Returns each decode row
+        with its token, or None for a row whose last prompt token was fed in
+        this step (its first token is pending). Raises BatchFailed when the
+        decode batch or the prefill group is lost."""
+        out: list[tuple[Row, int | None]] = []
+        if self.decoding:
+            rows = self.decoding
+            try:
+                tokens = self._decode()
+            except Exception as exc:
+                raise BatchFailed(self._lose(decode=True, group=False), exc) from exc
+            for row, token in zip(rows, tokens):
+                if row.fresh:
+                    row.fresh = False
+                    out.append((row, None))
+                else:
+                    out.append((row, token))
+        if self.prefilling:
+            try:
+                self._prefill_chunk()
+            except Exception as exc:
+                # A failure while rows were joining the decode batch may have
+                # left it half-extended: then it goes too.
+                lost = self._lose(decode=self._joining, group=True)
+                self._joining = False
+                raise BatchFailed(lost, exc) from exc
+        return out
+
+    def _decode(self) -> list[int]:
+        inputs = self._next
+        if self._forced:
+            where = {row: i for i, row in enumerate(self.decoding)}
+            index = mx.array([where[row] for row in self._forced])
+            inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
+            self._forced.clear()
+        logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
+        self._next = self.sampler(logits, inputs)
+        mx.async_eval(self._next)
+        return inputs.tolist()
+
+    def _prefill_chunk(self) -> None:
+        rows = self.prefilling
+        group = self._group
+        pieces = [row.ids[row.pos : row.ends[0]] for row in rows]
+        width = max(len(p) for p in pieces)
+        lengths = [len(p) for p in pieces]
+        padded = width * len(rows) > sum(lengths)
+        tokens = mx.array([p + [0] * (width - len(p)) for p in pieces], dtype=mx.uint32)
+        if padded:
+            group.pad(lengths, width)
+        self.model(tokens, cache=group.layers)
+        if group.merged:
+            group.unpad()
+        mx.async_eval(group.state)
+        for i, row in enumerate(rows):
+            row.pos = row.ends.pop(0)
+            if row.pos in row.snapshots:
+                self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
+        done = [i for i, row in enumerate(rows) if not row.ends]
+        if done:
+            self._joining = True
+            self._join([rows[i] for i in done], group.split(done))
+            self._joining = False
+            self.prefilling = [row for row in rows if row.ends]
+            if not self.prefilling:
+                self._group = None

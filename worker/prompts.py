@@ -1,0 +1,51 @@
+"""A request's prompt as token ids, checked against what the model can take."""
+
+from __future__ import annotations
+
+from ipc.events import BAD_REQUEST
+from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate, utf8_len
+from worker.text import TextCodec
+
+
+class RequestError(Exception):
+    """A request this model cannot serve; `code` is a SPEC error code."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+
+
+def model_limit(config: dict, key: str) -> int | None:
+    """An integer from the model's config.json, top level or text_config."""
+    value = config.get(key) or (config.get("text_config") or {}).get(key)
+    return value if isinstance(value, int) else None
+
+
+class PromptReader:
+    def __init__(self, codec: TextCodec, config: dict, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES):
+        self.codec = codec
+        self.max_prompt_bytes = max_prompt_bytes
+        self.max_positions = model_limit(config, "max_position_embeddings")
+
+    def ids(self, req: Generate) -> list[int]:
+        """The prompt's token ids; RequestError when there is none, the chat
+        template fails, or the prompt or the model's context is too small for it."""
+        if req.prompt is not None:
+            text = req.prompt
+        elif req.messages is not None:
+            try:
+                text = self.codec.render(req.messages)
+            except Exception as exc:  # a user's template may raise anything
+                raise RequestError(BAD_REQUEST, f"chat template failed: {exc}") from exc
+        else:
+            raise RequestError(BAD_REQUEST, 'missing "prompt" field')
+        # Before tokenizing: a huge prompt would cost seconds and gigabytes to refuse after.
+        if utf8_len(text, self.max_prompt_bytes) > self.max_prompt_bytes:
+            raise RequestError(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
+        ids = self.codec.encode(text)
+        if not ids:
+            raise RequestError(BAD_REQUEST, "prompt is empty after tokenization")
+        if self.max_positions and len(ids) >= self.max_positions:
+            raise RequestError(BAD_REQUEST, f"prompt has {len(ids)} tokens; the model's context is {self.max_positions}")
+        return ids

@@ -1,0 +1,121 @@
+"""Per-row streaming: token ids in, `@@lattice` lines out.
+
+A RowStream turns one request's tokens into its event lines: UTF-8-safe
+detokenizing, stop strings, the reasoning budget, max_tokens, end-of-sequence
+ids, timing, and the final line. It never touches the model; the generator
+(worker.generator) produces the ids.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ipc.events import encode_done, encode_token, tokens_per_second
+from ipc.messages import Generate
+from worker.text import StopMatcher, TextCodec
+
+Emit = Callable[[bytes], None]
+
+
+class ThinkBudget:
+    """Counts tokens inside <think> and says when </think> must be forced."""
+
+    __slots__ = ("start", "end", "budget", "inside", "count")
+
+    def __init__(self, start: int | None, end: int | None, budget: int | None, prompt: list[int]):
+        self.start, self.end = start, end
+        self.budget = budget if (budget is not None and start is not None and end is not None) else None
+        self.inside = False
+        self.count = 0
+        if self.budget is not None:
+            # The generation prompt may already have opened the block.
+            last_open = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+            last_close = max((i for i, t in enumerate(prompt) if t == end), default=-1)
+            if last_open > last_close:
+                self.inside = True
+                self.count = len(prompt) - last_open - 1
+
+    def must_close(self) -> bool:
+        return self.budget is not None and self.inside and self.count >= self.budget
+
+    def observe(self, token: int) -> None:
+        if self.budget is None:
+            return
+        if token == self.start:
+            self.inside, self.count = True, 0
+        elif token == self.end:
+            self.inside = False
+        elif self.inside:
+            self.count += 1
+
+
+class RowStream:
+    """One request's event lines. `feed` takes each generated token and
+    returns the finish reason once the request is over; `finish` writes the
+    tail and the final line (exactly once)."""
+
+    def __init__(self, req: Generate, ids: list[int], codec: TextCodec, emit: Emit, arrived: float):
+        self.id_json = req.id_json
+        self.prompt_tokens = len(ids)
+        self.max_tokens = req.max_tokens
+        self.think = ThinkBudget(codec.think_start, codec.think_end, req.reasoning_budget, ids)
+        self.think_end = codec.think_end
+        self._eos = codec.eos_ids
+        self._detok = codec.detokenizer()
+        self._stops = StopMatcher(req.stop)
+        self._emit = emit
+        self.t0 = arrived
+        self.ttft_ms = 0.0
+        self.generated: list[int] = []
+        self._stopped_by_string = False
+
+    def must_close_think(self) -> bool:
+        """True when the next token must be </think> (the budget is spent)."""
+        return self.think.must_close()
+
+    def feed(self, token: int) -> str | None:
+        """Streams one generated token; returns the finish reason when the
+        request ends with it (then call finish), else None."""
+        if token in self._eos:
+            return "stop"
+        self.generated.append(token)
+        self.think.observe(token)
+        text, hit = self._stops.feed(self._detok.add(token))
+        if text:
+            self._write(text)
+        if hit:
+            self._stopped_by_string = True
+            return "stop"
+        if len(self.generated) >= self.max_tokens:
+            return "length"
+        return None
+
+    def _write(self, text: str) -> None:
+        if not self.ttft_ms:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1000.0
+        self._emit(encode_token(text, self.id_json))
+
+    def finish(self, reason: str, cached_tokens: int = 0) -> None:
+        if not self._stopped_by_string:
+            tail, hit = self._stops.feed(self._detok.flush())
+            if hit:
+                reason = "stop"
+            else:
+                tail += self._stops.flush()
+            if tail:
+                self._write(tail)
+        total_ms = int((time.perf_counter() - self.t0) * 1000.0)
+        gen_tokens = len(self.generated)
+        self._emit(
+            encode_done(
+                tok_s=tokens_per_second(gen_tokens, total_ms),
+                ttft_ms=self.ttft_ms,
+                prompt_tokens=self.prompt_tokens,
+                gen_tokens=gen_tokens,
+                total_ms=total_ms,
+                finish_reason=reason,
+                cached_tokens=cached_tokens or None,
+                id_json=self.id_json,
+            )
+        )
