@@ -45,13 +45,18 @@ def decode(
     eos: frozenset[int],
     think_end: int | None = None,
     keep_logits: bool = False,
+    overlap: bool = True,
 ) -> Decoded:
     """Runs every row until it ends (EOS, grammar done, or max_tokens).
 
-    Pipelined as the worker is: the next forward pass is queued before this
-    step's tokens are read, and the masks of the next step are filled on the
-    CPU while that forward pass runs."""
+    The masks of a step are filled on a side thread while its forward pass
+    is evaluated (overlap=False fills them after it, to measure what the
+    overlap saves). On a GPU the forward pass is queued before the previous
+    step's tokens are read, as the worker does; mlx's CPU backend computes
+    inside mx.async_eval on the calling thread, so there the pass waits
+    until the masks have started."""
     batch = len(rows)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
     cache = make_prompt_cache(model)
     tokens = mx.array([prompt] * batch, dtype=mx.uint32)
     if len(prompt) > 1:
@@ -63,7 +68,14 @@ def decode(
     out = Decoded(rows=rows, steps=0, seconds=0.0)
     t0 = time.perf_counter()
     while True:
-        bits = masks.fill([r.constraint if r.finish is None else None for r in rows])
+        constraints = [r.constraint if r.finish is None else None for r in rows]
+        if overlap:
+            pending = masks.fill_async(constraints)
+            mx.eval(logits)
+            bits = pending.result()
+        else:
+            mx.eval(logits)
+            bits = masks.fill(constraints)
         masked = masks.apply(logits, bits)
         if keep_logits:
             out.raw_logits.append(logits)
@@ -78,7 +90,8 @@ def decode(
             last[i] = pick
         y = mx.concatenate(picks)
         logits = model(y[:, None], cache=cache)[:, -1, :]
-        mx.async_eval(logits)
+        if on_gpu:
+            mx.async_eval(logits)  # the device starts now; on the CPU this would compute here, before the masks
         values = y.tolist()
         out.steps += 1
         for r, token in zip(rows, values):

@@ -18,6 +18,7 @@ from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
 from tests.constrained_decode import Row, decode
+from tests.schemas import PET
 from worker.constrain import BatchMasks, ConstraintError, ConstraintViolation, Constraints
 from worker.engine import ThinkBudget
 from worker.sampling import Sampler
@@ -25,26 +26,6 @@ from worker.sampling import Sampler
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 SEEDS = range(20)
 
-PET = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-        "kind": {"enum": ["cat", "dog", "bird"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3},
-        "home": {"$ref": "#/$defs/home"},
-    },
-    "required": ["name", "age", "kind", "tags", "home"],
-    "additionalProperties": False,
-    "$defs": {
-        "home": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 6}, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        }
-    },
-}
 PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
 
 DATE = r"[A-Z][a-z]{1,6} (19|20)[0-9]{2}-(0[1-9]|1[0-2])"
@@ -257,15 +238,13 @@ def test_bad_formats_are_rejected_before_any_token(lm, response_format, message)
 
 def test_compiled_grammars_are_cached_and_bounded(lm):
     _, codec, constraints, _ = lm
-    small = Constraints.for_codec(codec, constraints.vocab_size)
-    small._cache_size = 2
+    small = Constraints(codec.tokenizer.to_str(), constraints.vocab_size, codec.eos_ids, cache_size=2)
     formats = [json.dumps({"type": "regex", "pattern": p}) for p in ("a+", "b+", "c+")]
     first = small.compile(formats[0])
     assert small.compile(formats[0]) is first
-    small.compile(formats[1])
-    small.compile(formats[2])
-    assert list(small._cache) == formats[1:]
-    assert small.compile(formats[0]) is not first
+    second, third = small.compile(formats[1]), small.compile(formats[2])
+    assert small.compile(formats[2]) is third and small.compile(formats[1]) is second
+    assert small.compile(formats[0]) is not first, "the least recently used grammar was dropped"
     # rows get their own copies: one row's progress is not another's
     a, b = small.row(formats[0], []), small.row(formats[0], [])
     a.advance(codec.encode("a")[0])
@@ -318,3 +297,12 @@ def test_masks_apply_to_mlx_logits_of_any_dtype(lm):
     allowed = np.nonzero(np.isfinite(np.array(out[1].astype(mx.float32))))[0].tolist()
     assert allowed and all(codec.decode([t]) in ("a", "ab") for t in allowed)
     assert np.isfinite(np.array(out[0].astype(mx.float32))).all()
+
+
+def test_masks_filled_on_the_side_thread_equal_the_direct_ones(lm):
+    _, codec, constraints, masks = lm
+    rows = [constraints.row(PET_FORMAT, []), None, constraints.row(PET_FORMAT, codec.encode(CHAT + "<think>\n")), constraints.row(PET_FORMAT, [])]
+    for token in codec.encode('{"name":"'):
+        rows[0].advance(token)
+    assert np.array_equal(masks.fill_async(rows).result(), masks.fill(rows))
+    assert masks.fill_async([None, None]).result() is None
