@@ -6,6 +6,8 @@ holds every typed message that crosses the pipe in the other direction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # chat_metal's generation defaults (SPEC §3); the supervisor's config may
@@ -53,6 +55,77 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     reasoning_budget: int | None = None
     stop: list[str] = []
     id_json: str | None = None
+    # The client's response_format object as JSON text (its shape already
+    # checked by decode_response_format); the worker compiles it.
+    response_format: str | None = None
+
+
+# -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
+# Both sides decode it with the same Structs: the supervisor to reject a
+# malformed one before any worker is touched, the worker to compile it.
+# Unknown fields inside are ignored, as OpenAI adds some over time.
+
+MAX_RESPONSE_FORMAT_BYTES = 256 * 1024
+
+
+class JsonSchemaSpec(msgspec.Struct, frozen=True):
+    schema: dict[str, Any]
+    name: str | None = None
+    description: str | None = None
+    # Accepted for OpenAI compatibility; the schema is always enforced.
+    strict: bool | None = None
+
+
+class JsonObjectFormat(msgspec.Struct, tag_field="type", tag="json_object", frozen=True):
+    pass
+
+
+class JsonSchemaFormat(msgspec.Struct, tag_field="type", tag="json_schema", frozen=True):
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(msgspec.Struct, tag_field="type", tag="regex", frozen=True):
+    pattern: str
+
+
+class GrammarFormat(msgspec.Struct, tag_field="type", tag="grammar", frozen=True):
+    """`grammar` is in Lark syntax."""
+
+    grammar: str
+
+
+ResponseFormat = JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat
+RESPONSE_FORMAT_TYPES = ("json_object", "json_schema", "regex", "grammar")
+
+
+class _FormatType(msgspec.Struct):
+    type: Any = None
+
+
+_format_decoder = msgspec.json.Decoder(ResponseFormat)
+_format_type = msgspec.json.Decoder(_FormatType)
+
+
+def decode_response_format(text: bytes | str) -> ResponseFormat:
+    """Raises ValueError with a message fit for a bad_request event."""
+    if len(text) > MAX_RESPONSE_FORMAT_BYTES:
+        raise ValueError(f"response_format is {len(text)} bytes; the limit is {MAX_RESPONSE_FORMAT_BYTES}")
+    try:
+        kind = _format_type.decode(text).type
+    except msgspec.ValidationError as exc:
+        raise ValueError("response_format must be an object with a \"type\"") from exc
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"response_format is not valid JSON: {exc}") from exc
+    if kind is None:
+        raise ValueError(f"response_format needs a \"type\": one of {', '.join(RESPONSE_FORMAT_TYPES)}")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise ValueError(f"unknown response_format type {kind!r}; expected one of {', '.join(RESPONSE_FORMAT_TYPES)}")
+    try:
+        return _format_decoder.decode(text)
+    except msgspec.ValidationError as exc:
+        what, _, where = str(exc).partition(" - at `$")
+        where = where.rstrip("`")
+        raise ValueError(f"invalid response_format{where and ' field ' + repr(where.lstrip('.'))}: {what}") from exc
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):

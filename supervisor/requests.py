@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.events import json_str
-from ipc.messages import Message, utf8_len
+from ipc.messages import Message, decode_response_format, utf8_len
 
 OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown"})
 
@@ -43,6 +43,9 @@ class ClientLine(msgspec.Struct):
     seed: Seed | None = None
     reasoning_budget: NonNegInt | None = None
     stop: StopString | Annotated[list[StopString], Meta(max_length=64)] | None = None
+    # Kept as the client's JSON text and forwarded as such; its shape is
+    # checked in parse_line, the grammar itself compiled by the worker.
+    response_format: msgspec.Raw = msgspec.Raw()
 
 
 class _IdProbe(msgspec.Struct):
@@ -158,6 +161,12 @@ def parse_line(line: bytes) -> ClientLine:
         raise BadRequest('give either "prompt" or "messages", not both', id_json)
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
+    text = response_format_text(msg)
+    if text is not None:
+        try:
+            decode_response_format(text)
+        except ValueError as exc:
+            raise BadRequest(str(exc), id_json) from exc
     return msg
 
 
@@ -172,6 +181,12 @@ def prompt_bytes(msg: ClientLine, limit: int) -> int:
         if total > limit:
             break
     return total
+
+
+def response_format_text(msg: ClientLine) -> str | None:
+    """The request's response_format as JSON text for Generate; None when absent or null."""
+    raw = bytes(msg.response_format)
+    return None if raw in (b"", b"null") else raw.decode("utf-8")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

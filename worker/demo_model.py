@@ -24,6 +24,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -64,7 +65,9 @@ def corpus_text() -> str:
     return resources.files("worker").joinpath("data/demo_corpus.txt").read_text("utf-8")
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, lines: Iterable[str] | None = None):
+    """A byte-level BPE with the demo's special tokens, trained on the demo
+    corpus or on `lines`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -77,8 +80,9 @@ def train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    text = corpus_text()
-    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    if lines is None:
+        lines = corpus_text().splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer=trainer)
     return tok
 
 
