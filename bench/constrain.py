@@ -242,7 +242,7 @@ def decode_speed(model_dir: Path, tokens: int, rounds: int, batches: list[int]) 
     from tests.constrained_decode import Row, decode
     from worker.constrain import BatchMasks, Constraints
     from worker.loader import load
-    from worker.sampling import Sampler
+    from tests.constrained_decode import Sampler
     from worker.text import TextCodec
 
     loaded = load(model_dir)

@@ -98,7 +98,7 @@ class Pool:
         self._idless_running: Job | None = None
         self._idless_room = asyncio.Event()
         self._live_jobs = 0  # requests queued or running, id-less ones included
-        # Copies of the adapters workers loaded (see worker.adapters.AdapterReader),
+        # Copies of the adapters workers loaded (see worker.lora.formats.AdapterReader),
         # private to this pool and removed when it ends.
         self._adapter_copies: Path | None = None
         self._tasks: set[asyncio.Task] = set()

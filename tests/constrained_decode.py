@@ -1,7 +1,7 @@
 """A small in-process batched decode loop driving worker.constrain the way
 the batched engine will: every row shares one prompt, each has its own
-Sampler (unchanged from the worker), an optional RowConstraint and an
-optional reasoning budget. The tests and bench/constrain.py use it.
+one-row view of the worker's BatchSampler, an optional RowConstraint and
+an optional reasoning budget. The tests and bench/constrain.py use it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,27 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.constrain import BatchMasks, RowConstraint
-from worker.engine import ThinkBudget
-from worker.sampling import Sampler
+from worker.streamer import ThinkBudget
+from worker.sampling import BatchSampler, RowSampling, SamplingParams
+
+
+class Sampler:
+    """One row drawn by the worker's own BatchSampler, with its settings."""
+
+    def __init__(self, *, vocab_size: int, temperature: float, top_k: int, top_p: float, repetition_penalty: float, seed: int | None):
+        self.params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        self.batch = BatchSampler(vocab_size)
+        self.prompt: list[int] = []
+
+    def observe_prompt(self, ids: list[int]) -> None:
+        self.prompt = ids
+        self.batch.extend([RowSampling(self.params, self.batch.vocab_size, ids)])
+
+    def __call__(self, logits: mx.array, last: mx.array | None) -> mx.array:
+        # The first draw has no new token to mark seen: the prompt's last one is already.
+        if last is None:
+            last = mx.array(self.prompt[-1:], dtype=mx.uint32)
+        return self.batch(logits, last.reshape(1))
 
 
 @dataclass

@@ -17,11 +17,10 @@ import pytest
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
-from tests.constrained_decode import Row, decode
+from tests.constrained_decode import Row, Sampler, decode
 from tests.schemas import PET
 from worker.constrain import BatchMasks, ConstraintError, ConstraintViolation, Constraints
-from worker.engine import ThinkBudget
-from worker.sampling import Sampler
+from worker.streamer import ThinkBudget
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 SEEDS = range(20)
