@@ -239,10 +239,9 @@ def overlap_check(model_dir: Path, tokenizer: Path, steps: int, rounds: int) -> 
 def decode_speed(model_dir: Path, tokens: int, rounds: int, batches: list[int]) -> dict:
     import mlx.core as mx
 
-    from tests.constrained_decode import Row, decode
+    from tests.constrained_decode import Row, Sampler, decode
     from worker.constrain import BatchMasks, Constraints
     from worker.loader import load
-    from tests.constrained_decode import Sampler
     from worker.text import TextCodec
 
     loaded = load(model_dir)
