@@ -189,8 +189,8 @@ class WorkerClient:
     def generate_many(self, requests: list[dict]) -> dict:
         """Sends the requests in one write (they reach the worker together)
         and reads their interleaved lines; returns per-request client-side
-        first-token times, token counts, and the wall time to the last
-        final line."""
+        first-token and final-line times, token counts, and the wall time
+        to the last final line."""
         from ipc.messages import Generate
 
         frames = []
@@ -203,6 +203,7 @@ class WorkerClient:
         self.proc.stdin.write(b"".join(frames))
         self.proc.stdin.flush()
         first: dict[int, float] = {}
+        done: dict[int, float] = {}
         tokens: dict[int, int] = {}
         pending = set(ids)
         stdout = self.proc.stdout
@@ -221,10 +222,16 @@ class WorkerClient:
             if event["ev"] == "error":
                 raise RuntimeError(event["msg"])
             if event["ev"] == "gen_token":
+                done[event["id"]] = time.perf_counter()
                 tokens[event["id"]] = event["gen_tokens"]
                 pending.discard(event["id"])
         wall = time.perf_counter() - t0
-        return {"ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids], "tokens": sum(tokens.values()), "wall_s": wall}
+        return {
+            "ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids],
+            "done_ms": [(done[i] - t0) * 1000 for i in ids],
+            "tokens": sum(tokens.values()),
+            "wall_s": wall,
+        }
 
     def close(self) -> None:
         self.proc.stdin.close()

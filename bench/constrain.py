@@ -1,11 +1,11 @@
-"""Structured output costs, in one process: llguidance's token mask per step
-and a schema's compile time (its first-token cost), on the demo tokenizer
-and on a 151k-token byte-level BPE; then decode tok/s with a JSON-schema
-constraint vs none in the same run, through the in-process batched loop of
-tests/constrained_decode.py, with the mask overlapped with the forward pass
-and without.
+"""Structured output costs: decode tok/s with a JSON-schema constraint vs
+none, and a constraint's first-token cost, through a real worker process
+(the batched engine, real pipes) for 1 and 8 concurrent rows; whether the
+masks overlap the forward pass inside the engine; and llguidance's own
+costs per step (mask fill, apply, compile). Each on the demo tokenizer and
+on a 151k-token byte-level BPE, every comparison in the same run.
 
-    python -m bench.constrain [--size small] [--tokens 128] [--rounds 3] [--tag X]
+    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker] [--tag X]
 
 The 151k tokenizer is trained locally on this Python's standard library
 sources (nothing downloaded) and cached beside the demo models; the
@@ -22,6 +22,7 @@ import statistics
 import sys
 import sysconfig
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from bench.common import MODELS, demo_model, load_average, machine, summary, tagged, write_result
@@ -175,116 +176,132 @@ def mask_costs(tokenizer_json: str, vocab: int, eos: set[int], encode, rounds: i
     return out
 
 
-def overlap_check(model_dir: Path, tokenizer: Path, steps: int, rounds: int) -> dict:
-    """Do masks filled on BatchMasks' side thread overlap with a forward pass
-    on mlx's CPU backend? One decode step of the model, and the masks of 1
-    or 8 rows of the 151k tokenizer at the start of a length-bounded string,
-    llguidance's costliest kind of step (free text is cheap: its precomputed
-    slices cover it): each alone, one after the other, and overlapped."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from tokenizers import Tokenizer
-
-    from worker.constrain import BatchMasks, Constraints
-    from worker.loader import load
-
-    model = load(model_dir).model
-    tok = Tokenizer.from_file(str(tokenizer))
-    eos = {tok.token_to_id("<|im_end|>")}
-    constraints = Constraints(tok.to_str(), REAL_VOCAB, eos)
-    masks = BatchMasks(REAL_VOCAB, eos)
-    prefix = tok.encode('{"name":"', add_special_tokens=False).ids
-    cache = make_prompt_cache(model)
-    y = mx.array([[1]], dtype=mx.uint32)
-    mx.eval(model(y, cache=cache))
-
-    def fresh_rows(n: int) -> list:
-        # A matcher keeps the mask of its current state: each step gets new rows.
-        rows = [constraints.row(schema_format(PET_NOTES), []) for _ in range(n)]
-        for r in rows:
-            for token in prefix:
-                r.advance(token)
-        return rows
-
-    def run(kind: str, n: int) -> float:
-        batches = [fresh_rows(n) for _ in range(steps)]
-        t0 = time.perf_counter()
-        for rows in batches:
-            if kind == "forward":
-                mx.eval(model(y, cache=cache))
-            elif kind == "fill":
-                masks.fill(rows)
-            elif kind == "sequential":
-                mx.eval(model(y, cache=cache))
-                masks.fill(rows)
-            else:
-                logits = model(y, cache=cache)
-                pending = masks.fill_async(rows)
-                mx.eval(logits)
-                pending.result()
-        return (time.perf_counter() - t0) / steps * 1000
-
-    out: dict = {"model": model_dir.name}
-    for n in (1, 8):
-        runs: dict[str, list[float]] = {k: [] for k in ("forward", "fill", "sequential", "overlapped")}
-        for _ in range(rounds):
-            for kind in runs:
-                runs[kind].append(run(kind, n))
-        med = {k: round(statistics.median(v), 3) for k, v in runs.items()}
-        hidden = (med["sequential"] - med["overlapped"]) / med["fill"]
-        out[f"rows{n}"] = {"ms_per_step": med, "share_of_fill_hidden": round(hidden, 2)}
-    return out
-
-
-def decode_speed(model_dir: Path, tokens: int, rounds: int, batches: list[int]) -> dict:
+def engine_overlap(model_dir: Path, tokens: int, rounds: int, rows: int) -> dict:
+    """Does the mask still overlap the forward pass inside the real engine?
+    The worker's Scheduler in this process (the model, tokenizer and engine
+    a worker runs, without the pipes), `rows` rows decoding `tokens` tokens
+    each: unconstrained; constrained (the masks of a step filled on
+    BatchMasks' side thread while the forward pass is evaluated); and
+    constrained with the masks filled on the engine's thread before the
+    forward pass (on mlx's CPU backend: one after the other; on a GPU the
+    device computes meanwhile either way). Decode steps only, after every
+    row's first token."""
     import mlx.core as mx
 
-    from tests.constrained_decode import Row, Sampler, decode
-    from worker.constrain import BatchMasks, Constraints
+    from ipc.messages import Generate
     from worker.loader import load
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
     loaded = load(model_dir)
-    codec = TextCodec(model_dir, loaded.config)
-    vocab = loaded.config["text_config"]["vocab_size"]
-    constraints = Constraints.for_codec(codec, vocab)
-    constraints.prepare()
-    masks = BatchMasks(vocab, codec.eos_ids)
-    prompt = codec.encode("<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n")
+    engine = Scheduler(loaded, TextCodec(model_dir, loaded.config), lambda line: None, batch_memory=1 << 34, max_batch=rows, prefix_cache_bytes=0)
+    engine.warm_up()
+    masks = engine.masks
+    side_thread = masks.fill_async
+    fill_s = [0.0]
+
+    def on_this_thread(constraints):
+        t = time.perf_counter()
+        done = Future()
+        done.set_result(masks.fill(constraints))
+        fill_s[0] += time.perf_counter() - t
+        return done
+
+    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
-    variants = {"none": (False, True), "json_schema": (True, True), "json_schema_no_overlap": (True, False)}
+    rid = iter(range(1, 1 << 30))
 
-    def once(batch: int, constrained: bool, overlap: bool) -> tuple[float, list[str]]:
-        rows = [
-            Row(
-                Sampler(vocab_size=vocab, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=seed),
-                constraints.row(text, prompt) if constrained else None,
-            )
-            for seed in range(batch)
-        ]
-        decoded = decode(loaded.model, prompt, rows, masks, max_tokens=tokens, eos=frozenset(), overlap=overlap)
-        return batch * decoded.steps / decoded.seconds, [r.finish for r in rows]
+    def once(constrained: bool, fill) -> tuple[float, float, int]:
+        masks.fill_async = fill
+        for seed in range(rows):
+            engine.submit(Generate(rid=next(rid), prompt=prompt, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
+        while len(engine.generator.decoding) < rows or any(not s.generated for s in engine.streams.values()):
+            engine.step()
+        fill_s[0] = 0.0
+        steps, t0 = 0, time.perf_counter()
+        while engine.generator:
+            engine.step()
+            steps += 1
+        return (time.perf_counter() - t0) / steps * 1000, fill_s[0] / steps * 1000, steps
 
-    out: dict = {"model": model_dir.name, "vocab": vocab, "tokens": tokens}
-    for batch in batches:
-        once(batch, True, True)  # warm-up: kernels and the grammar compile here
-        runs: dict[str, list[float]] = {v: [] for v in variants}
-        finishes = set()
-        for _ in range(rounds):
-            for name, (constrained, overlap) in variants.items():
-                rate, finish = once(batch, constrained, overlap)
-                runs[name].append(rate)
-                finishes.update(finish)
-        assert finishes == {"length"}, f"every row should run to max_tokens, got {finishes}"
-        med = {name: statistics.median(v) for name, v in runs.items()}
-        out[f"batch{batch}"] = {
-            "tok_s": {name: summary(v, 1) for name, v in runs.items()},
-            "ratio_json_schema_vs_none": round(med["json_schema"] / med["none"], 3),
-            "ratio_no_overlap_vs_none": round(med["json_schema_no_overlap"] / med["none"], 3),
-        }
-        print(f"{model_dir.name} batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()), file=sys.stderr)
-    del loaded
+    variants = {"none": (False, side_thread), "overlapped": (True, side_thread), "masks_first": (True, on_this_thread)}
+    once(True, side_thread)  # the grammar compiles here
+    ms: dict[str, list[float]] = {v: [] for v in variants}
+    fill_ms, steps = [], set()
+    for _ in range(rounds):
+        for name, (constrained, fill) in variants.items():
+            step_ms, fills, n = once(constrained, fill)
+            ms[name].append(step_ms)
+            steps.add(n)
+            if name == "masks_first":
+                fill_ms.append(fills)
+    masks.fill_async = side_thread
+    med = {k: round(statistics.median(v), 3) for k, v in ms.items()}
+    fill = statistics.median(fill_ms)
+    out = {
+        "model": model_dir.name,
+        "rows": rows,
+        "tokens": tokens,
+        "decode_steps": sorted(steps),
+        "ms_per_step": med,
+        "masks_ms_per_step": round(fill, 3),
+        "share_of_masks_hidden": round((med["masks_first"] - med["overlapped"]) / fill, 2) if fill > 0 else None,
+        "ratio_overlapped_vs_none": round(med["none"] / med["overlapped"], 3),
+        "ratio_masks_first_vs_none": round(med["none"] / med["masks_first"], 3),
+    }
+    del engine, loaded
     mx.clear_cache()
+    return out
+
+
+def worker_decode(model_dir: Path, tokens: int, rounds: int, batches: list[int]) -> dict:
+    """Through a real worker process and its pipes, as the pool drives it:
+    decode tok/s of N rows with a JSON-schema constraint vs none, the same
+    prompts and seeds, alternated in the same process; then the first-token
+    cost of a constraint (TTFT of a lone request with no response_format, a
+    schema never seen, the same schema again). Each round starts a fresh
+    worker, whose first constrained request also builds the tokenizer view."""
+    from bench.common import WorkerClient
+
+    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
+    text = schema_format(LONG)
+    runs: dict[int, dict[str, list[dict]]] = {n: {"none": [], "json_schema": []} for n in batches}
+    ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
+    names = iter(range(1 << 30))
+    for _ in range(rounds):
+        client = WorkerClient(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0")
+        try:
+            first = client.generate(prompt=prompt, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
+            ttft["first_constrained_request"].append(first["ttft_ms"])
+            for n in batches:
+                for name in ("none", "json_schema"):
+                    fmt = text if name == "json_schema" else None
+                    runs[n][name].append(client.generate_many([dict(prompt=prompt, max_tokens=tokens, seed=s, response_format=fmt) for s in range(n)]))
+            for _ in range(5):
+                new = schema_format(LONG, f"new{next(names)}")
+                for name, fmt in (("none", None), ("new_schema", new), ("cached_schema", new)):
+                    ttft[name].append(client.generate(prompt=prompt, max_tokens=2, response_format=fmt)["ttft_ms"])
+        finally:
+            client.close()
+
+    def decode_rate(run: dict) -> float:
+        # From the moment every row has its first token to the last final line.
+        n = len(run["ttft_ms"])
+        return (run["tokens"] - n) / ((max(run["done_ms"]) - max(run["ttft_ms"])) / 1000)
+
+    out: dict = {"model": model_dir.name, "tokens": tokens, "rounds": rounds}
+    for n in batches:
+        rates = {name: [decode_rate(r) for r in rs] for name, rs in runs[n].items()}
+        per_round = [c / f for c, f in zip(rates["json_schema"], rates["none"])]
+        out[f"rows{n}"] = {
+            "decode_tok_s": {name: summary(v, 1) for name, v in rates.items()},
+            "tokens": {name: [r["tokens"] for r in rs] for name, rs in runs[n].items()},
+            "ratio_json_schema_vs_none": round(statistics.median(per_round), 3),
+        }
+        print(f"{model_dir.name} {n} rows: " + ", ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in rates.items()), file=sys.stderr)
+    med = {name: statistics.median(v) for name, v in ttft.items()}
+    out["ttft_ms"] = {name: summary(v, 2) for name, v in ttft.items()}
+    out["first_token_cost_ms"] = {name: round(med[name] - med["none"], 2) for name in ("new_schema", "cached_schema", "first_constrained_request")}
     return out
 
 
@@ -293,7 +310,8 @@ def main() -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batches", default="1,8")
+    p.add_argument("--batches", default="1,8", help="concurrent rows (default 1,8)")
+    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -307,8 +325,10 @@ def main() -> int:
     load_before = load_average()
     demo = demo_model(args.size)
     real = real_vocab_model(args.size)
-    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "decode": {}}
-    for label, model_dir in (("demo", demo), ("bpe-151k", real)):
+    batches = [int(b) for b in args.batches.split(",")]
+    parts = set(args.parts.split(","))
+    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "worker": {}}
+    for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "masks" in parts else ():
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
         eos = {tok.token_to_id("<|im_end|>")}
@@ -316,11 +336,11 @@ def main() -> int:
         masks["tokenizer_tokens"] = tok.get_vocab_size()
         result["masks"][label] = masks
         print(f"{label}: {json.dumps(masks)}", file=sys.stderr)
-    result["overlap"] = overlap_check(demo, real_vocab_tokenizer(), steps=30, rounds=5)
-    print(f"overlap: {json.dumps(result['overlap'])}", file=sys.stderr)
-    batches = [int(b) for b in args.batches.split(",")]
-    for label, model_dir in (("demo", demo), ("bpe-151k", real)):
-        result["decode"][label] = decode_speed(model_dir, args.tokens, args.rounds, batches)
+    if "overlap" in parts:
+        result["engine_overlap"] = {f"rows{n}": engine_overlap(real, args.tokens, args.rounds, n) for n in batches}
+        print(f"engine overlap: {json.dumps(result['engine_overlap'])}", file=sys.stderr)
+    for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "worker" in parts else ():
+        result["worker"][label] = worker_decode(model_dir, args.tokens, args.rounds, batches)
     result["load_average"] = {"before": load_before, "after": load_average()}
     write_result(tagged(f"constrain-{backend}-{args.size}", args.tag), result)
     print(json.dumps(result, indent=1))

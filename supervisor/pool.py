@@ -41,7 +41,7 @@ from supervisor.handle import Job, WorkerHandle
 from supervisor.logs import relay_worker_stderr
 from supervisor.output import Output
 from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
-from supervisor.requests import ClientLine, encode_id, prompt_bytes, stop_list
+from supervisor.requests import ClientLine, encode_id, prompt_bytes, response_format_text, stop_list
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
 from supervisor.states import LIVE, State
 from supervisor.workerexec import pool_worker_module, worker_argv, worker_env
@@ -300,6 +300,7 @@ class Pool:
             seed=msg.seed,
             stop=stop_list(msg.stop),
             id_json=id_json,
+            response_format=response_format_text(msg),
             **fields,
         )
 

@@ -17,11 +17,14 @@ ids come out; nothing here knows about text or events. Each `step()`:
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
 
-Seams for later work: `Row.adapter` is the content key of the adapter the
+Structured output: a row may carry a RowConstraint (worker.constrain). A
+decode step in which some row has one commits this step's tokens to the
+constraints and masks the logits before sampling, the masks filled while
+the forward pass runs; a step in which none has one runs the plain path.
+
+Seam for later work: `Row.adapter` is the content key of the adapter the
 row runs with (today one resident adapter; with several, the per-row index
-into stacked adapters goes next to it); a per-row logits constraint (a token
-mask) would be applied to the rows that have one between the model's logits
-and `BatchSampler`, and `force()` already replaces one row's pending token.
+into stacked adapters goes next to it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.batch_cache import BatchCache, batchable
+from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.gated_delta import CHUNK
 from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
 from worker.sampling import BatchSampler, RowSampling
@@ -57,6 +61,8 @@ class Row:
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
     fresh: bool = True  # its decode input is still its last prompt token
+    constraint: RowConstraint | None = None  # its response_format, if any
+    broken: ConstraintViolation | None = None  # a committed token broke its constraint
 
 
 class BatchFailed(Exception):
@@ -70,13 +76,17 @@ class BatchFailed(Exception):
 
 
 class TokenGenerator:
-    def __init__(self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None):
+    def __init__(
+        self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None, masks: BatchMasks | None = None
+    ):
         self.model = model
         self.prefix_cache = prefix_cache
         self.prefill_step = prefill_step
         self.chat_marker = chat_marker
         self.can_batch = batchable(make_prompt_cache(model))
         self.sampler = BatchSampler(vocab_size)
+        self.masks = masks
+        self.on_gpu = mx.default_device() == mx.gpu
         self.decoding: list[Row] = []
         self._cache: BatchCache | None = None
         self._next: mx.array | None = None  # (B,) the decode batch's next inputs
@@ -219,9 +229,40 @@ class TokenGenerator:
             inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
             self._forced.clear()
         logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
-        self._next = self.sampler(logits, inputs)
+        if not any(row.constraint for row in self.decoding):
+            self._next = self.sampler(logits, inputs)
+            mx.async_eval(self._next)
+            return inputs.tolist()
+        # A mask depends on the token just committed, so the next tokens are
+        # drawn only after this step's are read; the masks are filled while
+        # the forward pass runs. On a GPU mx.async_eval returns at once; on
+        # mlx's CPU backend it computes on this thread (releasing the GIL),
+        # so there the masks must be started on their side thread first.
+        if self.on_gpu:
+            mx.async_eval(logits)
+        tokens = inputs.tolist()
+        pending = self.masks.fill_async(self._commit(tokens))
+        if not self.on_gpu:
+            mx.async_eval(logits)
+        self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
-        return inputs.tolist()
+        return tokens
+
+    def _commit(self, tokens: list[int]) -> list[RowConstraint | None]:
+        """Advances each decode row's constraint by its token of this step
+        (a forced one included) and returns the constraints to mask the
+        next tokens with. A row whose token breaks its constraint is marked
+        `broken` and drawn unmasked; the caller ends it."""
+        out: list[RowConstraint | None] = []
+        for row, token in zip(self.decoding, tokens):
+            constraint = row.constraint
+            if constraint is not None and not row.fresh and row.broken is None:
+                try:
+                    constraint.advance(token)
+                except ConstraintViolation as exc:
+                    row.broken = exc
+            out.append(None if row.broken else constraint)
+        return out
 
     def _prefill_chunk(self) -> None:
         rows = self.prefilling

@@ -13,10 +13,11 @@ An adapter swap waits until no row is active (new rows wait behind it), so
 every request runs on exactly one adapter version.
 
 Every request ends with exactly one terminal line. A request the model cannot
-serve (no prompt, too long, a failing chat template) gets an error with its
-id before any token; an exception while streaming one row ends that row
-alone; a failed batched step ends every active row with an error, and the
-worker goes on with the waiting ones.
+serve (no prompt, too long, a failing chat template, a response_format that
+does not compile) gets an error with its id before any token; a constrained
+row whose grammar is complete ends `stop`; an exception while streaming one
+row ends that row alone; a failed batched step ends every active row with an
+error, and the worker goes on with the waiting ones.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ipc.events import OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
+from ipc.events import BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from worker import defaults
 from worker.batch_cache import row_bytes
+from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
 from worker.prefix_cache import PrefixCache
@@ -48,6 +50,7 @@ class Waiting:
     req: Generate
     ids: list[int]
     arrived: float
+    constraint: RowConstraint | None
 
 
 class Scheduler:
@@ -73,6 +76,10 @@ class Scheduler:
         self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
         self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
+        # The tokenizer view for llguidance is built on the first
+        # response_format (0.6-1.7 s and 88 MB for a 151k vocabulary).
+        self._constraints: Constraints | None = None
+        self.masks = BatchMasks(self.vocab_size, codec.eos_ids)
         if prefill_step is None:
             prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU
         self.prefill_step = prefill_step
@@ -95,7 +102,21 @@ class Scheduler:
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
-        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, self.codec.tokenizer.token_to_id("<|im_start|>"))
+        return TokenGenerator(
+            self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, self.codec.tokenizer.token_to_id("<|im_start|>"), self.masks
+        )
+
+    def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
+        """The request's compiled response_format (RequestError when it
+        does not compile)."""
+        if req.response_format is None:
+            return None
+        if self._constraints is None:
+            self._constraints = Constraints.for_codec(self.codec, self.vocab_size)
+        try:
+            return self._constraints.row(req.response_format, ids)
+        except ConstraintError as exc:
+            raise RequestError(BAD_REQUEST, str(exc)) from exc
 
     # -- requests in --------------------------------------------------------
 
@@ -105,11 +126,12 @@ class Scheduler:
             return
         try:
             ids = self.prompts.ids(req)
+            constraint = self._constraint(req, ids)
         except RequestError as exc:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
             self._write(encode_error(exc.msg, exc.code, req.id_json))
             return
-        self.waiting.append(Waiting(req, ids, arrived))
+        self.waiting.append(Waiting(req, ids, arrived, constraint))
 
     def cancel(self, rid: int) -> None:
         for waiting in self.waiting:
@@ -209,7 +231,7 @@ class Scheduler:
         self._guard_logged = False
         rows = []
         for w in start:
-            row = Row(w.req.rid, w.ids, RowSampling(SamplingParams.of(w.req), self.vocab_size, w.ids), adapter=self.adapter_key)
+            row = Row(w.req.rid, w.ids, RowSampling(SamplingParams.of(w.req), self.vocab_size, w.ids), adapter=self.adapter_key, constraint=w.constraint)
             self.streams[row] = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
             self._by_rid[row.rid] = row
             rows.append(row)
@@ -233,7 +255,11 @@ class Scheduler:
         for row, token in out:
             stream = self.streams[row]
             try:
+                if row.broken is not None:
+                    raise row.broken
                 reason = None if token is None else stream.feed(token)
+                if token is not None and row.constraint is not None and row.constraint.done:
+                    reason = "stop"  # the grammar is complete, max_tokens or not
                 if reason is not None:
                     ended.append((row, reason))
                 elif stream.must_close_think():
@@ -283,7 +309,8 @@ class Scheduler:
         through a generator of its own, so kernels compile before `ready`:
         a lone row, then a full batch of prompts of different lengths
         (padded prefill, mixed samplers) that shrinks one row per step, so
-        every batch size up to max_batch has run once."""
+        every batch size up to max_batch has run once; then the token mask
+        of structured output at each batch size."""
         generator = self._generator(PrefixCache(self.loaded.model, 0))
         default = SamplingParams.of(Generate(rid=0))
         greedy = replace(default, temperature=0.0)
@@ -307,4 +334,5 @@ class Scheduler:
         while rows:
             generator.step()
             generator.remove([rows.pop()])
+        self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
         mx.clear_cache()
