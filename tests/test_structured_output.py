@@ -233,3 +233,17 @@ def test_free_steps_never_touch_the_masks_and_a_broken_row_ends_alone(tiny_model
     assert ends[kept.rid][0]["finish_reason"] == "stop" and ends[bystander.rid][0]["gen_tokens"] == 8
     assert filled and all(len(rows) <= 3 and any(r is None for r in rows) for rows in filled[:3])
     assert all(len(v) == 1 for v in ends.values())
+
+
+def test_response_format_through_serve(tiny_model, spawn_pool):
+    pool = spawn_pool("--model-dir", str(tiny_model))
+    pool.send({"id": "pet", "prompt": CHAT, "temperature": 1.0, "seed": 4, "max_tokens": 160, "response_format": json.loads(PET_FORMAT)})
+    pool.send({"id": "shape", "prompt": CHAT, "response_format": {"type": "json_schema"}})
+    pool.send({"id": "schema", "prompt": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}})
+    assert pool.terminal("pet")["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(pool.text("pet")), PET)
+    for request_id, message in (("shape", "missing required field `json_schema`"), ("schema", "Invalid type: objekt")):
+        pool.terminal(request_id)
+        [error] = pool.of(request_id)
+        assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
+    assert pool.close() == 0
