@@ -236,8 +236,9 @@ class TokenGenerator:
         # A mask depends on the token just committed, so the next tokens are
         # drawn only after this step's are read; the masks are filled while
         # the forward pass runs. On a GPU mx.async_eval returns at once; on
-        # mlx's CPU backend it computes on this thread (releasing the GIL),
-        # so there the masks must be started on their side thread first.
+        # mlx's CPU backend it returns only once most of the pass is computed
+        # (releasing the GIL meanwhile), so there the masks are started on
+        # their side thread before it.
         if self.on_gpu:
             mx.async_eval(logits)
         tokens = inputs.tolist()
