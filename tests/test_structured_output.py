@@ -70,7 +70,7 @@ _rid = iter(range(1, 1_000_000))
 def request(**kw) -> Generate:
     rid = next(_rid)
     kw.setdefault("prompt", CHAT)
-    kw.setdefault("temperature", 1.0)  # chat_metal's other defaults
+    kw.setdefault("temperature", 1.0)  # the other settings: chat_metal's defaults
     return Generate(rid=rid, id_json=str(rid), **kw)
 
 
