@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +27,9 @@ from safetensors.numpy import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.procs import build_demo_model  # noqa: E402
+from harness.worker import WorkerProc  # noqa: E402
 from ipc.messages import Generate, SetAdapter, Stats  # noqa: E402
-from tests.workerproc import WorkerProc, child_env  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="lattice-bench-lora-") as tmp:
         model_dir, adapter = Path(tmp) / "model", Path(tmp) / "adapter"
-        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model_dir), "--size", args.size], check=True, env=child_env(), cwd=ROOT, capture_output=True)
+        build_demo_model(model_dir, "--size", args.size)
         modules = write_adapter(model_dir, adapter, args.rank)
         w = WorkerProc(model_dir)
         try:

@@ -147,7 +147,3 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 ToWorker = Generate | Cancel | SetAdapter | Stats | Shutdown
-
-# Internal worker events the supervisor consumes instead of relaying.
-HEARTBEAT = b"heartbeat"
-WORKER_STATS = b"worker_stats"

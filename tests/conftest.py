@@ -2,29 +2,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.procs import install_tag, tagged_processes, wait_for
-from tests.workerproc import ROOT, child_env
+from harness.procs import build_demo_model, install_tag, tagged_processes, wait_for
 
 TAG = install_tag()
 _long_lived: set[int] = set()
-
-
-def build_demo_model(path: Path, *args: str) -> Path:
-    """A demo model made by the real `lattice-pool demo-model` command."""
-    subprocess.run(
-        [sys.executable, "-m", "supervisor", "demo-model", str(path), *args],
-        check=True,
-        env=child_env(),
-        cwd=ROOT,
-        capture_output=True,
-    )
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +115,7 @@ def private_control_socket(tmp_path_factory):
 @pytest.fixture
 def spawn_pool():
     """Starts `lattice-pool serve` processes; kills any a failing test left."""
-    from tests.poolproc import PoolProc
+    from harness.pool import PoolProc
 
     made = []
 

@@ -5,12 +5,12 @@ import random
 
 import pytest
 
+from harness.procs import wait_for
+from harness.worker import WorkerProc, is_terminal, terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Cancel, Generate, Stats
 from tests.conftest import keep_alive_across_tests, release
-from tests.procs import wait_for
 from tests.test_generator import LOGIT_TOLERANCE
-from tests.workerproc import WorkerProc, is_terminal, terminal, text_of
 
 QUESTIONS = [
     "Tell me about the river.",

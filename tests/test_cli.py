@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from tests.workerproc import ROOT, child_env
+from harness.procs import ROOT, child_env
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 

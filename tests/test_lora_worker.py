@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, SetAdapter, Stats
 from tests.conftest import keep_alive_across_tests, release
 from tests.lora_files import BAD_KINDS, deltas, lora_pairs, targets_of, write_bad, write_merged_model, write_mlx, write_mlx_lm, write_peft
-from tests.workerproc import WorkerProc, terminal, text_of
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = "<|im_start|>user\nWhat did the miller say?<|im_end|>\n<|im_start|>assistant\n"

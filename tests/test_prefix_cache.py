@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
 from tests.conftest import keep_alive_across_tests, release
 from tests.test_generator import LOGIT_TOLERANCE
-from tests.workerproc import WorkerProc, terminal, text_of
 from worker.prefix_cache import chunk_ends, message_starts
 
 SYSTEM = "You are a terse guide to the river, the mill and the old stone bridge."

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+from ipc.worker_events import EX_CONFIG
 from worker import defaults
 
-EX_CONFIG = 78
 # Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
 # ValueError at import) when the hard limit is lower.
 MLX_LM_NOFILE = 4096

@@ -5,18 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import psutil
 
-_process = psutil.Process()
+from ipc.worker_events import rss_uss
 
 
 def memory_figures() -> dict[str, int]:
-    try:
-        info = _process.memory_full_info()
-        rss, uss = info.rss, getattr(info, "uss", info.rss)
-    except psutil.Error:
-        rss = uss = 0
     return {
-        "rss_bytes": int(rss),
-        "uss_bytes": int(uss),
+        **rss_uss(),
         "mlx_active_bytes": int(mx.get_active_memory()),
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "mlx_cache_bytes": int(mx.get_cache_memory()),

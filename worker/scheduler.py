@@ -126,6 +126,9 @@ class Scheduler:
         self._flush()
 
     def _flush(self) -> None:
+        # The figures first: a stats request (answered on the reader thread)
+        # that follows a request's last line must not count it still active.
+        self.figures = self._figures()
         if self._lines:
             self._write(b"".join(self._lines))
             self._lines.clear()
@@ -158,7 +161,6 @@ class Scheduler:
             for row in rows:
                 self._fail(row, exc)
         self._flush()
-        self.figures = self._figures()
 
     def _step(self) -> None:
         while self._swaps and not self.generator:

@@ -20,6 +20,7 @@ import msgspec
 from ipc.events import encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
 from ipc.messages import Cancel, Generate, SetAdapter, Shutdown, Stats
+from ipc.worker_events import HEARTBEAT, WORKER_STATS
 from worker.channel import EventChannel
 from worker.lora.swap import AdapterSwapper
 from worker.memory import memory_figures
@@ -55,7 +56,7 @@ class WorkerServer:
             while True:
                 time.sleep(interval_s)
                 busy = self.scheduler is not None and self.scheduler.busy
-                self.channel.write(encode_event("heartbeat", busy=busy))
+                self.channel.write(encode_event(HEARTBEAT, busy=busy))
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
@@ -93,7 +94,7 @@ class WorkerServer:
         figures = memory_figures()
         batch = self.scheduler.figures if self.scheduler else {}
         return encode_event(
-            "worker_stats", model=self.name, format=self.format, weights_bytes=self.weights_bytes, adapter_bytes=self.adapters.nbytes, **figures, **batch
+            WORKER_STATS, model=self.name, format=self.format, weights_bytes=self.weights_bytes, adapter_bytes=self.adapters.nbytes, **figures, **batch
         )
 
     # -- main thread --------------------------------------------------------
