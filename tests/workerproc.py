@@ -37,6 +37,8 @@ class WorkerProc:
         )
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.stderr = bytearray()
+        # Adapter events that came while collect_by_id read requests' lines.
+        self.adapter_events: list[dict] = []
         self._pumps = [threading.Thread(target=self._pump, daemon=True), threading.Thread(target=self._pump_err, daemon=True)]
         for t in self._pumps:
             t.start()
@@ -116,12 +118,16 @@ class WorkerProc:
 
     def collect_by_id(self, ids, timeout: float = 120.0) -> dict:
         """Events of several requests whose lines interleave, by id, until
-        each has its terminal event. Every line must carry a known id."""
+        each has its terminal event. Every line must carry a known id, but
+        adapter events, which go to `adapter_events`."""
         pending = set(ids)
         out: dict = {i: [] for i in ids}
         while pending:
             event = self.next_event(timeout)
             assert event is not None, f"worker exited mid-request: {self.stderr.decode(errors='replace')}"
+            if event["ev"].startswith("adapter_") and "id" not in event:
+                self.adapter_events.append(event)
+                continue
             assert event.get("id") in out, event
             assert event["id"] in pending, f"a line after the terminal one: {event}"
             out[event["id"]].append(event)
