@@ -161,6 +161,12 @@ class WorkerClient:
             if event["ev"] != "heartbeat":
                 return event
 
+    def ask(self, msg) -> dict:
+        """Sends a message (Stats, LoadAdapter, ...) and returns the next event."""
+        self.proc.stdin.write(self._encode(msg))
+        self.proc.stdin.flush()
+        return self._event()
+
     def generate(self, **kw) -> dict:
         """Runs one request; returns the final line plus client-side times."""
         from ipc.messages import Generate

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.loader import ModelDirError, load
     from worker.lora.formats import AdapterReader
     from worker.lora.manager import AdapterManager
-    from worker.memory import device_memory
+    from worker.memory import device_memory, release_free_memory
     from worker.scheduler import Scheduler
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     scheduler.warm_up()
+    release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format
     server.weights_bytes = loaded.weights_bytes

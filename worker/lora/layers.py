@@ -149,7 +149,7 @@ def _pad(x: mx.array, axis: int, rank: int) -> mx.array:
     return mx.pad(x, widths)
 
 
-def _dims(layer: nn.Module) -> tuple[int, int, mx.Dtype]:
+def linear_dims(layer: nn.Module) -> tuple[int, int, mx.Dtype]:
     """(d_in, d_out, activation dtype) of a plain or quantized linear layer."""
     d_out, packed = layer.weight.shape
     if isinstance(layer, nn.QuantizedLinear):
@@ -174,7 +174,7 @@ class LoRASlots:
             for rel, module in layer.named_modules():
                 if isinstance(module, nn.Linear | nn.QuantizedLinear):
                     key = f"layers.{n}.{rel}"
-                    d_in, d_out, dtype = _dims(module)
+                    d_in, d_out, dtype = linear_dims(module)
                     self._bases[key] = (n, rel, module)
                     self._dtypes[key] = dtype
                     targets[key] = (d_in, d_out)

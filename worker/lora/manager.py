@@ -46,6 +46,7 @@ from worker import defaults
 from worker.lora.formats import AdapterError, AdapterReader, AdapterWeights
 from worker.lora.layers import LoRASlots
 from worker.lora.residency import Entry, Version, choose_victim
+from worker.memory import release_free_memory
 
 log = logging.getLogger("worker")
 
@@ -212,7 +213,11 @@ class AdapterManager:
         if self._queue:
             self._hand_out()
         self.starved = bool(self._queue)
-        self._apply_drops()
+        dropped = self._apply_drops()
+        if changed or dropped:
+            # Reads and restacking leave many freed blocks behind; RSS would
+            # count them as adapter memory.
+            release_free_memory()
         return changed
 
     # -- jobs -----------------------------------------------------------------
@@ -417,17 +422,18 @@ class AdapterManager:
             self._default_seq = job.seq
             self.default = path
 
-    def _apply_drops(self) -> None:
+    def _apply_drops(self) -> bool:
         if not self._drops:
-            return
+            return False
         drops = set(self._drops)
         try:
             self.slots.update(drop=drops)
         except Exception:
             log.exception("adapter slots %s could not be emptied; trying again later", sorted(drops))
-            return
+            return False
         self._drops -= drops
         self._forget(drops)
+        return True
 
     def _forget(self, slots: set[int]) -> None:
         for slot in slots:
