@@ -9,6 +9,7 @@ unfused arithmetic by float noise only, so every comparison also checks
 that each greedy choice wins by far more than that noise: text equality
 then holds on any CPU."""
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -138,10 +139,11 @@ def test_a_request_for_a_broken_adapter_gets_one_error_and_the_others_run(worker
     assert any(e["ev"] == "adapter_error" and e["lora"] == str(broken) for e in worker.adapter_events)
 
 
-def test_least_recently_used_adapter_is_evicted_and_read_again_on_next_use(tiny_model, files, references):
+def test_least_recently_used_adapter_is_evicted_and_read_again_on_next_use(tiny_model, files, live, references, tmp_path):
+    """And read from the pool's last good copy when its file broke meanwhile."""
     texts, _ = references
-    x, y, x_again = files["x", "peft"], files["y", "peft"], files["x", "mlx"]
-    w = WorkerProc(tiny_model, "--max-adapters", "2", "--prefix-cache-bytes", "0")
+    x, y, x_again = str(live["x"]), str(live["y"]), files["x", "mlx"]
+    w = WorkerProc(tiny_model, "--max-adapters", "2", "--prefix-cache-bytes", "0", "--adapter-copies", str(tmp_path / "copies"))
     try:
         w.wait_ready()
 
@@ -167,6 +169,13 @@ def test_least_recently_used_adapter_is_evicted_and_read_again_on_next_use(tiny_
         event = w.next_event()
         assert event["ev"] == "adapter_loaded" and event["lora"] == y
         assert resident() == sorted([x_again, y])
+        # x, evicted, is broken on disk: the copy kept when it was read stands in.
+        (live["x"] / "adapter_model.safetensors").write_bytes(b"broken")
+        sha = hashlib.sha256((Path(files["x", "peft"]) / "adapter_model.safetensors").read_bytes()).hexdigest()
+        assert texts_of(w, [request(0, x)]) == [texts["x", 0]]
+        said, loaded_event = w.adapter_events
+        assert said["ev"] == "adapter_error" and said["lora"] == x and f"using the last good copy of it (sha256 {sha})" in said["msg"], said
+        assert loaded_event["ev"] == "adapter_loaded" and loaded_event["lora"] == x and loaded_event["sha256"] == sha
     finally:
         assert w.close() == 0
 
