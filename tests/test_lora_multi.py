@@ -211,12 +211,13 @@ def test_reloading_one_adapter_leaves_running_rows_on_their_versions(worker, liv
     # x's file now holds y's update: rows started from here on compute y.
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(live["y"] / name, live["x"] / name)
-    worker.send(ReloadAdapter(path=x))
+    # A request sent right after the reload waits for it.
+    fresh = request(1, x)
+    worker.send_raw(encode_frame(ReloadAdapter(path=x)) + encode_frame(fresh))
     loaded = wait_adapter_event(worker, events, x)
     assert loaded["ev"] == "adapter_loaded"
     assert not any(terminal_in(events[r.rid]) for r in (long_x, long_y)), "the long rows were still running"
-    fresh = request(1, x)
-    worker.send(fresh)
+    assert fresh.rid not in events
     for rid, evs in worker.collect_by_id([long_x.rid, long_y.rid, fresh.rid]).items():
         events.setdefault(rid, []).extend(evs)
     assert text_of(events[long_x.rid]) == texts["x", 0, LONG]

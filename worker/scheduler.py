@@ -191,8 +191,7 @@ class Scheduler:
                 mx.clear_cache()
         # Reads the admission asked for start now, and versions whose last
         # row ended this step are dropped.
-        if self.adapters.poll():
-            self._stalled = False
+        self.adapters.dispatch()
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated

@@ -117,7 +117,6 @@ class AdapterManager:
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._drops: set[int] = set()  # slots to empty
-        self._retired: dict[int, Version] = {}  # superseded versions rows still run with
         self._prune = False
         # A read waits for room among the resident adapters, all in use.
         self.starved = False
@@ -197,9 +196,10 @@ class AdapterManager:
         self._result.wait(timeout)
 
     def poll(self) -> bool:
-        """Settles finished jobs, hands out those that may start, drops
-        versions no row uses any more. True when a request's fate may have
-        changed."""
+        """Settles finished jobs, then `dispatch`. True when a request's
+        fate may have changed: the caller then reads its whole waiting line
+        (`resolve`) before the next poll, which forgets what failed reads
+        left behind."""
         if self._prune:
             self._prune = False
             for path in [p for p, e in self._entries.items() if e.idle]:
@@ -210,15 +210,19 @@ class AdapterManager:
             job, read = self._done.get()
             self._settle(job, read)
             changed = self._prune = True
+        self.dispatch(changed)
+        return changed
+
+    def dispatch(self, changed: bool = False) -> None:
+        """Hands out the jobs that may start and empties the slots of
+        versions no row runs with any more."""
         if self._queue:
             self._hand_out()
         self.starved = bool(self._queue)
-        dropped = self._apply_drops()
-        if changed or dropped:
+        if self._apply_drops() or changed:
             # Reads and restacking leave many freed blocks behind; RSS would
             # count them as adapter memory.
             release_free_memory()
-        return changed
 
     # -- jobs -----------------------------------------------------------------
 
@@ -381,7 +385,6 @@ class AdapterManager:
         drops = set(self._drops)
         self.slots.update(add={slot: weights}, drop=drops)
         self._drops -= drops
-        self._forget(drops)
         self._next_slot += 1
         version = Version(
             slot=slot,
@@ -401,11 +404,10 @@ class AdapterManager:
         return version
 
     def _retire(self, version: Version) -> None:
+        """No longer current: its slot is emptied once no row runs with it."""
         version.retired = True
         if version.rows == 0:
             self._drops.add(version.slot)
-        else:
-            self._retired[version.slot] = version
 
     def _unload(self, entry: Entry) -> None:
         was = entry.current
@@ -432,12 +434,7 @@ class AdapterManager:
             log.exception("adapter slots %s could not be emptied; trying again later", sorted(drops))
             return False
         self._drops -= drops
-        self._forget(drops)
         return True
-
-    def _forget(self, slots: set[int]) -> None:
-        for slot in slots:
-            self._retired.pop(slot, None)
 
     # -- events and figures ---------------------------------------------------
 
