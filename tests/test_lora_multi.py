@@ -21,7 +21,7 @@ from ipc.messages import Generate, LoadAdapter, ReloadAdapter, Stats
 from tests.conftest import greedy_steps, shared_worker
 from tests.lora_files import deltas, lora_pairs, merge_into, targets_of, use_only, write_mlx, write_mlx_lm, write_peft
 from tests.test_generator import LOGIT_TOLERANCE
-from tests.workerproc import WorkerProc, text_of
+from tests.workerproc import WorkerProc, is_terminal, text_of
 from worker.lora.residency import Entry, Version, choose_victim
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
@@ -130,11 +130,12 @@ def test_a_request_for_a_broken_adapter_gets_one_error_and_the_others_run(worker
     texts, _ = references
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
-    bad, good = request(0, str(broken)), request(0, files["x", "peft"])
-    events = worker.send_together([bad, good])
-    assert [e["ev"] for e in events[bad.rid]] == ["error"]
-    error = events[bad.rid][0]
-    assert error["code"] == "adapter_error" and str(broken) in error["msg"], error
+    bad, good, bad_too = request(0, str(broken)), request(0, files["x", "peft"]), request(1, str(broken))
+    events = worker.send_together([bad, good, bad_too])
+    for r in (bad, bad_too):
+        assert [e["ev"] for e in events[r.rid]] == ["error"]
+        error = events[r.rid][0]
+        assert error["code"] == "adapter_error" and str(broken) in error["msg"], error
     assert text_of(events[good.rid]) == texts["x", 0]
     assert any(e["ev"] == "adapter_error" and e["lora"] == str(broken) for e in worker.adapter_events)
 
@@ -176,6 +177,41 @@ def test_least_recently_used_adapter_is_evicted_and_read_again_on_next_use(tiny_
         said, loaded_event = w.adapter_events
         assert said["ev"] == "adapter_error" and said["lora"] == x and f"using the last good copy of it (sha256 {sha})" in said["msg"], said
         assert loaded_event["ev"] == "adapter_loaded" and loaded_event["lora"] == x and loaded_event["sha256"] == sha
+    finally:
+        assert w.close() == 0
+
+
+def test_a_read_waits_for_room_and_later_requests_do_not_overtake_it(tiny_model, files, references):
+    """With room for one adapter, held by a running row: y's read waits
+    until that row ends, and a later request for x waits behind y."""
+    texts, _ = references
+    x, y = files["x", "peft"], files["y", "peft"]
+    w = WorkerProc(tiny_model, "--max-adapters", "1", "--prefix-cache-bytes", "0")
+    try:
+        w.wait_ready()
+        long_x = request(0, x, max_tokens=LONG)
+        w.send(long_x)
+        assert w.next_event()["ev"] == "adapter_loaded"
+        first = w.next_event()
+        assert first["id"] == long_x.rid
+        for_y, x_again = request(1, y), request(0, x)
+        w.send_raw(encode_frame(for_y) + encode_frame(x_again))
+        seen, loads, pending = [first], [], {long_x.rid, for_y.rid, x_again.rid}
+        while pending:
+            event = w.next_event()
+            if "id" not in event:
+                loads.append(event["lora"])
+                continue
+            seen.append(event)
+            if is_terminal(event):
+                pending.discard(event["id"])
+        ids = [e["id"] for e in seen]
+        ends = {rid: len(ids) - 1 - ids[::-1].index(rid) for rid in pending | {long_x.rid, for_y.rid}}
+        assert ends[long_x.rid] < ids.index(for_y.rid) and ends[for_y.rid] < ids.index(x_again.rid)
+        assert loads == [y, x]
+        by_id = {rid: [e for e in seen if e["id"] == rid] for rid in (long_x.rid, for_y.rid, x_again.rid)}
+        assert text_of(by_id[long_x.rid]) == texts["x", 0, LONG]
+        assert text_of(by_id[for_y.rid]) == texts["y", 1] and text_of(by_id[x_again.rid]) == texts["x", 0]
     finally:
         assert w.close() == 0
 

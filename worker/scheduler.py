@@ -101,6 +101,9 @@ class Scheduler:
         # Every waiting request waits for an adapter read: nothing to do
         # until a message comes or a read ends.
         self._stalled = False
+        # The last admission started every request it could: none waits
+        # for a row or for memory.
+        self._room = True
         self._guard_logged = False
         self._ended_ids: dict[int, list[int]] | None = None
         self.figures = self._figures()
@@ -191,7 +194,7 @@ class Scheduler:
                 mx.clear_cache()
         # Reads the admission asked for start now, and versions whose last
         # row ended this step are dropped.
-        self.adapters.dispatch()
+        self.adapters.dispatch(room=self._room)
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated
@@ -211,6 +214,7 @@ class Scheduler:
         """Starts what may start. The line is read up to where the batch is
         full, or whole when an adapter read has just ended (`sweep`), so the
         requests it failed get their error."""
+        self._room = True
         if not self.waiting:
             return
         active = self.generator.rows
@@ -241,6 +245,7 @@ class Scheduler:
                     continue
             scanned.append(w)
         self.waiting.extendleft(reversed(scanned))
+        self._room = not full
         self._stalled = not start and not self.generator
         if not start:
             return

@@ -9,7 +9,8 @@ step), so the answers come in the order the messages came.
 
 - Up to `max_adapters` adapters are resident. A read of one more evicts the
   least recently used that no row runs with; when every resident adapter is
-  in use, the read waits until one is free.
+  in use, or the batch has no room for the request that needs the read, the
+  read waits.
 - A request waits for every message about its adapter sent before it, then
   runs with that adapter's current version; a request for an adapter that
   is not resident waits while it is read, and one whose file fails gets an
@@ -118,6 +119,7 @@ class AdapterManager:
         self._thread: threading.Thread | None = None
         self._drops: set[int] = set()  # slots to empty
         self._prune = False
+        self._trim = False
         # A read waits for room among the resident adapters, all in use.
         self.starved = False
         self.default: str | None = None
@@ -149,6 +151,8 @@ class AdapterManager:
             return Refused(entry.failure)
         if not entry.pending:
             self._add_job(_Job(self._next_seq(), "load", lora, reply=False))
+            # Known now, so that requests behind this one are held back at once.
+            self.starved = self.starved or not self._has_room(entry)
         return WAIT
 
     def acquire(self, version: Version) -> None:
@@ -196,10 +200,10 @@ class AdapterManager:
         self._result.wait(timeout)
 
     def poll(self) -> bool:
-        """Settles finished jobs, then `dispatch`. True when a request's
-        fate may have changed: the caller then reads its whole waiting line
-        (`resolve`) before the next poll, which forgets what failed reads
-        left behind."""
+        """Settles finished jobs (at the start of a step). True when a
+        request's fate may have changed: the caller then reads its whole
+        waiting line (`resolve`) before the next poll, which forgets what
+        failed reads left behind."""
         if self._prune:
             self._prune = False
             for path in [p for p, e in self._entries.items() if e.idle]:
@@ -209,19 +213,22 @@ class AdapterManager:
         while not self._done.empty():
             job, read = self._done.get()
             self._settle(job, read)
-            changed = self._prune = True
-        self.dispatch(changed)
+            changed = self._prune = self._trim = True
         return changed
 
-    def dispatch(self, changed: bool = False) -> None:
+    def dispatch(self, room: bool) -> None:
         """Hands out the jobs that may start and empties the slots of
-        versions no row runs with any more."""
+        versions no row runs with any more (at the end of a step, after the
+        admission). A read that must evict an adapter waits while the batch
+        has no `room` for the request that needs it: adapters read but not
+        yet used are then never evicted for another (no thrashing)."""
         if self._queue:
-            self._hand_out()
+            self._hand_out(room)
         self.starved = bool(self._queue)
-        if self._apply_drops() or changed:
+        if self._apply_drops() or self._trim:
             # Reads and restacking leave many freed blocks behind; RSS would
             # count them as adapter memory.
+            self._trim = False
             release_free_memory()
 
     # -- jobs -----------------------------------------------------------------
@@ -245,25 +252,25 @@ class AdapterManager:
             self._entry(job.path).pending.append(job.seq)
         self._queue.append(job)
 
-    def _hand_out(self) -> None:
+    def _hand_out(self, room: bool) -> None:
         """Jobs go to the reader in order; one that needs a place among the
         resident adapters while none can be freed waits, and so do the
         later jobs about the same path."""
         blocked: set[str] = set()
         waiting: deque[_Job] = deque()
         for job in self._queue:
-            if job.path in blocked or not self._start(job):
+            if job.path in blocked or not self._start(job, room):
                 blocked.add(job.path)
                 waiting.append(job)
         self._queue = waiting
 
-    def _start(self, job: _Job) -> bool:
+    def _start(self, job: _Job, room: bool) -> bool:
         entry = self._entries[job.path] if job.path is not None else None
         if entry is not None and job.kind != "unload":
             resident = entry.occupies
             job.read = job.kind != "load" or not resident
             if job.read and not resident:
-                if not self._make_room(entry):
+                if not self._make_room(entry, evict=room):
                     return False
                 entry.claimed = True
             job.fallback = entry.current is None
@@ -276,10 +283,14 @@ class AdapterManager:
         self._jobs.put(job)
         return True
 
-    def _make_room(self, entry: Entry) -> bool:
+    def _has_room(self, entry: Entry) -> bool:
+        full = sum(e.occupies for e in self._entries.values()) >= self.max_adapters
+        return not full or choose_victim(self._entries.values(), keep=entry.path) is not None
+
+    def _make_room(self, entry: Entry, evict: bool) -> bool:
         if sum(e.occupies for e in self._entries.values()) < self.max_adapters:
             return True
-        victim = choose_victim(self._entries.values(), keep=entry.path)
+        victim = choose_victim(self._entries.values(), keep=entry.path) if evict else None
         if victim is None:
             return False
         log.info("adapter %s evicted (least recently used) for %s", victim.path, entry.path)
