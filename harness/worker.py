@@ -43,6 +43,8 @@ class WorkerProc:
         )
         self._lines: queue.Queue[tuple[bytes, float] | None] = queue.Queue()
         self.stderr = bytearray()
+        # Adapter events that came while collect_by_id read requests' lines.
+        self.adapter_events: list[dict] = []
         self._pumps = [threading.Thread(target=self._pump, daemon=True), threading.Thread(target=self._pump_err, daemon=True)]
         for t in self._pumps:
             t.start()
@@ -73,6 +75,13 @@ class WorkerProc:
     def send_raw(self, data: bytes) -> None:
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
+
+    def ask(self, msg: ToWorker, timeout: float = 60.0) -> dict:
+        """Sends a message (Stats, LoadAdapter, ...) and returns the next event."""
+        self.send(msg)
+        event = self.next_event(timeout)
+        assert event is not None, f"worker exited: {self.stderr.decode(errors='replace')}"
+        return event
 
     def next_stamped(self, timeout: float = 60.0) -> tuple[bytes, float] | None:
         """The next line and its arrival time (time.monotonic), None at EOF."""
@@ -120,12 +129,16 @@ class WorkerProc:
 
     def collect_by_id(self, ids, timeout: float = 120.0) -> dict:
         """Events of several requests whose lines interleave, by id, until
-        each has its terminal event. Every line must carry a known id."""
+        each has its terminal event. Every line must carry a known id, but
+        adapter events, which go to `adapter_events`."""
         pending = set(ids)
         out: dict = {i: [] for i in ids}
         while pending:
             event = self.next_event(timeout)
             assert event is not None, f"worker exited mid-request: {self.stderr.decode(errors='replace')}"
+            if event["ev"].startswith("adapter_") and "id" not in event:
+                self.adapter_events.append(event)
+                continue
             assert event.get("id") in out, event
             assert event["id"] in pending, f"a line after the terminal one: {event}"
             out[event["id"]].append(event)

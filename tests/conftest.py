@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.procs import build_demo_model, install_tag, tagged_processes, wait_for
+from harness.worker import WorkerProc
 
 TAG = install_tag()
 _long_lived: set[int] = set()
@@ -72,35 +73,37 @@ def dense_model(models_dir, tiny_model) -> Path:
     return out
 
 
+def greedy_steps(model, codec, prompt: str, n: int) -> tuple[list[int], list[float]]:
+    """Up to n greedy tokens of `model` (in this process) after `prompt`,
+    ending at an end-of-sequence id (not included), and at each step how far
+    the chosen logit is above the runner-up."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(codec.encode(prompt))[None], cache=cache)[0, -1]
+    ids, margins = [], []
+    for _ in range(n):
+        top = mx.sort(logits)[-2:].tolist()
+        margins.append(top[1] - top[0])
+        token = int(mx.argmax(logits).item())
+        if token in codec.eos_ids:
+            break
+        ids.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return ids, margins
+
+
 @pytest.fixture(scope="session")
 def greedy_margins(tiny_model):
     """margins(prompts, n): for each greedy step of each prompt, in this
     process, how far the chosen logit is above the runner-up."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     from worker.loader import load
     from worker.text import TextCodec
 
     loaded = load(tiny_model)
     codec = TextCodec(tiny_model, loaded.config)
-    model = loaded.model
-
-    def margins(prompts: list[str], n: int) -> list[float]:
-        out = []
-        for prompt in prompts:
-            cache = make_prompt_cache(model)
-            logits = model(mx.array(codec.encode(prompt))[None], cache=cache)[0, -1]
-            for _ in range(n):
-                top = mx.sort(logits)[-2:].tolist()
-                out.append(top[1] - top[0])
-                token = int(mx.argmax(logits).item())
-                if token in codec.eos_ids:
-                    break
-                logits = model(mx.array([[token]]), cache=cache)[0, -1]
-        return out
-
-    return margins
+    return lambda prompts, n: [m for prompt in prompts for m in greedy_steps(loaded.model, codec, prompt, n)[1]]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -136,6 +139,17 @@ def keep_alive_across_tests(pid: int) -> None:
 
 def release(pid: int) -> None:
     _long_lived.discard(pid)
+
+
+def shared_worker(model: Path, *args: str):
+    """For a module-scoped fixture: `yield from` it to share one ready
+    worker process across a module's tests."""
+    w = WorkerProc(model, *args)
+    keep_alive_across_tests(w.pid)
+    w.wait_ready()
+    yield w
+    release(w.pid)
+    assert w.close() == 0
 
 
 @pytest.fixture(autouse=True)
