@@ -36,14 +36,15 @@ from pathlib import Path
 
 from bench import mlx_lm_baseline
 from bench.chat import user_messages
-from bench.common import WorkerClient, backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+from bench.common import backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+from harness.worker import WorkerProc
 
 
 class WorkerSide:
     """Requests sent straight to a worker process over its pipes."""
 
     def __init__(self, model: Path, max_batch: int):
-        self.client = WorkerClient(model, "--max-batch", str(max_batch), "--prefix-cache-bytes", "0")
+        self.client = WorkerProc.started(model, "--max-batch", str(max_batch), "--prefix-cache-bytes", "0")
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
         return self.client.generate_many([dict(prompt=p, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.0) for p in prompts])

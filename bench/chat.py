@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.common import WorkerClient, backend, demo_model, load_average, machine, tagged, write_result
+from bench.common import backend, demo_model, load_average, machine, tagged, write_result
+from harness.worker import WorkerProc
 
 
 def user_messages(tokenizer, turns: int, tokens_each: int) -> list[str]:
@@ -51,8 +52,8 @@ def main() -> int:
     system = user_messages(tok, 1, args.system_tokens)[0]
     questions = user_messages(tok, args.turns + 1, per_user)[1:]
     load_before = load_average()
-    cached = WorkerClient(model)
-    plain = WorkerClient(model, "--prefix-cache-bytes", "0")
+    cached = WorkerProc.started(model)
+    plain = WorkerProc.started(model, "--prefix-cache-bytes", "0")
     rows = []
     try:
         messages = [Message("system", system)]

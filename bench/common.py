@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks: a worker client, demo models, machine
-facts, summaries, result files.
+"""Shared pieces of the benchmarks: demo models, machine facts, summaries,
+result files. The processes they drive come from harness/.
 
 Every benchmark measures its baseline in the same run and writes its figures
 to bench/results/<name>-<backend>.json, with the machine and its load.
@@ -13,20 +13,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness.procs import ROOT, build_demo_model
+
 RESULTS = ROOT / "bench" / "results"
 NOISY = "shared 2-core machine with other work running: figures are noisy; ratios come from runs in the same process, alternated"
 MODELS = Path(os.environ.get("LATTICE_BENCH_MODELS", Path.home() / ".cache" / "lattice-bench"))
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
 
 
 def model_arguments(p) -> None:
@@ -41,7 +34,7 @@ def demo_model(size: str) -> Path:
     """A demo model of the given size, built once by the demo-model builder."""
     path = MODELS / size
     if not (path / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "worker.demo_model", str(path), "--size", size], check=True, env=child_env(), cwd=ROOT)
+        build_demo_model(path, "--size", size)
     return path
 
 
@@ -132,108 +125,3 @@ def summary(values: list[float], digits: int = 3) -> dict:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-class WorkerClient:
-    """A real worker process driven over its pipes, timing events as they come."""
-
-    def __init__(self, model: Path, *args: str):
-        from ipc.framing import encode_frame
-
-        self._encode = encode_frame
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", str(model), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=child_env(),
-            cwd=ROOT,
-        )
-        self._rid = 0
-        while self._event()["ev"] != "ready":
-            pass
-
-    def _event(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"worker exited with {self.proc.wait()}")
-            event = json.loads(line[len(b"@@lattice ") :])
-            if event["ev"] != "heartbeat":
-                return event
-
-    def generate(self, **kw) -> dict:
-        """Runs one request; returns the final line plus client-side times."""
-        from ipc.messages import Generate
-
-        self._rid += 1
-        t0 = time.perf_counter()
-        self.proc.stdin.write(self._encode(Generate(rid=self._rid, **kw)))
-        self.proc.stdin.flush()
-        first = last = None
-        text = []
-        while True:
-            event = self._event()
-            if event["ev"] == "error":
-                raise RuntimeError(event["msg"])
-            now = time.perf_counter()
-            if event["done"]:
-                event["client_ttft_ms"] = ((first or now) - t0) * 1000
-                event["client_total_ms"] = (now - t0) * 1000
-                event["text"] = "".join(text)
-                event["last_token_s"] = (last or now) - t0
-                return event
-            text.append(event["token"])
-            first = first or now
-            last = now
-
-    def generate_many(self, requests: list[dict]) -> dict:
-        """Sends the requests in one write (they reach the worker together)
-        and reads their interleaved lines; returns per-request client-side
-        first-token and final-line times, token counts, and the wall time
-        to the last final line."""
-        from ipc.messages import Generate
-
-        frames = []
-        ids = []
-        for kw in requests:
-            self._rid += 1
-            ids.append(self._rid)
-            frames.append(self._encode(Generate(rid=self._rid, id_json=str(self._rid), **kw)))
-        t0 = time.perf_counter()
-        self.proc.stdin.write(b"".join(frames))
-        self.proc.stdin.flush()
-        first: dict[int, float] = {}
-        done: dict[int, float] = {}
-        tokens: dict[int, int] = {}
-        pending = set(ids)
-        stdout = self.proc.stdout
-        while pending:
-            line = stdout.readline()
-            if not line:
-                raise RuntimeError(f"worker exited with {self.proc.wait()}")
-            if line.startswith(b'@@lattice {"ev":"gen_token"') and b'"done":false' in line:
-                # Token lines are read the way the supervisor relays them,
-                # without decoding JSON: only the id at the tail matters.
-                rid = int(line[line.rindex(b'"id":') + 5 : -2])
-                if rid not in first:
-                    first[rid] = time.perf_counter()
-                continue
-            event = json.loads(line[len(b"@@lattice ") :])
-            if event["ev"] == "error":
-                raise RuntimeError(event["msg"])
-            if event["ev"] == "gen_token":
-                done[event["id"]] = time.perf_counter()
-                tokens[event["id"]] = event["gen_tokens"]
-                pending.discard(event["id"])
-        wall = time.perf_counter() - t0
-        return {
-            "ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids],
-            "done_ms": [(done[i] - t0) * 1000 for i in ids],
-            "tokens": sum(tokens.values()),
-            "wall_s": wall,
-        }
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.proc.stdout.close()

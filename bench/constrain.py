@@ -333,7 +333,7 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     threads): work, where tok/s is latency."""
     import psutil
 
-    from bench.common import WorkerClient
+    from harness.worker import WorkerProc
 
     prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
@@ -342,7 +342,7 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
     names = iter(range(1 << 30))
     for _ in range(rounds):
-        client = WorkerClient(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0")
+        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0")
         proc = psutil.Process(client.proc.pid)
         try:
             first = client.generate(prompt=prompt, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,18 +27,23 @@ from safetensors.numpy import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.procs import build_demo_model  # noqa: E402
+from harness.worker import WorkerProc  # noqa: E402
 from ipc.messages import Generate, SetAdapter, Stats  # noqa: E402
-from tests.workerproc import WorkerProc, child_env  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def write_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> int:
-    """A PEFT adapter on every linear layer of every decoder layer; returns its module count."""
+def model_targets(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """Every linear layer of every decoder layer: `layers.N.<module>` -> (d_in, d_out)."""
     from worker.loader import load
     from worker.lora.layers import LoRASlots
 
-    targets = LoRASlots(load(model_dir).model).targets
+    return dict(LoRASlots(load(model_dir).model).targets)
+
+
+def write_adapter(targets: dict[str, tuple[int, int]], out: Path, rank: int, seed: int = 0) -> int:
+    """A PEFT adapter on each of the targets; returns its module count."""
     rng = np.random.default_rng(seed)
     tensors = {}
     for module, (d_in, d_out) in sorted(targets.items()):
@@ -85,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="lattice-bench-lora-") as tmp:
         model_dir, adapter = Path(tmp) / "model", Path(tmp) / "adapter"
-        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model_dir), "--size", args.size], check=True, env=child_env(), cwd=ROOT, capture_output=True)
-        modules = write_adapter(model_dir, adapter, args.rank)
+        build_demo_model(model_dir, "--size", args.size)
+        modules = write_adapter(model_targets(model_dir), adapter, args.rank)
         w = WorkerProc(model_dir)
         try:
             w.wait_ready()

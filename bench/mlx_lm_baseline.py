@@ -25,7 +25,7 @@ from pathlib import Path
 def run(model: Path, setup: str, *args: str) -> list[dict]:
     """This module in a process of its own (for the setup to hold); its JSON
     lines."""
-    from bench.common import ROOT, child_env
+    from harness.procs import ROOT, child_env
 
     out = subprocess.run(
         [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup, *args],

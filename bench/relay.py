@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import NOISY, machine, percentile, summary, write  # noqa: E402
+from harness.fakes import FAKE_ENV, FakeModels  # noqa: E402
+from harness.procs import child_env  # noqa: E402
 from ipc.framing import encode_frame  # noqa: E402
 from ipc.messages import Generate  # noqa: E402
-from tests.faults import FAKE_ENV  # noqa: E402
-from tests.workerproc import child_env  # noqa: E402
 
 DONE = b'"done":true'
 TOKEN = b'"token":"'
@@ -122,13 +122,6 @@ def latencies(source: Source, events: int) -> list[float]:
     return out
 
 
-def fake_model(tmp: Path, name: str, knobs: dict) -> Path:
-    path = tmp / name
-    path.mkdir()
-    (path / "fake.json").write_text(json.dumps(knobs))
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.relay", description=__doc__.split("\n\n")[0])
     p.add_argument("--events", type=int, default=2_000_000, help="token lines per flood (default 2,000,000)")
@@ -142,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     lat: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="lattice-bench-relay-") as tmp_name:
         tmp = Path(tmp_name)
-        flooder = fake_model(tmp, "flood", {"tokens": args.events})
-        ticker = fake_model(tmp, "tick", {"token": "{t}", "token_interval": 0.001})
+        fakes = FakeModels(tmp)
+        flooder = fakes.add("flood", {"tokens": args.events})
+        ticker = fakes.add("tick", {"token": "{t}", "token_interval": 0.001})
         sources = {mode: Source(mode, flooder, tmp) for mode in ("raw", "serve")}
         try:
             for mode in sources:

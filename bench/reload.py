@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,9 +27,9 @@ from safetensors.numpy import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.pool import PoolProc  # noqa: E402
+from harness.procs import build_demo_model  # noqa: E402
 from tests.lora_files import targets_of  # noqa: E402
-from tests.poolproc import PoolProc  # noqa: E402
-from tests.workerproc import child_env  # noqa: E402
 
 
 def adapter_bytes(model_dir: Path, target_bytes: int, seed: int) -> bytes:
@@ -63,7 +62,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = tmp / "model"
-        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model), "--size", args.size], check=True, env=child_env(), cwd=ROOT, capture_output=True)
+        build_demo_model(model, "--size", args.size)
         for label, size in (("1MB", 1 << 20), ("10MB", 10 << 20)):
             live = tmp / label / "adapter.safetensors"
             live.parent.mkdir()

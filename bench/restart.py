@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,25 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import NOISY, machine, percentile, summary, write  # noqa: E402
-from tests.poolproc import PoolProc, is_terminal  # noqa: E402
-from tests.workerproc import WorkerProc, child_env  # noqa: E402
+from harness.pool import PoolProc, is_terminal  # noqa: E402
+from harness.procs import build_demo_model  # noqa: E402
+from harness.worker import WorkerProc  # noqa: E402
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
-
-
-class TimedPool(PoolProc):
-    """PoolProc whose events carry their arrival time (`_at`, monotonic)."""
-
-    def _pump(self) -> None:
-        try:
-            for line in self.proc.stdout:
-                event = json.loads(line[10:])
-                event["_line"] = line
-                event["_at"] = time.monotonic()
-                self._queue.put(event)
-        except ValueError:  # stdout closed by kill()
-            pass
-        self._queue.put(None)
 
 
 def config(tmp: Path, models: dict[str, Path]) -> str:
@@ -79,7 +63,7 @@ def plain_load(model: Path) -> tuple[float, int]:
 
 
 def kill_to_ready(cfg: str) -> dict:
-    pool = TimedPool("--config", cfg)
+    pool = PoolProc("--config", cfg)
     try:
         pool.wait_ev("ready", model="a")
         pid = worker_pids(pool)["a"]
@@ -101,7 +85,7 @@ def kill_to_ready(cfg: str) -> dict:
 
 def orphan_gone(cfg: str) -> float:
     """ms from SIGKILL of the supervisor until its worker is gone."""
-    pool = TimedPool("--config", cfg)
+    pool = PoolProc("--config", cfg)
     try:
         pool.wait_ev("ready", model="a")
         worker = psutil.Process(worker_pids(pool)["a"])
@@ -124,7 +108,7 @@ def orphan_gone(cfg: str) -> float:
 def chaos(cfg: str, requests: int, kills: int, seed: int) -> dict:
     """Short requests over models a and b; SIGKILLs at seeded completion points."""
     rng = random.Random(seed)
-    pool = TimedPool("--config", cfg)
+    pool = PoolProc("--config", cfg)
     try:
         pool.wait_ev("ready", model="a")
         pool.wait_ev("ready", model="b")
@@ -193,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         models = {}
         for name, seed in (("a", "0"), ("b", "1")):
             models[name] = tmp / name
-            subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(models[name]), "--seed", seed],
-                           check=True, env=child_env(), cwd=ROOT, capture_output=True)
+            build_demo_model(models[name], "--seed", seed)
         one, two = config(tmp, {"a": models["a"]}), config(tmp, models)
         plain_load(models["a"])  # warm the page cache
         for _ in range(args.rounds):

@@ -22,10 +22,7 @@ Writes bench/results/serve.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,87 +32,48 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import NOISY, machine, summary, write  # noqa: E402
-from ipc.messages import Generate  # noqa: E402
-from tests.workerproc import WorkerProc, child_env  # noqa: E402
+from harness.pool import PoolProc  # noqa: E402
+from harness.procs import build_demo_model  # noqa: E402
+from harness.worker import WorkerProc  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
 
+def decode_rates(done: dict) -> tuple[float, int]:
+    """(client-side decode tok/s, tokens) of a request's final event: tokens
+    after the first over the time from the first token line to the done line."""
+    n = done["gen_tokens"]
+    return (n - 1) / ((done["client_total_ms"] - done["client_ttft_ms"]) / 1000.0), n
+
+
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
 class Serve:
-    """A `lattice-pool serve` on one model; token arrival times per request."""
+    """A `lattice-pool serve` on one model, timed as its client sees it."""
 
     def __init__(self, model: Path):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--model-dir", str(model)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=child_env(),
-            cwd=ROOT,
-        )
-        self.buf = b""
-        self.ready = self.next_event(lambda e: e["ev"] == "ready")
-
-    def next_event(self, want) -> dict:
-        while True:
-            line, at = self._line()
-            event = json.loads(line[10:])
-            event["_at"] = at
-            if want(event):
-                return event
-
-    def _line(self) -> tuple[bytes, float]:
-        while b"\n" not in self.buf:
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                raise RuntimeError("the pool exited")
-            self.buf += chunk
-            self.at = time.perf_counter()
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line, self.at
+        self.pool = PoolProc("--model-dir", str(model))
+        self.ready = self.pool.wait_ev("ready")
 
     def decode(self, tokens: int) -> tuple[float, int, float]:
         """(client-side decode tok/s, tokens, the worker's own decode tok/s)."""
-        request = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        times = []
-        while True:
-            event = self.next_event(lambda e: e["ev"] in ("gen_token", "error"))
-            if event["ev"] == "error":
-                raise RuntimeError(event)
-            times.append(event["_at"])
-            if event["done"]:
-                break
-        own = (event["gen_tokens"] - 1) / ((event["total_ms"] - event["ttft_ms"]) / 1000.0)
-        return (event["gen_tokens"] - 1) / (times[-1] - times[0]), event["gen_tokens"], own
+        done = self.pool.generate({"prompt": PROMPT, "max_tokens": tokens, **GREEDY})
+        own = (done["gen_tokens"] - 1) / ((done["total_ms"] - done["ttft_ms"]) / 1000.0)
+        return (*decode_rates(done), own)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(60)
-        self.proc.stdout.close()
+        assert self.pool.close() == 0
 
 
 class Worker:
     """The worker program over its own pipes, as the supervisor drives it."""
 
     def __init__(self, model: Path):
-        self.w = WorkerProc(model)
-        self.w.wait_ready()
-        self.rid = 0
+        self.w = WorkerProc.started(model)
 
     def decode(self, tokens: int) -> tuple[float, int]:
-        self.rid += 1
-        self.w.send(Generate(rid=self.rid, prompt=PROMPT, max_tokens=tokens, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0))
-        times = []
-        while True:
-            line = self.w.next_line()
-            at = time.perf_counter()
-            if line.startswith(b'@@lattice {"ev":"gen_token"'):
-                times.append(at)
-                if b'"done":true' in line:
-                    n = json.loads(line[10:])["gen_tokens"]
-                    return (n - 1) / (times[-1] - times[0]), n
+        return decode_rates(self.w.generate(prompt=PROMPT, max_tokens=tokens, **GREEDY))
 
     def close(self) -> None:
         self.w.close()
@@ -152,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, set] = {"serve": set(), "worker": set(), "mlx_lm": set()}
     with tempfile.TemporaryDirectory(prefix="lattice-bench-serve-") as tmp:
         model = Path(tmp) / "demo"
-        subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(model), "--size", args.size],
-                       check=True, env=child_env(), cwd=ROOT, capture_output=True)
+        build_demo_model(model, "--size", args.size)
         direct = Direct(model)
         serve = Serve(model)
         bare = Worker(model)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from bench import mlx_lm_baseline
 from bench.common import (
-    WorkerClient,
     backend,
     demo_model,
     load_average,
@@ -31,13 +30,14 @@ from bench.common import (
     tagged,
     write_result,
 )
+from harness.worker import WorkerProc
 
 PROMPT = "<|im_start|>user\nTell me about the river, the mill and the bridge.<|im_end|>\n<|im_start|>assistant\n"
 SAMPLER = dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
 
 
 def ours(model: Path, max_tokens: int, seeds: list[int]) -> list[dict]:
-    w = WorkerClient(model)
+    w = WorkerProc.started(model)
     try:
         w.generate(prompt=PROMPT, max_tokens=max_tokens, seed=0, **SAMPLER)  # warm-up
         runs = []

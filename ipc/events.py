@@ -146,27 +146,3 @@ SHUTTING_DOWN = "shutting_down"
 # Beyond SPEC §2: something unexpected went wrong while handling one line,
 # op or connection; the pool logged it with its traceback and goes on.
 INTERNAL = "internal"
-
-_TOKEN_HEAD = b'@@lattice {"ev":"gen_token",'
-_EVENT_HEAD = b'@@lattice {"ev":"'
-
-
-def event_name(line: bytes) -> bytes:
-    """The `ev` value of a line this package encoded, without decoding JSON.
-
-    Every encoder above writes `ev` first, so the name sits between two fixed
-    offsets; returns b"" for anything else.
-    """
-    if not line.startswith(_EVENT_HEAD):
-        return b""
-    end = line.find(b'"', len(_EVENT_HEAD))
-    return line[len(_EVENT_HEAD) : end] if end > 0 else b""
-
-
-def is_final_token(line: bytes) -> bool:
-    """True for a gen_token line with done:true.
-
-    Inside the escaped token text every quote is written as \\", so the bytes
-    `"done":true` can only be the field itself.
-    """
-    return line.startswith(_TOKEN_HEAD) and b'"done":true' in line

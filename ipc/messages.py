@@ -58,6 +58,13 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # The client's response_format object as JSON text (its shape already
     # checked by decode_response_format); the worker compiles it.
     response_format: str | None = None
+    # The adapter this request runs with (SPEC §10): its path as the
+    # supervisor resolved it, or None for the base model. Left out (UNSET),
+    # the worker's default adapter: the one it was started with (`--lora`)
+    # or last given by SetAdapter, else the base model. So a pool that keeps
+    # one worker per (model, adapter) pair sends nothing and gets what it
+    # always got.
+    lora: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
@@ -132,8 +139,39 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     rid: int
 
 
+# Adapter messages (SPEC §10). The worker handles them in the order they
+# come, off the token path, and answers each with one `adapter_loaded` or
+# `adapter_error` event naming the path (`adapter_unloaded` for
+# UnloadAdapter). A request waits for every adapter message about its
+# adapter sent before it; rows already running keep the version they
+# started with.
+
+
+class LoadAdapter(msgspec.Struct, tag="load_adapter", frozen=True):
+    """Makes the adapter at `path` resident: read and validated unless it
+    already is (then answered at once with the version in memory)."""
+
+    path: str
+
+
+class ReloadAdapter(msgspec.Struct, tag="reload_adapter", frozen=True):
+    """Reads `path` again (its file changed): new rows get the new version;
+    a bad file keeps the previous one."""
+
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
+    """Drops the adapter at `path` from memory once no row uses it; a later
+    request for it reads it again."""
+
+    path: str
+
+
 class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True):
-    """Load, validate and swap in the adapter at `path` (None: no adapter)."""
+    """Reads the adapter at `path` again and makes it the worker's default
+    (what a Generate without `lora` runs with); None makes the base model
+    the default. A bad file leaves the default as it was."""
 
     path: str | None
 
@@ -146,8 +184,4 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToWorker = Generate | Cancel | SetAdapter | Stats | Shutdown
-
-# Internal worker events the supervisor consumes instead of relaying.
-HEARTBEAT = b"heartbeat"
-WORKER_STATS = b"worker_stats"
+ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | SetAdapter | Stats | Shutdown

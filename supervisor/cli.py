@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import msgspec
 
-from ipc.messages import MAX_RESPONSE_FORMAT_BYTES, Message
-from supervisor import logs
-from supervisor.app import run_pool
-from supervisor import ps
+from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
+from supervisor import ps, stderr
+from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, validate
 from supervisor.control import socket_path
 from supervisor.demo import DEMO_NAME, ensure_demo_model
-from supervisor.pool import Pool
-from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.lifecycle import serve
+from supervisor.requests import BadRequest, parse_line
 from supervisor.resolve import Resolver, UnknownModel, expand
-from supervisor.sinks import EventSink, LoadProgress, stats_line
-from supervisor.workerexec import worker_argv, worker_env
+from supervisor.terminal import chat, run_once
 
 
 class UsageError(Exception):
@@ -102,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = base_config(args)
     if args.model or args.model_dir or not config.models:
         add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    return asyncio.run(run_pool(config, eof_grace=config.shutdown_grace))
+    return asyncio.run(serve(config, eof_grace=config.shutdown_grace))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -114,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json_schema:
             raise UsageError("--json-schema applies to --prompt; with --serve, give each request a response_format")
         # chat_metal finished every request it had read before exiting at EOF.
-        return asyncio.run(run_pool(config, eof_grace=None, settle_first=True))
+        return asyncio.run(serve(config, eof_grace=None, settle_first=True))
     if args.prompt is None:
         raise UsageError("give --prompt TEXT, or --json --serve to read requests from stdin")
     fields = {
@@ -155,142 +150,10 @@ def json_schema_format(path: Path) -> dict:
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
-async def run_once(config: Config, request: ClientLine, *, as_json: bool) -> int:
-    finished = asyncio.Event()
-    outcome = {"rc": 0}
-    progress = LoadProgress()
-    out = sys.stdout.buffer
-
-    def on_event(event: dict, line: bytes) -> None:
-        ev = event["ev"]
-        if as_json:
-            out.write(line)
-            out.flush()
-        elif ev == "gen_token" and not event["done"]:
-            out.write(event["token"].encode("utf-8"))
-            out.flush()
-        elif ev in ("loading", "ready"):
-            progress.update(event)
-        if ev == "error" or (ev == "gen_token" and event["done"]):
-            if ev == "error":
-                outcome["rc"] = 1
-                if not as_json:
-                    print(f"error ({event.get('code')}): {event['msg']}", file=sys.stderr)
-            elif not as_json:
-                out.write(b"\n")
-                out.flush()
-                print(stats_line(event), file=sys.stderr)
-            finished.set()
-        elif ev == "failed" and not as_json:
-            print(f"model failed: {event.get('reason')}", file=sys.stderr)
-
-    sink = EventSink(on_event)
-    pool = Pool(config, sink)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, pool.hurry.set)
-    loop.add_signal_handler(signal.SIGTERM, pool.hurry.set)
-    housekeeping = pool.spawn(pool.housekeeping())
-    pool.submit(request)
-    waits = [asyncio.ensure_future(e.wait()) for e in (pool.hurry, finished, sink.closed)]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
-    if pool.hurry.is_set() and not finished.is_set():
-        outcome["rc"] = 130
-    await pool.shutdown(0)
-    housekeeping.cancel()
-    return outcome["rc"]
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     config = base_config(args)
     add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
     return asyncio.run(chat(config, args))
-
-
-async def chat(config: Config, args: argparse.Namespace) -> int:
-    """A REPL: each turn sends the whole history as messages; Ctrl-C stops a
-    reply, Ctrl-D or /bye quits, /clear forgets the history."""
-    loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[str | None] = asyncio.Queue()
-    reply: list[str] = []
-    turn_done = asyncio.Event()
-    progress = LoadProgress()
-    out = sys.stdout
-
-    def on_event(event: dict, line: bytes) -> None:
-        ev = event["ev"]
-        if ev in ("loading", "ready"):
-            progress.update(event)
-        elif ev == "gen_token":
-            if event["done"]:
-                out.write("\n")
-                if args.verbose:
-                    print(stats_line(event), file=sys.stderr)
-                turn_done.set()
-            else:
-                reply.append(event["token"])
-                out.write(event["token"])
-            out.flush()
-        elif ev == "error" and event.get("id") is not None:
-            print(f"\nerror ({event.get('code')}): {event['msg']}", file=sys.stderr)
-            turn_done.set()
-        elif ev in ("failed", "restarting"):
-            print(f"[{ev}: {event.get('reason')}]", file=sys.stderr)
-
-    def read_input() -> None:
-        for text in sys.stdin:
-            loop.call_soon_threadsafe(lines.put_nowait, text.rstrip("\n"))
-        loop.call_soon_threadsafe(lines.put_nowait, None)
-
-    sink = EventSink(on_event)
-    pool = Pool(config, sink)
-    housekeeping = pool.spawn(pool.housekeeping())
-    pool.preload()
-    threading.Thread(target=read_input, name="chat-input", daemon=True).start()
-    history: list[Message] = []
-    if args.system:
-        history.append(Message("system", args.system))
-    ids = itertools.count(1)
-    current: list[str] = []
-
-    def on_interrupt() -> None:
-        if current:
-            pool.cancel(current[0])
-        else:
-            lines.put_nowait(None)
-
-    loop.add_signal_handler(signal.SIGINT, on_interrupt)
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            out.write(">>> ")
-            out.flush()
-        text = await lines.get()
-        if text is None or text.strip() in ("/bye", "/exit", "/quit"):
-            break
-        if text.strip() == "/clear":
-            history = history[:1] if args.system else []
-            continue
-        if not text.strip():
-            continue
-        history.append(Message("user", text))
-        reply.clear()
-        turn_done.clear()
-        request_id = f"chat-{next(ids)}"
-        current[:] = [f'"{request_id}"']
-        pool.submit(ClientLine(id=request_id, messages=list(history), max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed))
-        waits = [asyncio.ensure_future(turn_done.wait()), asyncio.ensure_future(sink.closed.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if sink.closed.is_set():
-            break
-        current.clear()
-        history.append(Message("assistant", "".join(reply)))
-    await pool.shutdown(0)
-    housekeeping.cancel()
-    return 0
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
@@ -309,7 +172,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
     # Building weights needs MLX, which only worker-side code imports.
-    return subprocess.call(worker_argv("worker.demo_model", *extra), env=worker_env())
+    return subprocess.call(python_module("worker.demo_model", *extra), env=child_env())
 
 
 # -- argument parsing ------------------------------------------------------------------------
@@ -383,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logs.setup(getattr(args, "log_level", None))
+    stderr.setup(getattr(args, "log_level", None))
     try:
         return args.func(args)
     except (ConfigError, UsageError) as exc:
@@ -392,4 +255,4 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        logs.sink().flush()
+        stderr.sink().flush()

@@ -26,12 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, encode_error, event_name
+from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, encode_error
+from ipc.worker_events import LIFECYCLE, event_name
+from supervisor.child import RESOURCE_ERRNOS
 from supervisor.config import Config, ConfigError, parse_duration
 from supervisor.endpoint import LineSplitter, internal_error, read_line
 from supervisor.pool import Pool
-from supervisor.process import RESOURCE_ERRNOS
-from supervisor.requests import BadRequest, encode_id
+from supervisor.requests import BadRequest
 
 log = logging.getLogger("lattice.control")
 
@@ -41,8 +42,6 @@ MAX_LINE = 1024 * 1024
 # can never grow the supervisor's memory.
 MAX_BACKLOG = 1024 * 1024
 ACCEPT_RETRY_DELAY = 1.0
-LIFECYCLE = frozenset({b"loading", b"ready", b"unloaded", b"restarting", b"failed", b"adapter_loaded", b"adapter_error", b"stats"})
-_TOKEN_LINE = b'@@lattice {"ev":"gen_token"'
 
 
 def default_socket_path() -> Path:
@@ -211,7 +210,8 @@ class ControlServer:
             session.add_done_callback(self._sessions.discard)
 
     def _broadcast(self, data: bytes) -> None:
-        if not self._clients or data.startswith(_TOKEN_LINE):
+        # Token lines (and blocks of them) are never lifecycle events.
+        if not self._clients or event_name(data) == "gen_token":
             return
         for line in data.splitlines(keepends=True):
             if event_name(line) in LIFECYCLE:
@@ -274,7 +274,7 @@ class ControlServer:
             msg = read_line(line, MAX_LINE)
             if msg is None:
                 return
-            id_json = encode_id(msg.id)
+            id_json = msg.id_json
             if msg.op is None:
                 client.write(
                     encode_error("generation requests are not taken on the control socket; send them on stdin", BAD_REQUEST, id_json)

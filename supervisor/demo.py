@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from supervisor.workerexec import worker_argv, worker_env
+from supervisor.child import child_env, python_module
 
 log = logging.getLogger("lattice.demo")
 
@@ -26,5 +26,5 @@ def ensure_demo_model() -> Path:
         return path
     log.info("no model configured: generating the built-in demo model into %s (once)", path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(worker_argv("worker.demo_model", str(path)), env=worker_env(), check=True)
+    subprocess.run(python_module("worker.demo_model", str(path)), env=child_env(), check=True)
     return path

@@ -18,7 +18,7 @@ import threading
 
 from ipc.events import BAD_REQUEST, INTERNAL
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest, ClientLine, encode_id, parse_line
+from supervisor.requests import BadRequest, ClientLine, parse_line
 
 log = logging.getLogger("lattice.endpoint")
 
@@ -115,7 +115,7 @@ def dispatch(pool: Pool, line) -> None:
         msg = read_line(line)
         if msg is None:
             return
-        id_json = encode_id(msg.id)
+        id_json = msg.id_json
         if msg.op is None:
             pool.submit(msg)
         else:

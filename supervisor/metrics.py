@@ -24,11 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ipc.worker_events import Done
+from supervisor.child import RESOURCE_ERRNOS
 from supervisor.config import ConfigError
-from supervisor.handle import WorkerHandle
 from supervisor.pool import Pool
-from supervisor.process import RESOURCE_ERRNOS
+from supervisor.resolve import ModelSpec
 from supervisor.states import State
+from supervisor.status import Status
 
 log = logging.getLogger("lattice.metrics")
 
@@ -38,7 +40,7 @@ SCRAPE_TIMEOUT = 5.0
 CONNECTION_TIMEOUT = 10.0
 LABELS = ("model", "adapter")
 
-# status row field -> (metric name, help)
+# StatusRow field -> (metric name, help)
 MODEL_GAUGES = {
     "rss_bytes": ("lattice_model_rss_bytes", "Resident set size of the worker process"),
     "uss_bytes": ("lattice_model_uss_bytes", "Unique set size of the worker process (memory freed if it exits)"),
@@ -56,14 +58,14 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
 
 
-def _labels(handle: WorkerHandle | None) -> tuple[str, str]:
-    if handle is None:
+def _labels(spec: ModelSpec | None) -> tuple[str, str]:
+    if spec is None:
         return ("", "")
-    return (handle.name, handle.lora or "")
+    return (spec.name, str(spec.lora) if spec.lora else "")
 
 
 class _MeasuredGauges(Collector):
-    def __init__(self, snapshot: Callable[[], dict | None]):
+    def __init__(self, snapshot: Callable[[], Status | None]):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -73,19 +75,19 @@ class _MeasuredGauges(Collector):
         families = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in MODEL_GAUGES.items()}
         state = GaugeMetricFamily("lattice_model_state", "1 for the worker's current state, 0 for the others", labels=(*LABELS, "state"))
         info = GaugeMetricFamily("lattice_model_info", "Always 1; the format label says how the weights are stored", labels=(*LABELS, "format"))
-        for row in status["models"]:
-            key = [row["model"], row["lora"] or ""]
+        for row in status.models:
+            key = [row.model, row.lora or ""]
             for field, family in families.items():
-                family.add_metric(key, row[field])
+                family.add_metric(key, getattr(row, field))
             for s in State:
-                state.add_metric([*key, s.value], 1.0 if row["state"] == s.value else 0.0)
-            info.add_metric([*key, row["format"] or "unknown"], 1.0)
+                state.add_metric([*key, s.value], 1.0 if row.state == s.value else 0.0)
+            info.add_metric([*key, row.format or "unknown"], 1.0)
         yield from families.values()
         yield state
         yield info
-        yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status["rss_bytes"])
-        yield GaugeMetricFamily("lattice_system_memory_total_bytes", "Physical memory of the machine", value=status["system_total_bytes"])
-        yield GaugeMetricFamily("lattice_system_memory_available_bytes", "Memory available to new processes", value=status["system_available_bytes"])
+        yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status.rss_bytes)
+        yield GaugeMetricFamily("lattice_system_memory_total_bytes", "Physical memory of the machine", value=status.system_total_bytes)
+        yield GaugeMetricFamily("lattice_system_memory_available_bytes", "Memory available to new processes", value=status.system_available_bytes)
 
 
 class PoolMetrics:
@@ -109,10 +111,10 @@ class PoolMetrics:
         self.tok_s = Histogram("lattice_tokens_per_second", "Generated tokens per second of each request (chat_metal's tok_s)", LABELS, buckets=TOK_S_BUCKETS, registry=r)
         r.register(_MeasuredGauges(self._snapshot))
 
-    def _snapshot(self) -> dict | None:
+    def _snapshot(self) -> Status | None:
         """Runs on the scrape thread."""
         try:
-            future = asyncio.run_coroutine_threadsafe(self._pool.status_fields(), self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._pool.status(), self._loop)
         except RuntimeError:  # the loop has closed: the pool is gone
             return None
         try:
@@ -124,23 +126,23 @@ class PoolMetrics:
 
     # -- PoolObserver -------------------------------------------------------------
 
-    def request_done(self, handle: WorkerHandle, gen_tokens: int, ttft_ms: float, tok_s: float) -> None:
-        key = _labels(handle)
+    def request_done(self, spec: ModelSpec, done: Done) -> None:
+        key = _labels(spec)
         self.requests.labels(*key).inc()
-        if gen_tokens:
+        if done.gen_tokens:
             # A request cancelled before its first token has no TTFT or rate.
-            self.tokens.labels(*key).inc(gen_tokens)
-            self.ttft.labels(*key).observe(ttft_ms / 1000.0)
-            self.tok_s.labels(*key).observe(tok_s)
+            self.tokens.labels(*key).inc(done.gen_tokens)
+            self.ttft.labels(*key).observe(done.ttft_ms / 1000.0)
+            self.tok_s.labels(*key).observe(done.tok_s)
 
-    def error(self, handle: WorkerHandle | None, code: str) -> None:
-        self.errors.labels(*_labels(handle), code).inc()
+    def error(self, spec: ModelSpec | None, code: str) -> None:
+        self.errors.labels(*_labels(spec), code).inc()
 
-    def adapter_event(self, handle: WorkerHandle, name: str) -> None:
-        self.adapter_reloads.labels(*_labels(handle), "loaded" if name == "adapter_loaded" else "error").inc()
+    def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
+        self.adapter_reloads.labels(*_labels(spec), "loaded" if loaded else "error").inc()
 
-    def restarted(self, handle: WorkerHandle) -> None:
-        self.restarts.labels(*_labels(handle)).inc()
+    def restarted(self, spec: ModelSpec) -> None:
+        self.restarts.labels(*_labels(spec)).inc()
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-EX_CONFIG = 78
+from ipc.worker_events import EX_CONFIG
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,11 @@ import socket
 import stat
 from pathlib import Path
 
+import msgspec
+
 from ipc.events import PREFIX
+from ipc.worker_events import event_body, parse_event
+from supervisor.status import Status, StatusRow, read_status
 
 COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PID", "UPTIME", "REQUESTS")
 # status_fields may wait 2 s for each worker's stats reply, in parallel.
@@ -20,7 +24,7 @@ class NoPool(Exception):
     """The pool cannot be asked; the message says why, for a person."""
 
 
-def query_status(path: Path, timeout: float = TIMEOUT) -> dict:
+def query_status(path: Path, timeout: float = TIMEOUT) -> Status:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -45,7 +49,7 @@ def query_status(path: Path, timeout: float = TIMEOUT) -> dict:
         sock.close()
 
 
-def _read_status(sock: socket.socket, path: Path) -> dict:
+def _read_status(sock: socket.socket, path: Path) -> Status:
     buf = b""
     while True:
         chunk = sock.recv(65536)
@@ -56,9 +60,9 @@ def _read_status(sock: socket.socket, path: Path) -> dict:
         for line in lines:
             if not line.startswith(PREFIX):
                 continue
-            event = json.loads(line[len(PREFIX) :])
+            event = parse_event(line)
             if event.get("ev") == "status":
-                return event
+                return read_status(event_body(line))
             if event.get("ev") == "error":
                 raise NoPool(f"the pool refused the status op: {event.get('msg')}")
 
@@ -95,32 +99,32 @@ def _adapter(lora: str | None) -> str:
     return "~" + lora[len(home) :] if lora.startswith(home + "/") else lora
 
 
-def _requests(row: dict) -> str:
-    waiting = [f"{row['in_flight']} running"] if row["in_flight"] else []
-    if row["queued"]:
-        waiting.append(f"{row['queued']} queued")
-    return f"{row['served']}" + (f" ({', '.join(waiting)})" if waiting else "")
+def _requests(row: StatusRow) -> str:
+    waiting = [f"{row.in_flight} running"] if row.in_flight else []
+    if row.queued:
+        waiting.append(f"{row.queued} queued")
+    return f"{row.served}" + (f" ({', '.join(waiting)})" if waiting else "")
 
 
-def cells(row: dict) -> tuple[str, ...]:
-    running = row["pid"] is not None
+def cells(row: StatusRow) -> tuple[str, ...]:
+    running = row.pid is not None
     return (
-        row["model"],
-        _adapter(row["lora"]),
-        row["format"] or "-",
-        row["state"],
-        human_bytes(row["rss_bytes"]) if running else "-",
-        str(row["pid"]) if running else "-",
-        human_duration(row["uptime_s"]) if running else "-",
+        row.model,
+        _adapter(row.lora),
+        row.format or "-",
+        row.state,
+        human_bytes(row.rss_bytes) if running else "-",
+        str(row.pid) if running else "-",
+        human_duration(row.uptime_s) if running else "-",
         _requests(row),
     )
 
 
-def table(status: dict) -> str:
-    rows = [COLUMNS] + [cells(r) for r in sorted(status["models"], key=lambda r: (r["model"], r["lora"] or ""))]
+def table(status: Status) -> str:
+    rows = [COLUMNS] + [cells(r) for r in sorted(status.models, key=lambda r: (r.model, r.lora or ""))]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
 
 
-def as_json(status: dict) -> str:
-    return json.dumps({k: v for k, v in status.items() if k != "ev"}, indent=2) + "\n"
+def as_json(status: Status) -> str:
+    return json.dumps(msgspec.to_builtins(status), indent=2) + "\n"

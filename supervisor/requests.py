@@ -8,6 +8,7 @@ never reach a worker.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any
 
@@ -25,7 +26,7 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
 
-class ClientLine(msgspec.Struct):
+class ClientLine(msgspec.Struct, dict=True):
     """Every field a client line may carry; unknown fields are ignored so that
     newer clients keep working with this pool."""
 
@@ -46,6 +47,13 @@ class ClientLine(msgspec.Struct):
     # Kept as the client's JSON text and forwarded as such; its shape is
     # checked in parse_line, the grammar itself compiled by the worker.
     response_format: msgspec.Raw = msgspec.Raw()
+
+    @functools.cached_property
+    def id_json(self) -> str | None:
+        """The id as the JSON text echoed on every line of its request:
+        encoded once (parse_line does it first, so a bad id is a bad line)
+        and carried as this one value from then on."""
+        return encode_id(self.id)
 
 
 class _IdProbe(msgspec.Struct):
@@ -146,7 +154,7 @@ def parse_line(line: bytes) -> ClientLine:
         raise BadRequest(f"malformed request: {exc}", _scan_id(line)) from exc
     except RecursionError:
         raise BadRequest("malformed request: JSON nested too deeply", _scan_id(line)) from None
-    id_json = encode_id(msg.id)
+    id_json = msg.id_json
     if msg.op is not None:
         if msg.op not in OPS:
             raise BadRequest(f"unknown op {msg.op!r}; expected one of {', '.join(sorted(OPS))}", id_json)

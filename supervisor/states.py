@@ -1,4 +1,4 @@
-"""The lifecycle of one worker. Only WorkerHandle changes it, and only
+"""The lifecycle of one worker. Only its WorkerSlot changes it, and only
 through `StateMachine.to()`, which refuses transitions not listed here and
 logs every one with the model and pid."""
 

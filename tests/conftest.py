@@ -2,29 +2,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.procs import install_tag, tagged_processes, wait_for
-from tests.workerproc import ROOT, child_env
+from harness.procs import build_demo_model, install_tag, tagged_processes, wait_for
+from harness.worker import WorkerProc
 
 TAG = install_tag()
 _long_lived: set[int] = set()
-
-
-def build_demo_model(path: Path, *args: str) -> Path:
-    """A demo model made by the real `lattice-pool demo-model` command."""
-    subprocess.run(
-        [sys.executable, "-m", "supervisor", "demo-model", str(path), *args],
-        check=True,
-        env=child_env(),
-        cwd=ROOT,
-        capture_output=True,
-    )
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -86,35 +73,37 @@ def dense_model(models_dir, tiny_model) -> Path:
     return out
 
 
+def greedy_steps(model, codec, prompt: str, n: int) -> tuple[list[int], list[float]]:
+    """Up to n greedy tokens of `model` (in this process) after `prompt`,
+    ending at an end-of-sequence id (not included), and at each step how far
+    the chosen logit is above the runner-up."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(codec.encode(prompt))[None], cache=cache)[0, -1]
+    ids, margins = [], []
+    for _ in range(n):
+        top = mx.sort(logits)[-2:].tolist()
+        margins.append(top[1] - top[0])
+        token = int(mx.argmax(logits).item())
+        if token in codec.eos_ids:
+            break
+        ids.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return ids, margins
+
+
 @pytest.fixture(scope="session")
 def greedy_margins(tiny_model):
     """margins(prompts, n): for each greedy step of each prompt, in this
     process, how far the chosen logit is above the runner-up."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     from worker.loader import load
     from worker.text import TextCodec
 
     loaded = load(tiny_model)
     codec = TextCodec(tiny_model, loaded.config)
-    model = loaded.model
-
-    def margins(prompts: list[str], n: int) -> list[float]:
-        out = []
-        for prompt in prompts:
-            cache = make_prompt_cache(model)
-            logits = model(mx.array(codec.encode(prompt))[None], cache=cache)[0, -1]
-            for _ in range(n):
-                top = mx.sort(logits)[-2:].tolist()
-                out.append(top[1] - top[0])
-                token = int(mx.argmax(logits).item())
-                if token in codec.eos_ids:
-                    break
-                logits = model(mx.array([[token]]), cache=cache)[0, -1]
-        return out
-
-    return margins
+    return lambda prompts, n: [m for prompt in prompts for m in greedy_steps(loaded.model, codec, prompt, n)[1]]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -129,7 +118,7 @@ def private_control_socket(tmp_path_factory):
 @pytest.fixture
 def spawn_pool():
     """Starts `lattice-pool serve` processes; kills any a failing test left."""
-    from tests.poolproc import PoolProc
+    from harness.pool import PoolProc
 
     made = []
 
@@ -150,6 +139,17 @@ def keep_alive_across_tests(pid: int) -> None:
 
 def release(pid: int) -> None:
     _long_lived.discard(pid)
+
+
+def shared_worker(model: Path, *args: str):
+    """For a module-scoped fixture: `yield from` it to share one ready
+    worker process across a module's tests."""
+    w = WorkerProc(model, *args)
+    keep_alive_across_tests(w.pid)
+    w.wait_ready()
+    yield w
+    release(w.pid)
+    assert w.close() == 0
 
 
 @pytest.fixture(autouse=True)

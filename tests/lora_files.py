@@ -187,3 +187,10 @@ def write_bad(kind: str, out: Path, pairs, *, r: int = 4, alpha: float = 8) -> t
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) // 2])
     return out, phrase, name
+
+
+def use_only(slots, weights) -> None:
+    """Makes `weights` (None: no adapter) what every row of the next
+    forwards runs with, in one slot, as a worker with one adapter does."""
+    slots.update(add={} if weights is None else {0: weights}, drop=[0])
+    slots.route([None if weights is None else 0])

@@ -5,12 +5,12 @@ import random
 
 import pytest
 
+from harness.procs import wait_for
+from harness.worker import WorkerProc, is_terminal, terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Cancel, Generate, Stats
-from tests.conftest import keep_alive_across_tests, release
-from tests.procs import wait_for
+from tests.conftest import shared_worker
 from tests.test_generator import LOGIT_TOLERANCE
-from tests.workerproc import WorkerProc, is_terminal, terminal, text_of
 
 QUESTIONS = [
     "Tell me about the river.",
@@ -30,12 +30,7 @@ THINK = PROMPTS[0] + "<think>\n"
 def worker(tiny_model):
     """The prefix cache is off, so a prompt computes the same way every time
     it is sent (a snapshot would let a repeat skip part of its prefill)."""
-    w = WorkerProc(tiny_model, "--max-batch", "8", "--prefix-cache-bytes", "0")
-    keep_alive_across_tests(w.pid)
-    w.wait_ready()
-    yield w
-    release(w.pid)
-    assert w.close() == 0
+    yield from shared_worker(tiny_model, "--max-batch", "8", "--prefix-cache-bytes", "0")
 
 
 _rid = iter(range(1, 1_000_000))

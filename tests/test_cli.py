@@ -7,8 +7,8 @@ import sys
 
 import jsonschema
 
+from harness.procs import ROOT, child_env
 from tests.schemas import PET
-from tests.workerproc import ROOT, child_env
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -9,7 +9,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.workerproc import ROOT, WorkerProc, child_env
+from harness.procs import ROOT, child_env
+
+
+from harness.worker import WorkerProc
 
 
 def _mlx_on_gpu() -> bool:

@@ -1,7 +1,7 @@
 import hashlib
 import json
 
-from tests.conftest import build_demo_model
+from harness.procs import build_demo_model
 
 
 def digest(path):

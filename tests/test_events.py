@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from ipc.events import RawJSON, encode_done, encode_error, encode_event, encode_token, event_name, is_final_token, tokens_per_second
+from ipc.events import RawJSON, encode_done, encode_error, encode_event, encode_token, tokens_per_second
 
 GOLDEN = [json.loads(line) for line in (Path(__file__).parent / "data" / "chat_metal_events.jsonl").read_text("utf-8").split("\n") if line.strip()]
 
@@ -53,11 +53,3 @@ def test_every_line_is_json_with_ev_first():
 def test_tok_s_definition():
     assert tokens_per_second(64, 5187) == pytest.approx(12.338538)
     assert tokens_per_second(5, 0) == 0.0
-
-
-def test_line_classification():
-    assert event_name(encode_token("\"done\":true")) == b"gen_token"
-    assert not is_final_token(encode_token('","done":true,"x":"'))
-    assert is_final_token(encode_done(tok_s=0, ttft_ms=0, prompt_tokens=0, gen_tokens=0, total_ms=0))
-    assert event_name(encode_event("heartbeat")) == b"heartbeat"
-    assert event_name(b"garbage\n") == b""

@@ -12,8 +12,9 @@ import threading
 import psutil
 import pytest
 
-from tests.faults import FAKE_ENV, FakeModels, RawPool, stalled
-from tests.procs import pid_alive, wait_for
+from harness.fakes import FAKE_ENV, FakeModels
+from harness.pool import RawPool, stalled
+from harness.procs import pid_alive, wait_for
 
 PARTIAL = '@@lattice {"ev":"gen_token","token":"cut off'
 
@@ -222,7 +223,7 @@ class TestFloods:
         nothing is heard from it for many stall timeouts (and its last
         heartbeats, from before the request started, said idle)."""
         fakes.add("a", {"tokens": 800_000, "start_delay": 0.3})
-        pool = RawPool(fakes.config("heartbeat_interval = 0.1\nstall_timeout = 0.5\n"))
+        pool = RawPool(fakes.config("heartbeat_interval = 0.1\nstall_timeout = 0.5\n"), env=FAKE_ENV)
         try:
             ready = pool.read_until(b'"ev":"ready"')
             supervisor, worker = psutil.Process(pool.proc.pid), psutil.Process(ready["pid"])
@@ -244,7 +245,7 @@ class TestFloods:
         """Nobody reads the pool's stderr; a worker writes 32 MB to its own.
         Requests go on, and the pool keeps a bounded backlog, dropping the rest."""
         fakes.add("a", {"request_stderr": 32 << 20})
-        pool = RawPool(fakes.config("heartbeat_interval = 0.1"), stderr=subprocess.PIPE)
+        pool = RawPool(fakes.config("heartbeat_interval = 0.1"), stderr=subprocess.PIPE, env=FAKE_ENV)
         try:
             pool.read_until(b'"ev":"ready"')
             supervisor = psutil.Process(pool.proc.pid)
@@ -452,7 +453,7 @@ class TestClientBackpressure:
         its write and the pool's memory stays bounded; then every line still
         gets its error."""
         fakes.add("a")
-        pool = RawPool(fakes.config("heartbeat_interval = 60"))
+        pool = RawPool(fakes.config("heartbeat_interval = 60"), env=FAKE_ENV)
         total = 150_000
         try:
             pool.read_until(b'"ev":"ready"')

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from tests.poolproc import is_terminal
-from tests.procs import pid_alive, wait_for
+from harness.pool import is_terminal
+from harness.procs import pid_alive, wait_for
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 

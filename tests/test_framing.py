@@ -5,12 +5,17 @@ import msgspec
 import pytest
 
 from ipc.framing import HEADER, MAX_FRAME, FrameTooLarge, decode_payload, encode_frame, read_frame_async, read_payload, write_frame
-from ipc.messages import Cancel, Generate, Message, SetAdapter, Shutdown, Stats
+from ipc.messages import Cancel, Generate, LoadAdapter, Message, ReloadAdapter, SetAdapter, Shutdown, Stats, UnloadAdapter
 
 MESSAGES = [
     Generate(rid=1, prompt="hi", seed=3, stop=["\n"], id_json='"a"'),
     Generate(rid=2, messages=[Message("user", "héllo")], temperature=0.0),
+    Generate(rid=3, prompt="hi", lora="/x/adapter"),
+    Generate(rid=4, prompt="hi", lora=None),
     Cancel(rid=1),
+    LoadAdapter(path="/x/adapter"),
+    ReloadAdapter(path="/x/adapter"),
+    UnloadAdapter(path="/x/adapter"),
     SetAdapter(path="/x/adapter.safetensors"),
     SetAdapter(path=None),
     Stats(),
@@ -67,3 +72,10 @@ def test_oversized_frame_is_skipped_whole(monkeypatch):
         os.close(r)
         os.close(w)
     assert MAX_FRAME > 16
+
+
+def test_a_generate_without_lora_is_not_one_for_the_base_model():
+    """Left out, `lora` means the worker's default adapter; null, the base
+    model: the difference survives the wire."""
+    unset, base = (decode_payload(encode_frame(Generate(rid=1, **kw))[HEADER.size :]) for kw in ({}, {"lora": None}))
+    assert unset.lora is msgspec.UNSET and base.lora is None

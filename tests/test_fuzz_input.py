@@ -15,13 +15,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from harness.fakes import FAKE_ENV, FakeModels
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.config import Config
-from supervisor.endpoint import TOO_LONG, LineSplitter
-from supervisor.requests import OPS, BadRequest, ClientLine, encode_id, parse_line, stop_list
+from supervisor.endpoint import LineSplitter, TOO_LONG
+from supervisor.requests import BadRequest, ClientLine, OPS, encode_id, parse_line, stop_list
 from supervisor.resolve import Resolver, UnknownModel
-from tests.faults import FAKE_ENV, FakeModels, RawPool
+
+# Seeded and without an example database, so every run checks the same cases.
+from harness.pool import RawPool
 
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -262,7 +265,7 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     with open(config, "a") as f:
         f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\n')
     lines, ids = hostile_corpus(loops)
-    pool = RawPool(config, stderr=None)
+    pool = RawPool(config, stderr=None, env=FAKE_ENV)
     try:
         failed = pool.read_until(b'"ev":"failed"')  # "looped" cannot be preloaded; the pool goes on
         assert failed["model"] == "looped" and "not a usable path" in failed["reason"]

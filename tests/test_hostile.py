@@ -18,14 +18,14 @@ import sys
 import psutil
 import pytest
 
+from harness.fakes import FAKE_ENV, FakeModels
+from harness.pool import RawPool
+from harness.procs import ROOT, child_env, wait_for
 from supervisor.config import Config, ModelEntry
 from supervisor.endpoint import dispatch
 from supervisor.pool import Pool
-from supervisor.sinks import EventSink
-from tests.faults import FAKE_ENV, FakeModels, RawPool
-from tests.procs import wait_for
+from supervisor.terminal import EventSink
 from tests.test_cli import cli
-from tests.workerproc import ROOT, child_env
 
 # Generous: the bound is what matters, not its size; unbounded, these floods
 # grow the supervisor by hundreds of MB.
@@ -43,7 +43,7 @@ def test_a_request_flood_into_an_unread_stdout_is_bounded_and_overloaded(fakes):
     queued. Now the queue is bounded, requests beyond it get `overloaded`
     at once, those answers fill the output, and the pool stops reading."""
     fakes.add("a", {"token_interval": 0.01})
-    pool = RawPool(fakes.config("heartbeat_interval = 60\nmax_queued = 50\nmax_queued_total = 80"))
+    pool = RawPool(fakes.config("heartbeat_interval = 60\nmax_queued = 50\nmax_queued_total = 80"), env=FAKE_ENV)
     total = 200_000
     try:
         pool.read_until(b'"ev":"ready"')
@@ -69,7 +69,7 @@ def test_errors_waiting_behind_an_idless_request_are_bounded(fakes, tmp_path):
     stdin is not read meanwhile."""
     fakes.add("a", {"start_delay": 600})  # the id-less request runs, silently, until unloaded
     sock = tmp_path / "ctl.sock"
-    pool = RawPool(fakes.config(f'heartbeat_interval = 60\nmax_queued_total = 100\ncontrol_socket = "{sock}"'))
+    pool = RawPool(fakes.config(f'heartbeat_interval = 60\nmax_queued_total = 100\ncontrol_socket = "{sock}"'), env=FAKE_ENV)
     try:
         pool.read_until(b'"ev":"ready"')
         pool.send({"model": "a", "prompt": "x", "max_tokens": 1})
@@ -262,9 +262,9 @@ def test_a_pool_whose_endpoint_dies_exits_non_zero(fakes):
     that stops reading stdin must not exit 0 as if stdin had closed."""
     fakes.add("a")
     code = (
-        "import sys, supervisor.app\n"
+        "import sys, supervisor.lifecycle\n"
         "async def broken(pool):\n    raise ZeroDivisionError('planted')\n"
-        "supervisor.app.serve_stdin = broken\n"
+        "supervisor.lifecycle.serve_stdin = broken\n"
         "from supervisor.cli import main\n"
         f"sys.exit(main(['serve', '--config', {fakes.config(preload=False)!r}, '--no-control-socket']))\n"
     )

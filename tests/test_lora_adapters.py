@@ -20,6 +20,7 @@ from tests.lora_files import (
     merge_into,
     peft_key,
     targets_of,
+    use_only,
     write_bad,
     write_mlx,
     write_mlx_lm,
@@ -72,7 +73,7 @@ def test_unfused_adapter_equals_merged_weights(tmp_path, tiny_model, fmt, group)
     slots = LoRASlots(model)
     weights = read_adapter(write_format(fmt, tmp_path, pairs), slots.targets)
     assert weights.format == fmt and set(weights.pairs) == set(pairs)
-    slots.install(weights)
+    use_only(slots, weights)
     adapted = as_np(model(PROMPT))
 
     reference = model_at(tiny_model, mx.float32)
@@ -92,7 +93,7 @@ def test_bf16_adapter_is_within_rounding_of_merged_bf16_weights(tmp_path, tiny_m
     model = model_at(tiny_model)
     base = as_np(model(PROMPT))
     slots = LoRASlots(model)
-    slots.install(read_adapter(write_format(fmt, tmp_path, pairs), slots.targets))
+    use_only(slots, read_adapter(write_format(fmt, tmp_path, pairs), slots.targets))
     adapted = as_np(model(PROMPT))
     reference = model_at(tiny_model)
     merge_into(reference, deltas(pairs, ALPHA / RANK))
@@ -113,7 +114,7 @@ def test_quantized_base_is_used_as_is_and_matches_dequantized_merge(tmp_path, ti
     assert isinstance(q_proj, nn.QuantizedLinear)
     packed = np.array(q_proj.weight)
     base = as_np(model(PROMPT))
-    slots.install(read_adapter(write_peft(tmp_path / "a", pairs, r=RANK, alpha=ALPHA), slots.targets))
+    use_only(slots, read_adapter(write_peft(tmp_path / "a", pairs, r=RANK, alpha=ALPHA), slots.targets))
     adapted = as_np(model(PROMPT))
     wrapper = model.layers[3].self_attn.q_proj
     assert isinstance(wrapper, AdaptedLinear) and wrapper.base is q_proj
@@ -148,16 +149,16 @@ def test_clear_restores_the_base_exactly_and_swaps_reproduce(tmp_path, tiny_mode
     base = as_np(model(PROMPT))
     one = read_adapter(write_peft(tmp_path / "one", lora_pairs(targets, seed=6), r=RANK, alpha=ALPHA), slots.targets)
     two = read_adapter(write_peft(tmp_path / "two", lora_pairs(targets, groups=("mlp",), rank=8, seed=7), r=8, alpha=16), slots.targets)
-    slots.install(one)
+    use_only(slots, one)
     first = as_np(model(PROMPT))
     bytes_one = slots.nbytes
     assert bytes_one == sum(itemsize * RANK * (d_in + d_out) for d_in, d_out in targets.values())
-    slots.install(two)
+    use_only(slots, two)
     second = as_np(model(PROMPT))
-    slots.install(one)
+    use_only(slots, one)
     assert np.array_equal(as_np(model(PROMPT)), first)
     assert not np.array_equal(first, second) and not np.array_equal(second, base)
-    slots.install(None)
+    use_only(slots, None)
     assert np.array_equal(as_np(model(PROMPT)), base)
     assert slots.nbytes == 0
 

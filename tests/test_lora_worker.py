@@ -1,6 +1,7 @@
-"""LoRA through real worker processes: `--lora` at start, SetAdapter swaps,
-and broken adapters; and, in process on the same code, logits against a
-model with the same update merged in.
+"""LoRA through real worker processes: `--lora` at start, SetAdapter (which
+sets the default adapter, what requests without `lora` run with), and broken
+adapters; and, in process on the same code, logits against a model with the
+same update merged in. Several adapters at once: tests/test_lora_multi.py.
 
 Greedy text is compared only between runs that compute exactly the same
 thing (the same adapter at start or swapped in, no adapter and a cleared
@@ -13,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ipc.messages import Generate, SetAdapter, Stats
+from harness.worker import WorkerProc, terminal, text_of
+from ipc.messages import Generate, SetAdapter, Stats, UnloadAdapter
 from tests.conftest import keep_alive_across_tests, release
-from tests.lora_files import BAD_KINDS, deltas, lora_pairs, targets_of, write_bad, write_merged_model, write_mlx, write_mlx_lm, write_peft
-from tests.workerproc import WorkerProc, terminal, text_of
+from tests.lora_files import BAD_KINDS, deltas, lora_pairs, targets_of, use_only, write_bad, write_merged_model, write_mlx, write_mlx_lm, write_peft
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = "<|im_start|>user\nWhat did the miller say?<|im_end|>\n<|im_start|>assistant\n"
@@ -112,11 +113,11 @@ def test_logits_match_the_merged_model_and_follow_the_scale(adapters, tiny_model
     # merged weights themselves are rounded to bf16.
     tolerance = 1e-4 if mx.default_device() == mx.cpu else 1e-2
     for fmt in FORMATS:
-        slots.install(read_adapter(adapters[fmt], slots.targets))
+        use_only(slots, read_adapter(adapters[fmt], slots.targets))
         assert rel(logits(loaded.model), merged) < tolerance, fmt
-    slots.install(read_adapter(adapters["peft_scale_1.25x"], slots.targets))
+    use_only(slots, read_adapter(adapters["peft_scale_1.25x"], slots.targets))
     assert rel(logits(loaded.model), merged) > 5 * tolerance  # measured: 0.11
-    slots.install(None)
+    use_only(slots, None)
     assert (logits(loaded.model) == base).all()
 
 
@@ -152,13 +153,22 @@ def test_set_adapter_swaps_and_none_restores_the_base_exactly(adapters, start_te
     stats = worker.next_event()
     # A and B take the layers' dtype: float32 when the worker computes on CPU.
     itemsize = 4 if mx.default_device() == mx.cpu else 2
-    assert stats["adapter_bytes"] == sum(itemsize * RANK * (d_in + d_out) for d_in, d_out in targets_of(tiny_model).values())
+    one = sum(itemsize * RANK * (d_in + d_out) for d_in, d_out in targets_of(tiny_model).values())
+    # Every adapter set stays resident; the last one set is the default.
+    resident = {a["lora"]: a for a in stats["adapters"]}
+    assert set(resident) == {str(adapters[k]) for k in (*FORMATS, "peft_scale_1.25x")}
+    assert [p for p, a in resident.items() if a["default"]] == [str(adapters["mlx"])]
+    assert {a["bytes"] for a in resident.values()} == {one} and stats["adapter_bytes"] == len(resident) * one
 
     cleared = set_adapter(worker, None)
     assert cleared["ev"] == "adapter_loaded" and cleared["lora"] is None and cleared["sha256"] is None
     assert [greedy(worker, CHAT), greedy(worker, OTHER)] == worker.base_texts
+    for path in resident:
+        worker.send(UnloadAdapter(path=path))
+        assert worker.next_event() | {"_line": None} == {"ev": "adapter_unloaded", "model": "tiny", "lora": path, "resident": True, "_line": None}
     worker.send(Stats())
-    assert worker.next_event()["adapter_bytes"] == 0
+    stats = worker.next_event()
+    assert stats["adapter_bytes"] == 0 and stats["adapters"] == []
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
@@ -182,24 +192,10 @@ def test_bad_adapter_by_set_adapter_keeps_the_old_one(tmp_path, tiny_model, adap
     assert greedy(worker, CHAT) == start_texts[0]
 
 
-def test_swap_waits_for_the_running_request(adapters, start_texts, worker):
-    """A request started before the swap finishes on the adapter it began with."""
-    assert set_adapter(worker, None)["ev"] == "adapter_loaded"
-    long_base = greedy(worker, max_tokens=300)
-    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=300))
-    first = worker.next_event()
-    assert first["ev"] == "gen_token"
-    worker.send(SetAdapter(path=str(adapters["peft"])))
-    events = [first] + worker.collect()
-    assert text_of(events) == long_base
-    assert worker.next_event()["ev"] == "adapter_loaded"
-    assert greedy(worker, CHAT) == start_texts[0]
-
-
-def test_requests_sent_after_a_swap_wait_for_it_and_run_on_the_new_adapter(adapters, start_texts, worker):
-    """Batching: while a swap waits for the running request, later requests
-    wait too (they do not join the old version's batch), then run on the
-    new adapter."""
+def test_a_new_default_serves_new_requests_while_the_running_one_keeps_its_own(adapters, start_texts, worker):
+    """SetAdapter no longer waits for running requests: the request that was
+    running finishes on the adapter it began with, beside a request sent
+    after the SetAdapter, which waits for it and runs on the new default."""
     assert set_adapter(worker, None)["ev"] == "adapter_loaded"
     long_base = greedy(worker, max_tokens=300)
     worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=300, id_json='"old"'))
@@ -208,15 +204,17 @@ def test_requests_sent_after_a_swap_wait_for_it_and_run_on_the_new_adapter(adapt
     worker.send(SetAdapter(path=str(adapters["peft"])))
     worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=60, id_json='"new"'))
     events = [first]
-    while not (events[-1]["ev"] == "gen_token" and events[-1]["id"] == "new" and events[-1]["done"]):
+    while not all(any(e.get("id") == i and e.get("done") for e in events) for i in ("old", "new")):
         events.append(worker.next_event())
     order = [(e["ev"], e.get("id"), e.get("done")) for e in events]
-    old_done = order.index(("gen_token", "old", True))
     loaded = order.index(("adapter_loaded", None, None))
     new_first = next(i for i, e in enumerate(events) if e.get("id") == "new")
-    assert old_done < loaded < new_first
+    assert loaded < new_first < order.index(("gen_token", "old", True)), "the new request ran beside the old one"
     assert text_of([e for e in events if e.get("id") == "old"]) == long_base
     assert text_of([e for e in events if e.get("id") == "new"]) == start_texts[0]
+    # A request naming the base model explicitly gets it whatever the default.
+    worker.send(Generate(rid=next(_rid), prompt=CHAT, temperature=0.0, max_tokens=60, lora=None))
+    assert text_of(worker.collect()) == worker.base_texts[0]
 
 
 def test_quantized_base_with_adapter_generates_and_differs(tiny_q4_model, tmp_path):

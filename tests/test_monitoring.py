@@ -19,11 +19,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.sinks import LoadProgress
+from harness.procs import ROOT, child_env, pid_alive, wait_for
+from supervisor.terminal import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
-from tests.procs import pid_alive, wait_for
 from tests.test_cli import cli
-from tests.workerproc import ROOT, child_env
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -101,7 +100,7 @@ def test_status_and_stats_figures_are_measured(tiny_model, small_model, tmp_path
     # Periodic stats events carry the same measured figures as status rows.
     for name, d in dirs.items():
         stats = pool.wait_ev("stats", model=name, state="ready")
-        assert set(stats) - {"ev", "_line"} == set(rows[name])
+        assert set(stats) - {"ev", "_line", "_at"} == set(rows[name])
         assert stats["pid"] == rows[name]["pid"] and stats["weights_bytes"] == tensor_bytes(d) and stats["rss_bytes"] > 0
 
     # Unloading removes the row, the process and the stats events.

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from ipc.worker_events import EX_CONFIG
 from supervisor.policy import (
-    EX_CONFIG,
     CrashHistory,
     Evict,
     GiveUp,

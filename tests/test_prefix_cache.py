@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
 from tests.conftest import keep_alive_across_tests, release
 from tests.test_generator import LOGIT_TOLERANCE
-from tests.workerproc import WorkerProc, terminal, text_of
 from worker.prefix_cache import chunk_ends, message_starts
 
 SYSTEM = "You are a terse guide to the river, the mill and the old stone bridge."
@@ -241,21 +241,27 @@ def test_least_recently_used_snapshot_is_evicted_first(engine):
     assert pc.resume(None, prompts[2], starts[2])[1] == starts[2][-1]
 
 
-def test_snapshots_are_keyed_by_adapter(engine):
+def test_snapshots_are_keyed_by_adapter_content(engine, tiny_model, tmp_path):
+    """Requests with different adapters never resume from each other's
+    state; two paths holding the same adapter share it."""
+    import shutil
+
+    from tests.lora_files import lora_pairs, targets_of, write_peft
+
+    one = write_peft(tmp_path / "one", lora_pairs(targets_of(tiny_model), seed=31, strength=2.0), r=4, alpha=8.0)
+    same = shutil.copytree(one, tmp_path / "same")
+    other = write_peft(tmp_path / "other", lora_pairs(targets_of(tiny_model), seed=32, strength=2.0), r=4, alpha=8.0)
     first = _chatml([("user", "Adapter keyed question.")], "Adapter test system.")
     second = _chatml([("user", "Adapter keyed question."), ("assistant", "ok"), ("user", "More.")], "Adapter test system.")
-    engine.adapter_key = "a" * 64
-    try:
-        run(engine, prompt=first)
-        ids_a, done = run(engine, prompt=second)
-        assert done["cached_tokens"] > 0
-        engine.adapter_key = "b" * 64
-        ids_b, done = run(engine, prompt=second)
-        assert "cached_tokens" not in done and ids_b == ids_a
-        engine.adapter_key = "a" * 64
-        assert run(engine, prompt=second)[1]["cached_tokens"] > 0
-    finally:
-        engine.adapter_key = None
+    run(engine, prompt=first, lora=str(one))
+    ids_one, done = run(engine, prompt=second, lora=str(one))
+    assert done["cached_tokens"] > 0
+    ids_other, done = run(engine, prompt=second, lora=str(other))
+    assert "cached_tokens" not in done and ids_other != ids_one
+    ids_base, done = run(engine, prompt=second, lora=None)
+    assert "cached_tokens" not in done and ids_base not in (ids_one, ids_other)
+    ids_same, done = run(engine, prompt=second, lora=str(same))
+    assert done["cached_tokens"] > 0 and ids_same == ids_one
 
 
 def test_attention_only_model_trims_to_the_common_prefix(dense_model):

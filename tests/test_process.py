@@ -1,4 +1,4 @@
-"""supervisor.process.WorkerProcess in this process's own event loop, with
+"""supervisor.child.ChildProcess in this process's own event loop, with
 small scripted children instead of workers."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from harness.procs import child_env, pid_alive
 from ipc.messages import Generate, Stats
-from supervisor.process import WorkerProcess
-from tests.procs import pid_alive
-from tests.workerproc import child_env
+from supervisor.child import ChildProcess
 
 
 class Recorder:
@@ -19,8 +18,8 @@ class Recorder:
         self.exits: list[int | None] = []
         self.overflows = 0
 
-    def process(self) -> WorkerProcess:
-        return WorkerProcess(self.lines.append, self.stderr.extend, self.exits.append, self._overflow)
+    def process(self) -> ChildProcess:
+        return ChildProcess(self.lines.append, self.stderr.extend, self.exits.append, self._overflow)
 
     def _overflow(self) -> None:
         self.overflows += 1

@@ -12,11 +12,11 @@ import re
 import jsonschema
 import pytest
 
+from harness.worker import terminal, text_of
 from ipc.messages import Cancel, Generate
-from tests.conftest import keep_alive_across_tests, release
+from tests.conftest import shared_worker
 from tests.schemas import PET
 from tests.test_generator import LOGIT_TOLERANCE, ends_by_id, scheduler_for
-from tests.workerproc import WorkerProc, terminal, text_of
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -36,12 +36,7 @@ NUMBER: /[1-9][0-9]?/
 
 @pytest.fixture(scope="module")
 def worker(tiny_model):
-    w = WorkerProc(tiny_model, "--max-batch", "8")
-    keep_alive_across_tests(w.pid)
-    w.wait_ready()
-    yield w
-    release(w.pid)
-    assert w.close() == 0
+    yield from shared_worker(tiny_model, "--max-batch", "8")
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ import subprocess
 import sys
 import pytest
 
+from harness.procs import ROOT, child_env, pid_alive, wait_for
 from ipc.messages import Cancel, Generate, Message, Stats
 from tests.conftest import keep_alive_across_tests, release
-from tests.procs import pid_alive, wait_for
-from tests.workerproc import ROOT, WorkerProc, child_env, terminal, text_of
+
+from harness.worker import WorkerProc, terminal, text_of
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 THINK = CHAT + "<think>\n"

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+from ipc.worker_events import EX_CONFIG
 from worker import defaults
 
-EX_CONFIG = 78
 # Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
 # ValueError at import) when the hard limit is lower.
 MLX_LM_NOFILE = 4096
@@ -48,7 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, type=Path, help="model directory")
     p.add_argument("--name", help="model name used in events (default: the dir name)")
     p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
-    p.add_argument("--lora", help="LoRA adapter to apply: a .safetensors file or an adapter directory")
+    p.add_argument(
+        "--lora",
+        help="LoRA adapter loaded at start and used by requests that name none: a .safetensors file or an adapter directory",
+    )
+    p.add_argument(
+        "--max-adapters",
+        type=int,
+        default=defaults.MAX_ADAPTERS,
+        help="adapters kept in memory; the least recently used one no request runs with goes first (default %(default)s)",
+    )
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="requests decoded together; more wait in line (default %(default)s)")
     p.add_argument("--batch-memory", type=int, help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory)")
@@ -112,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ipc.events import ADAPTER_ERROR, encode_event
     from worker.loader import ModelDirError, load
-    from worker.lora.formats import AdapterError, AdapterReader
-    from worker.lora.layers import LoRASlots
-    from worker.memory import device_memory
+    from worker.lora.formats import AdapterReader
+    from worker.lora.manager import AdapterManager
+    from worker.memory import device_memory, release_free_memory
     from worker.scheduler import Scheduler
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"bad model dir: {exc}")
     except RecursionError:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
+    reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
+    adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
     scheduler = Scheduler(
         loaded,
         codec,
@@ -142,32 +153,22 @@ def main(argv: list[str] | None = None) -> int:
         prefill_step=args.prefill_step,  # None: the device's default
         prefix_cache_bytes=args.prefix_cache_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
+        adapters=adapters,
     )
-    slots = LoRASlots(loaded.model)
-    reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     if args.lora:
-        path = Path(args.lora).expanduser()
-        try:
-            adapter = reader.read(path, slots.targets)
-        except AdapterError as exc:
-            # The adapter this worker served before a restart survives the
-            # loss of its file, as it survives a broken rewrite while running.
-            try:
-                kept = reader.read_last_good(path, slots.targets)
-            except AdapterError as copy_exc:
-                log.warning("the last good copy of adapter %s is unusable too: %s", path, copy_exc)
-                kept = None
-            if kept is None:
-                return fatal(f"bad adapter: {exc}")
-            adapter, copy = kept
-            msg = f"{exc}; started with the last good copy of it (sha256 {adapter.sha256})"
-            log.warning("%s, kept in %s", msg, copy)
-            channel.write(encode_event("adapter_error", model=name, lora=args.lora, code=ADAPTER_ERROR, msg=msg))
-        slots.install(adapter)
-        scheduler.adapter_key = adapter.key
+        # The adapter this worker served before a restart survives the loss
+        # of its file, as it survives a broken rewrite while running.
+        read = adapters.read(args.lora, fallback=True)
+        if read.weights is None:
+            return fatal(f"bad adapter: {read.error}")
+        adapter = read.weights
+        if read.note is not None:
+            channel.write(encode_event("adapter_error", model=name, lora=args.lora, code=ADAPTER_ERROR, msg=read.note))
+        adapters.preload(args.lora, adapter)
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     scheduler.warm_up()
+    release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format
     server.weights_bytes = loaded.weights_bytes
@@ -180,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         encode_event("ready", model=name, format=loaded.format, lora=args.lora, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
     )
 
-    def on_swap(key: str | None) -> None:
-        scheduler.adapter_key = key
-
-    # Only now, so every adapter reply comes after `ready`.
-    server.adapters.attach(slots, on_swap, reader.read)
+    # Messages that came meanwhile (adapter messages too) wait in the inbox,
+    # so every answer comes after `ready`.
     server.serve_forever()
     return 0
 

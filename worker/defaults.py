@@ -19,3 +19,7 @@ PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 # The bound of a worker's waiting line: a request beyond it is refused with
 # `overloaded` (the supervisor keeps its own queue and sends a few at a time).
 MAX_WAITING = 1024
+
+# LoRA adapters a worker keeps in memory; beyond them the least recently
+# used one that no request runs with is dropped (worker.lora.manager).
+MAX_ADAPTERS = 8

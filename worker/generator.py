@@ -17,20 +17,22 @@ ids come out; nothing here knows about text or events. Each `step()`:
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
 
+Each row runs with its own LoRA adapter (or none): `Row.slot` is its slot
+in the model's stacked adapters (worker.lora.layers), routed before every
+forward, and `Row.adapter` the adapter's content key, which the prefix
+cache keys snapshots by.
+
 Structured output: a row may carry a RowConstraint (worker.constrain). A
 decode step in which some row has one commits this step's tokens to the
 constraints and masks the logits before sampling, the masks filled while
 the forward pass runs; a step in which none has one runs the plain path.
-
-Seam for later work: `Row.adapter` is the content key of the adapter the
-row runs with (today one resident adapter; with several, the per-row index
-into stacked adapters goes next to it).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -55,7 +57,8 @@ class Row:
     rid: int
     ids: list[int]
     sampling: RowSampling
-    adapter: str | None = None
+    adapter: str | None = None  # content key of its adapter
+    slot: int | None = None  # its adapter's slot in the LoRA layers
     cached: int = 0  # prompt tokens resumed from the prefix cache
     pos: int = 0  # prompt tokens in the row's cache
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
@@ -75,11 +78,23 @@ class BatchFailed(Exception):
         self.cause = cause
 
 
+Route = Callable[[list[int | None]], None]
+
+
 class TokenGenerator:
     def __init__(
-        self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None, masks: BatchMasks | None = None
+        self,
+        model,
+        vocab_size: int,
+        prefix_cache: PrefixCache,
+        prefill_step: int,
+        chat_marker: int | None,
+        route: Route = lambda slots: None,
+        masks: BatchMasks | None = None,
     ):
         self.model = model
+        # Tells the LoRA layers each row's adapter slot before a forward.
+        self._route = route
         self.prefix_cache = prefix_cache
         self.prefill_step = prefill_step
         self.chat_marker = chat_marker
@@ -228,6 +243,7 @@ class TokenGenerator:
             index = mx.array([where[row] for row in self._forced])
             inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
             self._forced.clear()
+        self._route([row.slot for row in self.decoding])
         logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
         if not any(row.constraint for row in self.decoding):
             self._next = self.sampler(logits, inputs)
@@ -275,6 +291,7 @@ class TokenGenerator:
         tokens = mx.array([p + [0] * (width - len(p)) for p in pieces], dtype=mx.uint32)
         if padded:
             group.pad(lengths, width)
+        self._route([row.slot for row in rows])
         self.model(tokens, cache=group.layers)
         if group.merged:
             group.unpad()

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import mlx.core as mx
 import psutil
 
-_process = psutil.Process()
+from ipc.worker_events import rss_uss
+
+try:  # glibc's; musl and macOS have none
+    _malloc_trim = ctypes.CDLL(None).malloc_trim
+except (AttributeError, OSError):
+    _malloc_trim = None
 
 
 def memory_figures() -> dict[str, int]:
-    try:
-        info = _process.memory_full_info()
-        rss, uss = info.rss, getattr(info, "uss", info.rss)
-    except psutil.Error:
-        rss = uss = 0
     return {
-        "rss_bytes": int(rss),
-        "uss_bytes": int(uss),
+        **rss_uss(),
         "mlx_active_bytes": int(mx.get_active_memory()),
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "mlx_cache_bytes": int(mx.get_cache_memory()),
@@ -27,3 +28,12 @@ def device_memory() -> int:
     """Memory of the device MLX computes on: the GPU's, else the machine's RAM."""
     size = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None
     return int(size) if size else int(psutil.virtual_memory().total)
+
+
+def release_free_memory() -> None:
+    """Hands freed memory back to the OS: MLX's buffer cache, then the free
+    lists of glibc's malloc, which keeps freed small blocks (loading a model,
+    reading adapters) in the process, counted in its RSS."""
+    mx.clear_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)

@@ -1,23 +1,27 @@
 """Which requests run: the waiting line, the active rows and their streams.
 
 Requests wait first in first out. At a step boundary, when no prefill group
-is reading its prompts, the waiting requests at the head of the line start
-together as the next group, as long as
+is reading its prompts, the waiting requests whose adapter is ready start
+together as the next group, in their order, as long as
 
-- the batch stays within `max_batch` rows,
+- the batch stays within `max_batch` rows, and
 - the rows' caches stay within the memory guard (`batch_memory` bytes,
-  estimated for the padded batch layout; a lone request always starts), and
-- no adapter swap is pending.
+  estimated for the padded batch layout; a lone request always starts).
 
-An adapter swap waits until no row is active (new rows wait behind it), so
-every request runs on exactly one adapter version.
+A request's adapter (worker.lora.manager) is ready once every adapter
+message about it sent before the request has been handled and it is
+resident; meanwhile later requests may start before it. While a read waits
+for room among the resident adapters, requests behind one waiting for its
+adapter start only without an adapter, so the rows that pin the resident
+ones run out. Each row keeps the adapter version it started with.
 
 Every request ends with exactly one terminal line. A request the model cannot
 serve (no prompt, too long, a failing chat template, a response_format that
-does not compile) gets an error with its id before any token; a constrained
-row whose grammar is complete ends `stop`; an exception while streaming one
-row ends that row alone; a failed batched step ends every active row with an
-error, and the worker goes on with the waiting ones.
+does not compile) gets an error with its id before any token; an adapter
+that cannot be loaded ends the requests waiting for it with `adapter_error`;
+a constrained row whose grammar is complete ends `stop`; an exception while
+streaming one row ends that row alone; a failed batched step ends every
+active row with an error, and the worker goes on with the waiting ones.
 """
 
 from __future__ import annotations
@@ -25,17 +29,19 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import mlx.core as mx
+import msgspec
 
-from ipc.events import BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
+from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from worker import defaults
 from worker.batch_cache import row_bytes
 from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
+from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
+from worker.lora.residency import Version
 from worker.prefix_cache import PrefixCache
 from worker.prompts import PromptReader, RequestError, model_limit
 from worker.sampling import RowSampling, SamplingParams
@@ -50,6 +56,7 @@ class Waiting:
     req: Generate
     ids: list[int]
     arrived: float
+    adapter_clock: int  # its place among adapter messages
     constraint: RowConstraint | None
 
 
@@ -65,6 +72,7 @@ class Scheduler:
         prefill_step: int | None = None,
         prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+        adapters: AdapterManager | None = None,
     ):
         self.loaded = loaded
         self.codec = codec
@@ -83,6 +91,8 @@ class Scheduler:
         if prefill_step is None:
             prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU
         self.prefill_step = prefill_step
+        self.adapters = adapters or AdapterManager(loaded.model, loaded.path.name)
+        self.adapters.emit = self.emit
         self.generator = self._generator(self.prefix_cache)
         self.max_batch = max(1, max_batch)
         if self.max_batch > 1 and not self.generator.can_batch:
@@ -90,21 +100,24 @@ class Scheduler:
             self.max_batch = 1
         self.batch_memory = batch_memory
         self.row_fixed_bytes, self.row_token_bytes = row_bytes(loaded.model)
-        # Content sha256 of the active LoRA adapter (None: none). Anything
-        # cached from model state must be keyed by it, never by the path.
-        self.adapter_key: str | None = None
         self.waiting: deque[Waiting] = deque()
         self.streams: dict[Row, RowStream] = {}
         self._by_rid: dict[int, Row] = {}
-        self._swaps: deque[Callable[[], None]] = deque()
+        # The adapter version each row runs with, released when it ends.
+        self._versions: dict[Row, Version] = {}
+        # Every waiting request waits for an adapter read: nothing to do
+        # until a message comes or a read ends.
+        self._stalled = False
+        # The last admission started every request it could: none waits
+        # for a row or for memory.
+        self._room = True
         self._guard_logged = False
         self._ended_ids: dict[int, list[int]] | None = None
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
-        return TokenGenerator(
-            self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, self.codec.tokenizer.token_to_id("<|im_start|>"), self.masks
-        )
+        marker = self.codec.tokenizer.token_to_id("<|im_start|>")
+        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks)
 
     def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
         """The request's compiled response_format (RequestError when it
@@ -131,12 +144,18 @@ class Scheduler:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
             self._write(encode_error(exc.msg, exc.code, req.id_json))
             return
-        self.waiting.append(Waiting(req, ids, arrived, constraint))
+        self.waiting.append(Waiting(req, ids, arrived, self.adapters.arrival(), constraint))
+        self._stalled = False
+
+    def adapter_message(self, msg: AdapterMessage) -> None:
+        self.adapters.submit(msg)
+        self._stalled = False
 
     def cancel(self, rid: int) -> None:
         for waiting in self.waiting:
             if waiting.req.rid == rid:
                 self.waiting.remove(waiting)
+                self._stalled = False
                 self._write(encode_cancelled_done(waiting.req.id_json, len(waiting.ids)))
                 return
         row = self._by_rid.get(rid)
@@ -148,18 +167,16 @@ class Scheduler:
         self._flush()
 
     def _flush(self) -> None:
+        # The figures first: a stats request (answered on the reader thread)
+        # that follows a request's last line must not count it still active.
+        self.figures = self._figures()
         if self._lines:
             self._write(b"".join(self._lines))
             self._lines.clear()
 
-    def run_when_idle(self, job: Callable[[], None]) -> None:
-        """Runs `job` (an adapter swap) once no row is active; rows that have
-        not started wait until it has run."""
-        self._swaps.append(job)
-
     @property
     def has_work(self) -> bool:
-        return bool(self.generator) or bool(self.waiting) or bool(self._swaps)
+        return bool(self.generator) or (bool(self.waiting) and not self._stalled) or self.adapters.has_results
 
     @property
     def busy(self) -> bool:
@@ -180,13 +197,10 @@ class Scheduler:
             for row in rows:
                 self._fail(row, exc)
         self._flush()
-        self.figures = self._figures()
 
     def _step(self) -> None:
-        while self._swaps and not self.generator:
-            self._swaps.popleft()()
-        if not self._swaps:
-            self._admit()
+        settled = self.adapters.poll()
+        self._admit(sweep=settled)
         if self.generator:
             try:
                 out = self.generator.step()
@@ -198,6 +212,9 @@ class Scheduler:
             self._stream(out)
             if not self.generator:
                 mx.clear_cache()
+        # Reads the admission asked for start now, and versions whose last
+        # row ended this step are dropped.
+        self.adapters.dispatch(room=self._room)
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated
@@ -205,33 +222,62 @@ class Scheduler:
         tests and benchmarks)."""
         self._ended_ids = {}
         try:
-            while self.has_work:
+            while self.has_work or (self.waiting and self.adapters.reading):
+                if not self.has_work:
+                    self.adapters.wait(1.0)
                 self.step()
             return self._ended_ids
         finally:
             self._ended_ids = None
 
-    def _admit(self) -> None:
-        if self.generator.prefilling or not self.waiting:
+    def _admit(self, sweep: bool) -> None:
+        """Starts what may start. The line is read up to where the batch is
+        full, or whole when an adapter read has just ended (`sweep`), so the
+        requests it failed get their error."""
+        self._room = True
+        if not self.waiting:
             return
         active = self.generator.rows
         lengths = [len(row.ids) + len(self.streams[row].generated) for row in active]
-        start: list[Waiting] = []
-        while self.waiting and len(active) + len(start) < self.max_batch:
-            head = self.waiting[0]
-            if active or start:
-                if self._projected_bytes(lengths + [len(w.ids) for w in start] + [len(head.ids)]) > self.batch_memory:
+        start: list[tuple[Waiting, Version | None]] = []
+        scanned: deque[Waiting] = deque()
+        full = bool(self.generator.prefilling)  # one prefill group at a time
+        behind_starved = False
+        while self.waiting and (sweep or not full):
+            w = self.waiting.popleft()
+            got = self.adapters.resolve(w.req.lora, w.adapter_clock)
+            if isinstance(got, Refused):
+                log.info("request %s: %s", w.req.id_json or w.req.rid, got.msg)
+                self.emit(encode_error(got.msg, ADAPTER_ERROR, w.req.id_json))
+                continue
+            if got is WAIT:
+                behind_starved = behind_starved or self.adapters.starved
+            elif not full and not (got is not None and behind_starved):
+                if len(active) + len(start) >= self.max_batch:
+                    full = True
+                elif (active or start) and self._projected_bytes(lengths + [len(s.ids) for s, _ in start] + [len(w.ids)]) > self.batch_memory:
                     if not self._guard_logged:
-                        log.info("memory guard (%d bytes): %d requests wait for rows to end", self.batch_memory, len(self.waiting))
+                        log.info("memory guard (%d bytes): %d requests wait for rows to end", self.batch_memory, len(self.waiting) + 1)
                         self._guard_logged = True
-                    break
-            start.append(self.waiting.popleft())
+                    full = True
+                else:
+                    start.append((w, got))
+                    continue
+            scanned.append(w)
+        self.waiting.extendleft(reversed(scanned))
+        self._room = not full
+        self._stalled = not start and not self.generator
         if not start:
             return
         self._guard_logged = False
         rows = []
-        for w in start:
-            row = Row(w.req.rid, w.ids, RowSampling(SamplingParams.of(w.req), self.vocab_size, w.ids), adapter=self.adapter_key, constraint=w.constraint)
+        for w, version in start:
+            params = SamplingParams.of(w.req)
+            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint)
+            if version is not None:
+                row.adapter, row.slot = version.key, version.slot
+                self.adapters.acquire(version)
+                self._versions[row] = version
             self.streams[row] = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
             self._by_rid[row.rid] = row
             rows.append(row)
@@ -277,6 +323,9 @@ class Scheduler:
     def _forget(self, row: Row) -> RowStream:
         if self._by_rid.get(row.rid) is row:
             del self._by_rid[row.rid]
+        version = self._versions.pop(row, None)
+        if version is not None:
+            self.adapters.release(version)
         return self.streams.pop(row)
 
     def _end(self, row: Row, reason: str) -> None:
@@ -300,6 +349,7 @@ class Scheduler:
             "waiting_rows": len(self.waiting),
             "rows_cache_bytes": self.generator.cache_bytes,
             "max_batch": self.max_batch,
+            **self.adapters.figures(),
         }
 
     # -- warm-up ------------------------------------------------------------
@@ -314,10 +364,13 @@ class Scheduler:
         generator = self._generator(PrefixCache(self.loaded.model, 0))
         default = SamplingParams.of(Generate(rid=0))
         greedy = replace(default, temperature=0.0)
+        # With the default adapter, as requests without a `lora` will run.
+        adapter = self.adapters.resolve(msgspec.UNSET, self.adapters.arrival())
+        slot = adapter.slot if isinstance(adapter, Version) else None
 
         def row(i: int, params: SamplingParams) -> Row:
             ids = self.codec.encode("<|im_start|>user\nwarm up" + " up" * i + "<|im_end|>\n") or [0]
-            return Row(0, ids, RowSampling(params, self.vocab_size, ids))
+            return Row(0, ids, RowSampling(params, self.vocab_size, ids), slot=slot)
 
         def run(rows: list[Row], steps: int) -> None:
             generator.start(rows)
@@ -334,5 +387,6 @@ class Scheduler:
         while rows:
             generator.step()
             generator.remove([rows.pop()])
+        self.adapters.route([slot])
         self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
         mx.clear_cache()

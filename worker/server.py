@@ -1,10 +1,13 @@
-"""The worker process: a frame reader thread, a heartbeat thread, and the
-main thread running the scheduler's steps on the model.
+"""The worker process: a frame reader thread, a heartbeat thread, an
+adapter reader thread (worker.lora.manager), and the main thread running
+the scheduler's steps on the model.
 
 Every message from the supervisor goes through one inbox in arrival order, so
-a Cancel always finds the Generate sent before it. The main thread takes all
-that has arrived at each step boundary (and sleeps on the inbox when there
-is no work), so requests written together start together.
+a Cancel always finds the Generate sent before it, and a request the adapter
+messages sent before it. The main thread takes all that has arrived at each
+step boundary (and sleeps on the inbox when there is no work, until a
+message comes or an adapter read ends), so requests written together start
+together.
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ import msgspec
 
 from ipc.events import encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
-from ipc.messages import Cancel, Generate, SetAdapter, Shutdown, Stats
+from ipc.messages import Cancel, Generate, Shutdown, Stats
+from ipc.worker_events import HEARTBEAT, WORKER_STATS
 from worker.channel import EventChannel
-from worker.lora.swap import AdapterSwapper
 from worker.memory import memory_figures
 from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker")
 
 _SHUTDOWN = object()
+_WAKE = object()
 
 
 class WorkerServer:
@@ -41,7 +45,10 @@ class WorkerServer:
         # Emptied at every step; what it feeds is bounded by the scheduler's
         # waiting line (MAX_WAITING, beyond which requests are refused).
         self._inbox: queue.Queue = queue.Queue()
-        self.adapters = AdapterSwapper(name, channel.write, lambda job: self._inbox.put(job))
+
+    def wake(self) -> None:
+        """Called by the adapter reader when a read ends (any thread)."""
+        self._inbox.put(_WAKE)
 
     # -- side threads -------------------------------------------------------
 
@@ -55,7 +62,7 @@ class WorkerServer:
             while True:
                 time.sleep(interval_s)
                 busy = self.scheduler is not None and self.scheduler.busy
-                self.channel.write(encode_event("heartbeat", busy=busy))
+                self.channel.write(encode_event(HEARTBEAT, busy=busy))
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
@@ -80,8 +87,6 @@ class WorkerServer:
                 continue
             if isinstance(msg, Generate):
                 self._inbox.put((msg, time.perf_counter()))
-            elif isinstance(msg, SetAdapter):
-                self.adapters.submit(msg.path)
             elif isinstance(msg, Stats):
                 self.channel.write(self.stats_event())
             elif isinstance(msg, Shutdown):
@@ -91,9 +96,15 @@ class WorkerServer:
 
     def stats_event(self) -> bytes:
         figures = memory_figures()
-        batch = self.scheduler.figures if self.scheduler else {}
+        batch = dict(self.scheduler.figures) if self.scheduler else {}
         return encode_event(
-            "worker_stats", model=self.name, format=self.format, weights_bytes=self.weights_bytes, adapter_bytes=self.adapters.nbytes, **figures, **batch
+            WORKER_STATS,
+            model=self.name,
+            format=self.format,
+            weights_bytes=self.weights_bytes,
+            adapter_bytes=batch.pop("adapter_bytes", 0),
+            **figures,
+            **batch,
         )
 
     # -- main thread --------------------------------------------------------
@@ -103,7 +114,7 @@ class WorkerServer:
         stopping = False
         while True:
             block = not scheduler.has_work
-            if stopping and block:
+            if stopping and block and not scheduler.busy and not scheduler.adapters.reading:
                 log.info("shutdown requested; exiting")
                 return
             # What has arrived by now; with nothing to do, wait for one.
@@ -114,10 +125,12 @@ class WorkerServer:
                 if item is _SHUTDOWN:
                     # Everything sent before it still runs to its end.
                     stopping = True
+                elif item is _WAKE:
+                    pass  # the step below settles the read
                 elif isinstance(item, tuple):
                     scheduler.submit(*item)
                 elif isinstance(item, Cancel):
                     scheduler.cancel(item.rid)
                 else:
-                    scheduler.run_when_idle(item)  # an adapter swap
+                    scheduler.adapter_message(item)
             scheduler.step()

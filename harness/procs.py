@@ -1,15 +1,28 @@
-"""Process bookkeeping for tests: every process a test starts carries a tag in
-its environment, so leaks are found even after re-parenting to init."""
+"""Process bookkeeping: the environment of every child we start, and a tag
+in it, so that leaks are found even after re-parenting to init."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 
+from supervisor.child import PACKAGE_ROOT, child_env
+
+ROOT = PACKAGE_ROOT
 TAG_VAR = "LATTICE_TEST_TAG"
+__all__ = ["ROOT", "child_env", "build_demo_model", "install_tag", "tagged_processes", "wait_for", "pid_alive", "close_stdin"]
+
+
+def build_demo_model(path: Path, *args: str) -> Path:
+    """A demo model made by the real `lattice-pool demo-model` command."""
+    subprocess.run([sys.executable, "-m", "supervisor", "demo-model", str(path), *args], check=True, env=child_env(), cwd=ROOT, capture_output=True)
+    return path
 
 
 def install_tag() -> str:

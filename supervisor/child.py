@@ -1,4 +1,9 @@
-"""A worker child process and its three pipes, on asyncio.
+"""A worker child process: how it is started (argv, environment), its three
+pipes on asyncio, and how it is stopped.
+
+The supervisor starts worker-side programs as a fresh interpreter running a
+module of the `worker` package; it never imports `worker` (or MLX) itself,
+which keeps it small and lets it outlive any worker crash.
 
 Death is detected from the exit status (SubprocessProtocol.process_exited),
 never from stdout EOF or Process.wait(): on CPython 3.11 wait() returns only
@@ -14,13 +19,26 @@ import errno
 import logging
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
+from supervisor.config import Config, parse_size
+from supervisor.resolve import ModelSpec
 
 log = logging.getLogger("lattice.process")
+
+# The directory holding the ipc/, worker/ and supervisor/ packages; put on the
+# child's path so a source checkout works without an install.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+# Test and benchmark hook, read only here: the module the pool runs as its
+# workers (fault-injection tests and bench/relay.py set it to
+# tests.fakeworker). Unset in production.
+WORKER_MODULE_VAR = "LATTICE_WORKER_MODULE"
 
 # One worker line: a token event, or a lifecycle event. Longer means a
 # broken or hostile worker, not a protocol we speak.
@@ -35,8 +53,40 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENO
 _EXIT_DRAIN_LIMIT = 4 * 1024 * 1024
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child running one of our packages."""
+    env = dict(os.environ)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + path if path else "")
+    # Unbuffered stderr keeps a child's log lines in order with ours.
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of the pool's worker for `spec`."""
+    args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval)]
+    if spec.lora is not None:
+        args += ["--lora", str(spec.lora)]
+    if spec.tokenizer_dir is not None:
+        args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
+    if config.prefix_cache_bytes is not None:
+        args += ["--prefix-cache-bytes", str(parse_size(config.prefix_cache_bytes))]
+    args += ["--max-prompt-bytes", str(parse_size(config.max_prompt_bytes)), "--max-adapter-bytes", str(parse_size(config.max_adapter_bytes))]
+    if adapter_copies is not None:
+        args += ["--adapter-copies", str(adapter_copies)]
+    module = os.environ.get(WORKER_MODULE_VAR) or "worker"
+    # The worker's lifeline watches this pid (worker.lifeline).
+    return python_module(module, *args), child_env(LATTICE_SUPERVISOR_PID=str(os.getpid()))
+
+
 class _Protocol(asyncio.SubprocessProtocol):
-    def __init__(self, proc: "WorkerProcess"):
+    def __init__(self, proc: "ChildProcess"):
         self._proc = proc
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,7 +121,7 @@ class _Protocol(asyncio.SubprocessProtocol):
         self._proc.write_blocked_since = None
 
 
-class WorkerProcess:
+class ChildProcess:
     def __init__(
         self,
         on_lines: Callable[[bytes], None],

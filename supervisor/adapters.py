@@ -1,4 +1,6 @@
-"""Hot reload: watch an adapter on disk and ask its worker to re-read it.
+"""The pool's side of LoRA adapters: hot reload, and the private copies.
+
+Hot reload: watch an adapter on disk and ask its worker to re-read it.
 
 The watch is on the adapter's parent directory, not the file: an atomic
 rename-over or a delete-then-create replaces the inode, and a watch on the
@@ -8,16 +10,28 @@ one save (`step`: quiet time that ends a burst), so a save is seen once.
 A reload that fails right after a change is retried a few times: an
 in-place rewrite can be read half written, and the writer's last event may
 already be folded into the burst that triggered the failed read.
+
+Copies: each worker keeps a copy of every adapter it loaded in full
+(worker.lora.formats.AdapterReader), so a restart survives the loss of the
+file; the copies live in a private directory of this pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 from watchfiles import awatch
+
+from ipc.events import ADAPTER_ERROR, encode_event
+from supervisor.job import Sink
+from supervisor.resolve import ModelSpec
+from supervisor.slot import WorkerSlot
 
 log = logging.getLogger("lattice.watch")
 
@@ -99,3 +113,63 @@ class AdapterWatcher:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+
+
+class AdapterWatches:
+    """One AdapterWatcher per worker key with an adapter."""
+
+    def __init__(self, lines: Sink):
+        self.lines = lines
+        self._watchers: dict[tuple, AdapterWatcher] = {}
+
+    def watch(self, slot: WorkerSlot) -> None:
+        if slot.spec.lora is None or slot.spec.key in self._watchers:
+            return
+
+        def missing() -> None:
+            msg = f"adapter {slot.lora} was deleted (or cannot be reached); the worker keeps the version it loaded"
+            self.lines.write(encode_event("adapter_error", model=slot.name, lora=slot.lora, code=ADAPTER_ERROR, msg=msg))
+
+        watcher = AdapterWatcher(slot.spec.lora, lambda: slot.set_adapter(slot.lora), missing)
+        self._watchers[slot.spec.key] = watcher
+        watcher.start()
+
+    def unwatch(self, key: tuple) -> None:
+        watcher = self._watchers.pop(key, None)
+        if watcher is not None:
+            watcher.stop()
+
+    def result(self, key: tuple, loaded: bool) -> None:
+        watcher = self._watchers.get(key)
+        if watcher is not None:
+            watcher.result(loaded)
+
+    def stop_all(self) -> None:
+        for watcher in self._watchers.values():
+            watcher.stop()
+        self._watchers.clear()
+
+
+class AdapterCopies:
+    """The pool's private directory (mode 0700, under $TMPDIR) of adapter
+    copies, one subdirectory per worker key; made on first use, removed
+    with its model or with the pool."""
+
+    def __init__(self) -> None:
+        self._root: Path | None = None
+
+    def dir_for(self, spec: ModelSpec) -> Path | None:
+        if spec.lora is None:
+            return None
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
+        return self._root / hashlib.sha256(f"{spec.path}\0{spec.lora}".encode()).hexdigest()[:16]
+
+    def forget(self, spec: ModelSpec) -> None:
+        if self._root is not None and spec.lora is not None:
+            shutil.rmtree(self.dir_for(spec), ignore_errors=True)
+
+    def remove_all(self) -> None:
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None

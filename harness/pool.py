@@ -1,20 +1,25 @@
-"""A real `lattice-pool serve` process, driven over stdin/stdout like Studio does."""
+"""A real `lattice-pool serve` process, driven over stdin/stdout like Studio
+does: PoolProc reads and decodes every line (stamped with its arrival
+time), RawPool leaves the raw stream to its user (clients that read too
+slowly, or not at all)."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
 import threading
 import time
 
-from tests.procs import close_stdin
-from tests.workerproc import ROOT, child_env
+import psutil
 
+from harness.procs import ROOT, child_env, close_stdin, wait_for
+from harness.worker import is_terminal, stream_figures
+from ipc.worker_events import parse_event
 
-def is_terminal(event: dict) -> bool:
-    return event["ev"] == "error" or (event["ev"] == "gen_token" and event.get("done") is True)
+__all__ = ["PoolProc", "RawPool", "is_terminal", "stalled"]
 
 
 class PoolProc:
@@ -31,6 +36,7 @@ class PoolProc:
         self.events: list[dict] = []
         self._queue: queue.Queue[dict | None] = queue.Queue()
         self._returned: set[int] = set()
+        self._low = 0  # every event before it has been returned
         self.stderr = bytearray()
         self.sent_ids: list[object] = []
         # Ids a test reused on purpose, with the number of terminals it expects.
@@ -43,9 +49,11 @@ class PoolProc:
     def _pump(self) -> None:
         try:
             for line in self.proc.stdout:
+                at = time.monotonic()
                 assert line.startswith(b"@@lattice {") and line.endswith(b"}\n"), line
-                event = json.loads(line[10:])
+                event = parse_event(line)
                 event["_line"] = line
+                event["_at"] = at
                 self._queue.put(event)
         except ValueError:  # the test closed stdout to play a vanished client
             pass
@@ -77,11 +85,13 @@ class PoolProc:
     def wait_for(self, predicate, timeout: float = 120.0) -> dict:
         """The earliest event matching predicate that no earlier call returned."""
         deadline = time.monotonic() + timeout
-        scanned = 0
+        scanned = self._low
         while True:
             for i in range(scanned, len(self.events)):
                 if i not in self._returned and predicate(self.events[i]):
                     self._returned.add(i)
+                    while self._low in self._returned:
+                        self._low += 1
                     return self.events[i]
             scanned = len(self.events)
             remaining = deadline - time.monotonic()
@@ -110,6 +120,41 @@ class PoolProc:
     def text(self, request_id) -> str:
         return "".join(e["token"] for e in self.of(request_id) if e["ev"] == "gen_token")
 
+    # -- timing, for benchmarks -------------------------------------------------
+
+    def generate(self, request: dict) -> dict:
+        """Sends one request; returns its terminal event with client-side
+        times from the send: client_ttft_ms, client_total_ms, and its text."""
+        t0 = time.monotonic()
+        self.send(request)
+        key = request.get("id")
+        first = None
+        text = []
+        while True:
+            event = self.wait_for(lambda e: e["ev"] in ("gen_token", "error") and e.get("id") == key)
+            if event["ev"] == "error":
+                raise RuntimeError(event["msg"])
+            if event["done"]:
+                event["client_ttft_ms"] = ((first or event["_at"]) - t0) * 1000
+                event["client_total_ms"] = (event["_at"] - t0) * 1000
+                event["text"] = "".join(text)
+                return event
+            first = first or event["_at"]
+            text.append(event["token"])
+
+    def generate_many(self, requests: list[dict]) -> dict:
+        """Sends requests with ids in one write; returns harness.worker's
+        stream_figures of their lines."""
+        t0 = time.monotonic()
+        self.send(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+        self.sent_ids += [r["id"] for r in requests]
+
+        def next_line() -> tuple[bytes, float]:
+            event = self.wait_for(lambda e: True, timeout=600)
+            return event["_line"], event["_at"]
+
+        return stream_figures(next_line, [json.dumps(r["id"]).encode() for r in requests], t0)
+
     def drain(self) -> None:
         while True:
             try:
@@ -133,12 +178,7 @@ class PoolProc:
                 t.join(timeout=10)
             self.proc.stdout.close()
             self.proc.stderr.close()
-        while True:
-            try:
-                if self._pull(0.0) is None:
-                    break
-            except queue.Empty:
-                break
+        self.drain()
         self.check_terminals()
         return rc
 
@@ -177,3 +217,97 @@ class PoolProc:
                 pass
         for t in self._pumps:
             t.join(timeout=10)
+
+
+def stalled(proc: psutil.Process, counter: str, seconds: float):
+    """A predicate: the process's io counter (`read_chars`, `write_chars`)
+    has not moved for `seconds`."""
+    seen = {"chars": -1, "since": 0.0}
+
+    def check() -> bool:
+        chars = getattr(proc.io_counters(), counter)
+        now = time.monotonic()
+        if chars != seen["chars"]:
+            seen.update(chars=chars, since=now)
+        return now - seen["since"] > seconds
+
+    return check
+
+
+class RawPool:
+    """`lattice-pool serve` whose stdout the test reads itself, or not at all:
+    for clients that stop reading."""
+
+    def __init__(self, config: str, stderr=subprocess.DEVNULL, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", config],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=child_env(**(env or {})),
+            cwd=ROOT,
+        )
+        self.out = bytearray()
+        self._scanned = 0
+
+    def send(self, request: dict) -> None:
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def read_until(self, needle: bytes) -> dict:
+        """Reads stdout until a line containing needle; returns that event."""
+        while True:
+            at = self.out.find(needle, self._scanned)
+            if at >= 0:
+                start = self.out.rfind(b"\n", 0, at) + 1
+                end = self.out.index(b"\n", at) + 1
+                self._scanned = end
+                return parse_event(self.out[start:end])
+            self._scanned = max(self._scanned, len(self.out) - len(needle))
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            if not chunk:
+                raise AssertionError(f"pool exited before {needle!r}")
+            self.out += chunk
+
+    def drain_stdout(self) -> None:
+        """Reads stdout to EOF (in a thread, while another writes stdin)."""
+        while chunk := os.read(self.proc.stdout.fileno(), 1 << 20):
+            self.out += chunk
+
+    def flood(self, data: bytes, timeout: float = 120) -> tuple[threading.Thread, int]:
+        """Writes `data` to stdin from a thread without reading stdout; once
+        the pool stops reading, returns the writer and how many bytes the
+        supervisor's RSS grew meanwhile."""
+        supervisor = psutil.Process(self.proc.pid)
+        before = supervisor.memory_info().rss
+        writer = threading.Thread(target=self.proc.stdin.write, args=(data,))
+        writer.start()
+        wait_for(stalled(supervisor, "read_chars", 1.0), timeout, message="the pool to stop reading stdin")
+        return writer, supervisor.memory_info().rss - before
+
+    def finish_flood(self, writer: threading.Thread, timeout: float = 120) -> None:
+        """Reads stdout again until the flood is answered and the pool exits 0."""
+        drained = threading.Thread(target=self.drain_stdout)
+        drained.start()
+        writer.join(timeout)
+        self.proc.stdin.close()
+        drained.join(timeout)
+        assert self.proc.wait(60) == 0
+
+    def close(self, timeout: float = 60) -> int:
+        self.proc.stdin.close()
+        self.drain_stdout()
+        rc = self.proc.wait(timeout)
+        self.proc.stdout.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None and not stream.closed:
+                try:
+                    stream.close()
+                except BrokenPipeError:
+                    pass

@@ -1,0 +1,185 @@
+"""Worker -> supervisor: the lines a worker writes, read back once, typed.
+
+A worker writes `@@lattice` lines only (ipc.events encodes them) and ends
+with an exit status. The supervisor reads every line through `read_line`,
+once: a non-final token line stays bytes (it is relayed as the worker wrote
+it, and only the id at its tail matters); every other line becomes one of
+the Structs below, tagged by its "ev" (a msgspec tagged union, so one
+decoder reads them all), an `Other` event of a kind the supervisor does not
+interpret (relayed as is), or `Malformed`.
+
+Every line of a request that carries an id ends with `,"id":<id>}`; inside
+a JSON string a quote is always escaped, so the last `,"id":` of a line is
+that field (`line_id`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import psutil
+
+from ipc.events import PREFIX
+
+# The worker's exit status when restarting cannot help: a bad model dir, a
+# bad adapter with no good copy, a resource limit (sysexits.h's EX_CONFIG).
+# Its one-line cause is the last line it wrote on stderr.
+EX_CONFIG = 78
+
+# Events a worker writes for the supervisor alone; never relayed to clients.
+HEARTBEAT = "heartbeat"
+WORKER_STATS = "worker_stats"
+# Events the pool writes (or relays) about a model's life, as opposed to a
+# request's lines: the control socket copies these to its clients.
+LIFECYCLE = frozenset({"loading", "ready", "unloaded", "restarting", "failed", "adapter_loaded", "adapter_error", "stats"})
+
+
+class Done(msgspec.Struct, tag_field="ev", tag="gen_token"):
+    """The final line of a request (`"done":true`)."""
+
+    gen_tokens: int = 0
+    ttft_ms: float = 0.0
+    tok_s: float = 0.0
+    finish_reason: str | None = None
+
+
+class Error(msgspec.Struct, tag_field="ev", tag="error"):
+    msg: str = ""
+    code: str | None = None
+
+
+class Ready(msgspec.Struct, tag_field="ev", tag="ready"):
+    model: str | None = None
+    format: str | None = None
+    load_ms: int = 0
+
+
+class Loading(msgspec.Struct, tag_field="ev", tag="loading"):
+    model: str | None = None
+    bytes_loaded: int = 0
+    bytes_total: int = 0
+
+
+class Heartbeat(msgspec.Struct, tag_field="ev", tag=HEARTBEAT):
+    busy: bool = False
+
+
+class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
+    """The worker's measured memory and batch figures (docs/monitoring.md)."""
+
+    format: str | None = None
+    weights_bytes: int = 0
+    adapter_bytes: int = 0
+    rss_bytes: int = 0
+    uss_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    active_rows: int = 0
+    waiting_rows: int = 0
+    rows_cache_bytes: int = 0
+    max_batch: int = 0
+
+
+class AdapterLoaded(msgspec.Struct, tag_field="ev", tag="adapter_loaded"):
+    sha256: str | None = None
+
+
+class AdapterError(msgspec.Struct, tag_field="ev", tag="adapter_error"):
+    msg: str = ""
+
+
+class Other(msgspec.Struct):
+    """A well-formed event of a kind the supervisor passes on untouched."""
+
+    ev: str
+
+
+class Malformed(msgspec.Struct):
+    """A line that is no event we can read. `terminal`: it claimed to end a
+    request (a done or error line), so that request cannot end through it."""
+
+    why: str
+    terminal: bool = False
+
+
+class _Token:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TOKEN"
+
+
+TOKEN = _Token()  # a non-final token line: relay its bytes
+
+WorkerEvent = Done | Error | Ready | Loading | Heartbeat | WorkerStats | AdapterLoaded | AdapterError
+_decoder = msgspec.json.Decoder(WorkerEvent)
+_KNOWN = frozenset(t.__struct_config__.tag for t in WorkerEvent.__args__)
+_TERMINAL = frozenset({"gen_token", "error"})
+_object = msgspec.json.Decoder(dict)
+_EVENT_HEAD = PREFIX + b'{"ev":"'
+_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token",'
+_FINAL = b'"done":true'
+_ID_TAIL = b',"id":'
+
+
+def event_name(line: bytes) -> str:
+    """The `ev` of a line whose JSON starts with it (every encoder in
+    ipc.events writes it first), without decoding JSON; "" for others."""
+    if not line.startswith(_EVENT_HEAD):
+        return ""
+    end = line.find(b'"', len(_EVENT_HEAD))
+    return line[len(_EVENT_HEAD) : end].decode("utf-8", "replace") if end > 0 else ""
+
+
+def is_token(line: bytes) -> bool:
+    """A non-final gen_token line. Inside the escaped token text every quote
+    is written as \\", so the bytes `"done":true` can only be the field."""
+    return line.startswith(_TOKEN_HEAD) and _FINAL not in line
+
+
+def read_line(line: bytes) -> _Token | WorkerEvent | Other | Malformed:
+    """The one reading of a worker line (with its newline)."""
+    name = event_name(line)
+    if not name or not line.endswith(b"}\n"):
+        return Malformed("not an event line")
+    if name == "gen_token" and _FINAL not in line:
+        return TOKEN
+    body = line[len(PREFIX) :]
+    if name in _KNOWN:
+        try:
+            return _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            return Malformed(f"a malformed {'final' if name == 'gen_token' else name} line ({exc})", name in _TERMINAL)
+    try:
+        _object.decode(body)
+    except msgspec.DecodeError as exc:
+        return Malformed(f"not a JSON object ({exc})")
+    return Other(name)
+
+
+def line_id(line: bytes) -> bytes | None:
+    """The id of a request's line as the JSON text it carries, or None for a
+    line without one."""
+    at = line.rfind(_ID_TAIL)
+    return None if at < 0 else line[at + len(_ID_TAIL) : -2]
+
+
+def event_body(line: bytes) -> bytes:
+    """The JSON object of an event line."""
+    return line[len(PREFIX) :] if line.startswith(PREFIX) else line
+
+
+def parse_event(line: bytes) -> dict:
+    """Any event line as a dict, for clients that show events (not the relay)."""
+    return _object.decode(event_body(line))
+
+
+def rss_uss(pid: int | None = None) -> dict[str, int]:
+    """`rss_bytes` and `uss_bytes` of process `pid` (default: this one) as
+    worker_stats reports them: USS where the OS has it, else RSS; 0 when the
+    process cannot be read."""
+    try:
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return {"rss_bytes": 0, "uss_bytes": 0}
+    return {"rss_bytes": int(info.rss), "uss_bytes": int(getattr(info, "uss", info.rss))}

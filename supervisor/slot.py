@@ -1,0 +1,569 @@
+"""The worker slot: one worker as the pool sees it.
+
+A slot owns its worker's state alone (llama-swap's one-owner-per-process
+rule): the state machine (supervisor.states), the requests waiting for the
+worker and those in flight at it, the child process, crash handling and the
+stall watchdog. Everything runs on the event loop thread, so no locks. The
+pool drives a slot through its methods and hears back through `SlotEvents`;
+a slot never reaches into the pool.
+
+Up to `max_batch` requests are in flight at the worker, the rest wait here,
+first in first out. Each line the worker writes belongs to the in-flight
+request its id tail names (a line without an id, to the one request without
+an id) and is relayed to that request's sink as received, never decoded and
+re-encoded; every other line is read once (ipc.worker_events.read_line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import time
+from typing import Callable, Coroutine, Protocol
+
+from ipc.events import LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
+from ipc.messages import Cancel, SetAdapter, Stats
+from ipc.worker_events import (
+    TOKEN,
+    AdapterError,
+    AdapterLoaded,
+    Done,
+    Error,
+    Heartbeat,
+    Malformed,
+    Ready,
+    WorkerStats,
+    is_token,
+    line_id,
+    read_line,
+)
+from supervisor.child import ChildProcess, MAX_WORKER_LINE, RESOURCE_ERRNOS
+from supervisor.job import Job, Sink
+from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
+from supervisor.resolve import ModelSpec
+from supervisor.states import LIVE, State, StateMachine
+from supervisor.stderr import LastMessage
+
+log = logging.getLogger("lattice.worker")
+
+_TOKEN_LINE_START = b'\n@@lattice {"ev":"gen_token","token":'
+
+# How long cancelled requests may take to end before their worker is killed.
+CANCEL_GRACE = 5.0
+
+
+class SlotEvents(Protocol):
+    """What a slot tells its owner; every call comes from the event loop."""
+
+    def request_ended(self, slot: "WorkerSlot", job: Job) -> None:
+        """The job's one terminal line has gone to its sink."""
+
+    def request_done(self, slot: "WorkerSlot", done: Done) -> None:
+        """The worker finished a request (its done line, for the counters)."""
+
+    def error_counted(self, slot: "WorkerSlot", code: str | None) -> None:
+        """An error line ended a request (the worker's or the slot's)."""
+
+    def adapter_event(self, slot: "WorkerSlot", loaded: bool) -> None:
+        """adapter_loaded (True) or adapter_error (False) from the worker."""
+
+    def restarted(self, slot: "WorkerSlot") -> None: ...
+
+    def idle(self, slot: "WorkerSlot") -> None:
+        """Nothing in flight or queued (or the model failed): room for others."""
+
+    def worker_stderr(self, data: bytes) -> None: ...
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """Runs a task the owner cancels when it shuts down."""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerSlot:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        events: SlotEvents,
+        lines: Sink,
+        command: Callable[[], tuple[list[str], dict[str, str]]],
+        restart_policy: RestartPolicy,
+        rng,
+        max_batch: int = 1,
+    ):
+        self.spec = spec
+        self.events = events
+        self.lines = lines  # lifecycle events and lines of no request
+        self.command = command
+        self.restart_policy = restart_policy
+        self.rng = rng
+        self.max_batch = max_batch
+        self.sm = StateMachine(self._describe)
+        self.queue: collections.deque[Job] = collections.deque()
+        self.in_flight: dict[bytes | None, Job] = {}  # by id (None: the id-less request), in dispatch order
+        self.child: ChildProcess | None = None
+        self.history = CrashHistory()
+        self.restarts = 0
+        self.served = 0
+        self.tokens = 0
+        self.last_used = time.monotonic()
+        self.last_heard = time.monotonic()
+        self.ready_line: bytes | None = None
+        self.stats: WorkerStats | None = None
+        self.stderr_tail = LastMessage()
+        self.reading_paused = False
+        self._whole: Sink | None = None  # where a block of token lines may go whole
+        self._stats_waiters: list[asyncio.Future] = []
+        self._restart_timer: asyncio.TimerHandle | None = None
+        self._kill_reason: str | None = None
+        # Since when a worker with requests in flight says it is idle.
+        self._idle_since: float | None = None
+        self._drained = asyncio.Event()  # set while nothing is in flight
+        self._drained.set()
+        self._stopped = asyncio.Event()
+        self._retired = False  # stopped for good: a slot is never reused
+        self.settled = asyncio.Event()  # set once the first start ended: ready or failed
+
+    # -- identity and state --------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def lora(self) -> str | None:
+        return str(self.spec.lora) if self.spec.lora else None
+
+    @property
+    def state(self) -> State:
+        return self.sm.state
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child and not self.child.exited.is_set() else None
+
+    def _describe(self) -> str:
+        pid = self.child.pid if self.child else "-"
+        lora = f" lora={self.lora}" if self.lora else ""
+        return f"model={self.name}{lora} pid={pid}"
+
+    def _emit(self, ev: str, **fields: object) -> None:
+        self.lines.write(encode_event(ev, model=self.name, lora=self.lora, **fields))
+
+    @property
+    def idle(self) -> bool:
+        return self.state == State.READY and not self.in_flight and not self.queue
+
+    def uptime(self) -> float:
+        if self.child is None or self.state not in LIVE:
+            return 0.0
+        return time.monotonic() - self.child.started_at
+
+    def touch(self) -> None:
+        """Counts as a use for least-recently-used eviction."""
+        self.last_used = time.monotonic()
+
+    # -- starting --------------------------------------------------------------
+
+    async def start(self, reason: str) -> None:
+        """Spawns the worker; `ready` from it moves the state on."""
+        if self._retired:
+            # A restart or load scheduled just before the slot was stopped.
+            log.info("%s: not started (%s): the model was unloaded", self._describe(), reason)
+            return
+        self.sm.to(State.LOADING, reason)
+        self.ready_line = None
+        self._kill_reason = None
+        self._emit("loading")
+        child = ChildProcess(self._on_lines, self._on_stderr, self._on_exit, self._on_overflow)
+        self.child = child
+        self.last_heard = time.monotonic()
+        try:
+            await child.start(*self.command())
+        except Exception as exc:
+            self.child = None
+            if self.state != State.LOADING:
+                return
+            how = f"cannot start the worker process: {exc}"
+            if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS:
+                # Out of file descriptors or processes: that passes, so it is retried like a crash.
+                log.error("%s: %s; will retry", self._describe(), how)
+                self._crashed(how, how, exit_code=None, uptime=0.0, was_loading=True)
+            else:
+                log.error("%s: %s", self._describe(), how, exc_info=not isinstance(exc, OSError))
+                self._give_up(how, LOAD_FAILED)
+            return
+        child.pause_reading(self.reading_paused)
+        log.info("%s: worker started", self._describe())
+
+    def pause_reading(self, paused: bool) -> None:
+        """Stops reading the worker while its lines' reader is slow."""
+        self.reading_paused = paused
+        if self.child is not None:
+            self.child.pause_reading(paused)
+
+    # -- requests --------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if self.state == State.FAILED:
+            self.end_with_error(job, MODEL_FAILED, f"model {job.spec.name!r} has failed; send a load op to retry")
+            return
+        self.queue.append(job)
+        self.touch()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.state not in (State.READY, State.BUSY):
+            return
+        while self.queue and len(self.in_flight) < self.max_batch:
+            job = self.queue.popleft()
+            self.in_flight[job.key] = job
+            self._in_flight_changed()
+            self._idle_since = None
+            if self.state == State.READY:
+                self.sm.to(State.BUSY, f"request {job.label}")
+            if not self.child.send(job.generate):
+                log.warning("%s: request pipe closed while dispatching %s", self._describe(), job.label)
+
+    def _in_flight_changed(self) -> None:
+        self._whole = self._whole_sink()
+        if self.in_flight:
+            self._drained.clear()
+        else:
+            self._drained.set()
+
+    def _whole_sink(self) -> Sink | None:
+        """The sink a block of token lines may be relayed to whole, without
+        reading it line by line: the in-flight requests' one sink, once every
+        one of them has emitted (a request's first line must be seen, as it
+        decides whether a crash may retry it) or when only one is in flight."""
+        jobs = list(self.in_flight.values())
+        if not jobs:
+            return None
+        sink = jobs[0].sink
+        if any(job.sink is not sink for job in jobs) or (len(jobs) > 1 and not all(job.emitted for job in jobs)):
+            return None
+        return sink
+
+    def cancel(self, id_json: str) -> bool:
+        """Cancels a queued or in-flight request with this id."""
+        for job in self.queue:
+            if job.id_json == id_json:
+                self.queue.remove(job)
+                self._end(job, encode_cancelled_done(job.id_json))
+                return True
+        job = self.in_flight.get(id_json.encode())
+        if job is not None and self.child is not None:
+            self.child.send(Cancel(rid=job.rid))
+            return True
+        return False
+
+    def fail_queued(self, code: str, msg: Callable[[str], str]) -> None:
+        """Ends every queued request with an error; `msg(name)` says why,
+        naming the model as the request named it."""
+        jobs = list(self.queue)
+        self.queue.clear()
+        for job in jobs:
+            self.end_with_error(job, code, msg(job.spec.name))
+
+    def end_with_error(self, job: Job, code: str, msg: str) -> None:
+        self.events.error_counted(self, code)
+        self._end(job, encode_error(msg, code, job.id_json))
+
+    def _end(self, job: Job, line: bytes) -> None:
+        """Writes the one terminal line of a request (from the worker or ours)."""
+        if job.finished:
+            log.error("%s: second terminal line for request %s dropped", self._describe(), job.label)
+            return
+        job.finished = True
+        job.sink.write(line)
+        self.events.request_ended(self, job)
+
+    # -- worker output -----------------------------------------------------------
+
+    def _on_lines(self, block: bytes) -> None:
+        if self._kill_reason is not None:
+            return  # being killed as broken: nothing it writes counts any more
+        self.last_heard = time.monotonic()
+        # Fast path: a block in which every line starts as a token line and
+        # none is final goes whole to the requests' one sink. The searches
+        # run in C, so a flood costs no Python per line; anything else (a
+        # stray line included) goes line by line.
+        sink = self._whole
+        if sink is not None and is_token(block) and block.count(_TOKEN_LINE_START) == block.count(b"\n") - 1:
+            for job in self.in_flight.values():
+                job.emitted = True
+            self._idle_since = None
+            sink.write(block)
+            return
+        for line in block.splitlines(keepends=True):
+            self._on_line(line)
+            if self._kill_reason is not None:
+                return
+
+    def _on_line(self, line: bytes) -> None:
+        # Token lines are relayed as the worker wrote them (its EventChannel
+        # writes whole lines); every other line is read before it can reach
+        # a client, and a terminal line we cannot read means the worker is
+        # broken: it is killed, so the request still ends once.
+        event = read_line(line)
+        if event is TOKEN:
+            job = self.in_flight.get(line_id(line))
+            if job is None:
+                log.warning("%s: token line of no request in flight dropped: %r", self._describe(), line[-80:])
+                return
+            if not job.emitted:
+                job.emitted = True
+                self._whole = self._whole_sink()
+            self._idle_since = None
+            job.sink.write(line)
+            return
+        match event:
+            case Done():
+                job = self.in_flight.get(line_id(line))
+                if job is None:
+                    log.warning("%s: final line of no request in flight dropped: %r", self._describe(), line[-80:])
+                    return
+                self._finish(job, line, event)
+            case Error(code=code):
+                job = self.in_flight.get(line_id(line))
+                if job is None:
+                    self.lines.write(line)
+                    return
+                self.events.error_counted(self, code)
+                self._finish(job, line, None)
+            case Heartbeat(busy=busy):
+                if not self.in_flight or busy:
+                    self._idle_since = None
+                elif self._idle_since is None:
+                    self._idle_since = time.monotonic()
+            case WorkerStats():
+                self._got_stats(event)
+            case Ready():
+                self._on_ready(line)
+            case Malformed(why=why, terminal=terminal):
+                if terminal and self.in_flight:
+                    # Which request it meant to end cannot be read: the
+                    # worker is broken, and its crash ends them all once.
+                    self.kill(f"it wrote {why}")
+                else:
+                    log.warning("%s: malformed line from the worker dropped (%s): %r", self._describe(), why, line[:120])
+            case _:
+                self.lines.write(line)
+                if isinstance(event, (AdapterLoaded, AdapterError)):
+                    self.events.adapter_event(self, isinstance(event, AdapterLoaded))
+
+    def _finish(self, job: Job, line: bytes, done: Done | None) -> None:
+        del self.in_flight[job.key]
+        self._in_flight_changed()
+        self.served += 1
+        self.touch()
+        if done is not None:
+            self.tokens += done.gen_tokens
+            self.events.request_done(self, done)
+        self._end(job, line)
+        if not self.in_flight and self.state == State.BUSY:
+            self.sm.to(State.READY, f"request {job.label} done")
+        self._dispatch()
+        if self.idle:
+            self.events.idle(self)
+
+    def _on_ready(self, line: bytes) -> None:
+        self.ready_line = line
+        if self.state != State.LOADING:
+            self.lines.write(line)
+            return
+        self.sm.to(State.READY, "worker ready")
+        self.settled.set()
+        self.lines.write(line)
+        self.request_stats_nowait()
+        self._dispatch()
+        if self.idle:
+            self.events.idle(self)
+
+    def _on_stderr(self, data: bytes) -> None:
+        self.last_heard = time.monotonic()
+        self.stderr_tail.feed(data)
+        self.events.worker_stderr(data)
+
+    def _on_overflow(self) -> None:
+        self.kill(f"it wrote a line longer than {MAX_WORKER_LINE} bytes")
+
+    # -- stats -------------------------------------------------------------------
+
+    def request_stats_nowait(self) -> None:
+        if self.child is not None:
+            self.child.send(Stats())
+
+    async def fresh_stats(self, timeout: float = 2.0) -> WorkerStats | None:
+        """The worker's measured figures now, or the last ones it reported
+        (None before its first report)."""
+        if self.child is None or self.state not in LIVE:
+            return self.stats
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(future)
+        if not self.child.send(Stats()):
+            self._stats_waiters.remove(future)
+            return self.stats
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return self.stats
+
+    def _got_stats(self, stats: WorkerStats) -> None:
+        self.stats = stats
+        waiters, self._stats_waiters = self._stats_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(stats)
+
+    # -- adapters ----------------------------------------------------------------
+
+    def set_adapter(self, path: str | None) -> bool:
+        if self.child is None or self.state not in LIVE:
+            return False
+        return self.child.send(SetAdapter(path=path))
+
+    # -- faults ------------------------------------------------------------------
+
+    def kill(self, reason: str) -> None:
+        """Kills a misbehaving worker; its exit then goes through the crash path."""
+        if self.child is None or self.child.exited.is_set():
+            return
+        log.warning("%s: killing worker: %s", self._describe(), reason)
+        self._kill_reason = reason
+        self.child.kill()
+
+    def check_stall(self, now: float, stall_timeout: float) -> None:
+        child = self.child
+        if child is None or child.exited.is_set() or self.state not in LIVE:
+            return
+        blocked = child.write_blocked_since
+        if blocked is not None and now - blocked > stall_timeout:
+            self.kill(f"it has not read its request pipe for {now - blocked:.0f}s (stall_timeout {stall_timeout:g}s)")
+            return
+        if child.reading_paused:
+            # A slow client made us stop reading this worker: its silence is
+            # ours, and its last heartbeat may be stale.
+            self.last_heard = now
+            if self._idle_since is not None:
+                self._idle_since = now
+            return
+        if self.state == State.BUSY and self._idle_since is not None and now - self._idle_since > stall_timeout:
+            # Alive (heartbeats) but it never picked up the request: its
+            # request pipe is stuck, short of full.
+            self.kill(f"its heartbeats say idle {now - self._idle_since:.0f}s after a request was sent (stall_timeout {stall_timeout:g}s)")
+            return
+        if self.state in (State.LOADING, State.BUSY) and now - self.last_heard > stall_timeout:
+            self.kill(f"no event or heartbeat for {now - self.last_heard:.0f}s (stall_timeout {stall_timeout:g}s)")
+
+    def _on_exit(self, code: int | None) -> None:
+        child = self.child
+        child.signal_group(signal.SIGKILL)
+        child.close()
+        if self.state == State.STOPPING:
+            self._cancel_in_flight()
+            self._stopped.set()
+            return
+        how = self._kill_reason or describe_exit(code)
+        last = self.stderr_tail.text()
+        tail = f"; last stderr: {last}" if last else ""
+        was_loading = self.state == State.LOADING
+        log.error("%s: worker died (%s)%s", self._describe(), how, tail)
+        jobs = list(self.in_flight.values())
+        self.in_flight.clear()
+        self._in_flight_changed()
+        retry = []
+        for job in jobs:
+            if not job.emitted and job.attempts == 0:
+                # Nothing reached the client yet, so a second try is invisible.
+                job.attempts += 1
+                retry.append(job)
+                log.info("%s: request %s will be retried after the restart", self._describe(), job.label)
+            else:
+                self.end_with_error(job, WORKER_CRASHED, f"worker for model {job.spec.name!r} crashed ({how}) while generating{tail}")
+        self.queue.extendleft(reversed(retry))
+        self._crashed(how, f"{how}{tail}", exit_code=code, uptime=time.monotonic() - child.started_at, was_loading=was_loading)
+
+    def _crashed(self, how: str, why: str, *, exit_code: int | None, uptime: float, was_loading: bool) -> None:
+        """Restart with backoff, or give up: the restart policy decides."""
+        decision = on_crash(self.restart_policy, self.history, now=time.monotonic(), uptime=uptime, exit_code=exit_code, rng=self.rng)
+        self.history = decision.history
+        if isinstance(decision, GiveUp):
+            self._give_up(f"{decision.reason} ({why})", LOAD_FAILED if was_loading else MODEL_FAILED)
+            return
+        self.restarts += 1
+        self.events.restarted(self)
+        self.sm.to(State.RESTARTING, how)
+        self._emit("restarting", attempt=decision.attempt, delay_s=round(decision.delay, 3), reason=how)
+        self._restart_timer = asyncio.get_running_loop().call_later(decision.delay, self._restart_now)
+
+    def _restart_now(self) -> None:
+        self._restart_timer = None
+        if self.state == State.RESTARTING:
+            self.events.spawn(self.start("restart after crash"))
+
+    def _give_up(self, reason: str, code: str) -> None:
+        self.sm.to(State.FAILED, reason)
+        self.settled.set()
+        self._emit("failed", reason=reason)
+        self.fail_queued(code, lambda model: f"model {model!r} failed: {reason}")
+        self.events.idle(self)
+
+    def reset_failed(self) -> None:
+        self.history = CrashHistory()
+
+    # -- stopping ----------------------------------------------------------------
+
+    async def stop(self, reason: str, queued_code: str = UNLOADED) -> None:
+        """Ends queued requests with `queued_code`, cancels those in flight
+        (finish_reason cancelled), stops the process and emits `unloaded`."""
+        self._retired = True
+        if self.state == State.STOPPING:
+            await self._stopped.wait()
+            return
+        def not_run(model: str) -> str:
+            return f"request not run: model {model!r} {reason}"
+
+        if self.state == State.UNLOADED:
+            # Never started (waiting for room): nothing to stop.
+            self.fail_queued(queued_code, not_run)
+            self._emit("unloaded", reason=reason)
+            return
+        self.sm.to(State.STOPPING, reason)
+        if self._restart_timer is not None:
+            self._restart_timer.cancel()
+            self._restart_timer = None
+        self.fail_queued(queued_code, not_run)
+        child = self.child
+        if self.in_flight and child is not None and not child.exited.is_set():
+            for job in self.in_flight.values():
+                child.send(Cancel(rid=job.rid))
+            try:
+                await asyncio.wait_for(self._drained.wait(), CANCEL_GRACE)
+            except asyncio.TimeoutError:
+                log.warning("%s: requests %s ignored their cancel", self._describe(), ", ".join(j.label for j in self.in_flight.values()))
+        if child is not None and not child.exited.is_set():
+            await child.stop()
+        self._cancel_in_flight()
+        self._stopped.set()
+        self.sm.to(State.UNLOADED, reason)
+        self._emit("unloaded", reason=reason)
+
+    def _cancel_in_flight(self) -> None:
+        jobs = list(self.in_flight.values())
+        self.in_flight.clear()
+        self._in_flight_changed()
+        for job in jobs:
+            self._end(job, encode_cancelled_done(job.id_json))

@@ -1,0 +1,77 @@
+"""The packages' import graphs, read from the source with `ast`: no circle
+in any of them (TYPE_CHECKING imports count too), and `ipc` is the only
+package the supervisor and the worker share."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from harness.procs import ROOT
+
+PACKAGES = ("supervisor", "worker", "ipc", "harness")
+
+
+def modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(path: Path) -> set[str]:
+    """Every module an `import` or `from ... import` names, and for `from
+    package import name` the submodule it may be."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def graph(package: str) -> dict[str, set[str]]:
+    mods = modules(package)
+    return {name: {m for m in imported(path) if m in mods and m != name} for name, path in mods.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circle(package):
+    assert len(graph(package)) > 2
+    assert cycles(graph(package)) == []
+
+
+@pytest.mark.parametrize("package, never", [("supervisor", "worker"), ("worker", "supervisor"), ("ipc", "supervisor"), ("ipc", "worker")])
+def test_only_ipc_is_shared(package, never):
+    for name, path in modules(package).items():
+        assert not {m for m in imported(path) if m.split(".")[0] == never}, f"{name} imports {never}"

@@ -1,0 +1,72 @@
+"""ipc.worker_events: every worker line read once, into a typed event."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.events import encode_cancelled_done, encode_done, encode_error, encode_event, encode_token
+from ipc.worker_events import (
+    TOKEN,
+    AdapterLoaded,
+    Done,
+    Error,
+    Heartbeat,
+    Malformed,
+    Other,
+    Ready,
+    WorkerStats,
+    event_name,
+    is_token,
+    line_id,
+    read_line,
+)
+
+
+def test_line_classification():
+    assert event_name(encode_token("\"done\":true")) == "gen_token"
+    assert read_line(encode_token('","done":true,"x":"')) is TOKEN
+    assert isinstance(read_line(encode_done(tok_s=0, ttft_ms=0, prompt_tokens=0, gen_tokens=0, total_ms=0)), Done)
+    assert event_name(encode_event("heartbeat")) == "heartbeat"
+    assert event_name(b"garbage\n") == ""
+
+
+def test_each_kind_becomes_its_struct():
+    done = read_line(encode_done(tok_s=12.5, ttft_ms=3.25, prompt_tokens=9, gen_tokens=64, total_ms=5120, finish_reason="stop", id_json='"r1"'))
+    assert isinstance(done, Done) and (done.gen_tokens, done.tok_s, done.finish_reason) == (64, 12.5, "stop")
+    assert read_line(encode_error("no prompt", "bad_request", "7")) == Error(msg="no prompt", code="bad_request")
+    assert read_line(encode_event("heartbeat", busy=True)) == Heartbeat(busy=True)
+    ready = read_line(encode_event("ready", model="m", format="q4", lora=None, load_ms=812, weights_bytes=3))
+    assert ready == Ready(model="m", format="q4", load_ms=812)
+    stats = read_line(encode_event("worker_stats", model="m", format="bf16", weights_bytes=10, rss_bytes=40, active_rows=3, max_batch=8))
+    assert isinstance(stats, WorkerStats) and (stats.rss_bytes, stats.active_rows, stats.max_batch, stats.waiting_rows) == (40, 3, 8, 0)
+    assert read_line(encode_event("adapter_loaded", model="m", sha256="ab")) == AdapterLoaded(sha256="ab")
+    assert read_line(encode_event("mystery", model="m")) == Other("mystery")
+
+
+@pytest.mark.parametrize(
+    "line, terminal",
+    [
+        (b"hello from a stray print\n", False),
+        (b'@@lattice {"ev":"loading",broken}\n', False),
+        (b'@@lattice {"ev":"gen_tok\n', False),
+        (b'@@lattice {"ev":"mystery","x":"\xff"}\n', False),
+        (b'@@lattice {"ev":"gen_token","token":"","done":true,"gen_tokens":"many"}\n', True),
+        (b'@@lattice {"ev":"error","msg":3,"code":[]}\n', True),
+        (b'@@lattice {"ev":"heartbeat","busy":"yes"}\n', False),
+    ],
+)
+def test_what_cannot_be_read_is_malformed(line, terminal):
+    event = read_line(line)
+    assert isinstance(event, Malformed) and event.terminal is terminal
+
+
+def test_the_id_is_read_from_the_tail():
+    tricky = 'a","id":"forged'  # the text escapes its quotes, so it cannot end the line
+    assert line_id(encode_token(tricky, '"r,\\"id\\":1"')) == b'"r,\\"id\\":1"'
+    assert line_id(encode_token(tricky)) is None
+    assert line_id(encode_token("x", "42")) == b"42"
+    assert line_id(encode_cancelled_done("-1.5")) == b"-1.5"
+    assert line_id(encode_error("no", "bad_request", '"é"')) == '"é"'.encode()
+    assert line_id(encode_done(tok_s=0, ttft_ms=0, prompt_tokens=0, gen_tokens=0, total_ms=0)) is None
+    block = encode_token("a", "1") + encode_token("b", "1")
+    assert is_token(block) and not is_token(block + encode_cancelled_done("1"))
