@@ -7,6 +7,9 @@ stall watchdog. Everything runs on the event loop thread, so no locks. The
 pool drives a slot through its methods and hears back through `SlotEvents`;
 a slot never reaches into the pool.
 
+A slot serves every name whose spec has its key (model dir, adapter); the
+name a request used travels with its Job, and errors name that one.
+
 Up to `max_batch` requests are in flight at the worker, the rest wait here,
 first in first out. Each line the worker writes belongs to the in-flight
 request its id tail names (a line without an id, to the one request without
