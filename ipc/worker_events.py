@@ -148,6 +148,15 @@ def token_block(block: bytes) -> int:
     return 0
 
 
+def holds(block: bytes, key: bytes | None, lines: int) -> bool:
+    """Whether a block of `lines` token lines holds a line of the request
+    whose id is `key` (its id tail ends a line), or for key None, of the
+    request without an id (a line has no id)."""
+    if key is None:
+        return block.count(ID_TAIL) < lines
+    return ID_TAIL + key + b"}\n" in block
+
+
 def read_line(line: bytes) -> _Token | WorkerEvent | Other | Malformed:
     """The one reading of a worker line (with its newline)."""
     name = event_name(line)

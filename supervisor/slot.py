@@ -29,7 +29,6 @@ from typing import Callable, Coroutine, Protocol
 from ipc.events import LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
 from ipc.messages import Cancel, Generate, SetAdapter, Stats, ToWorker
 from ipc.worker_events import (
-    ID_TAIL,
     TOKEN,
     AdapterError,
     AdapterLoaded,
@@ -39,6 +38,7 @@ from ipc.worker_events import (
     Malformed,
     Ready,
     WorkerStats,
+    holds,
     line_id,
     read_line,
     token_block,
@@ -269,13 +269,6 @@ class WorkerSlot:
         job.emitted = True
         self._silent.remove(job)
 
-    def _speaks(self, job: Job, block: bytes, lines: int) -> bool:
-        """Whether a block of token lines holds a line of `job`: its id tail
-        ends a line, or, for the request without an id, a line has none."""
-        if job.key is None:
-            return block.count(ID_TAIL) < lines
-        return ID_TAIL + job.key + b"}\n" in block
-
     def cancel(self, id_json: str) -> bool:
         """Cancels a queued or in-flight request with this id."""
         for job in self.queue:
@@ -326,7 +319,7 @@ class WorkerSlot:
             if len(self.in_flight) == 1:
                 if self._silent:
                     self._emitted(self._silent[0])
-            elif any(self._speaks(job, block, lines) for job in self._silent):
+            elif any(holds(block, job.key, lines) for job in self._silent):
                 sink = None
             if sink is not None:
                 self._idle_since = None

@@ -16,6 +16,7 @@ from ipc.worker_events import (
     Ready,
     WorkerStats,
     event_name,
+    holds,
     is_token,
     line_id,
     read_line,
@@ -79,3 +80,10 @@ def test_a_block_of_token_lines_is_counted():
     assert token_block(block + encode_cancelled_done("1")) == 0
     assert token_block(block + encode_event("heartbeat", busy=True)) == 0
     assert token_block(encode_event("heartbeat", busy=True) + block) == 0
+
+
+def test_a_block_says_whose_lines_it_holds():
+    block = encode_token("a", "11") + encode_token("b", '"1"')
+    assert holds(block, b"11", 2) and holds(block, b'"1"', 2)
+    assert not holds(block, b"1", 2) and not holds(block, b'"11"', 2) and not holds(block, None, 2)
+    assert holds(block + encode_token("c"), None, 3)
