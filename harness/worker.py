@@ -40,6 +40,9 @@ class WorkerProc:
             stderr=subprocess.PIPE,
             env=child_env(),
             cwd=ROOT,
+            # In a session of its own, as the pool starts its workers: with
+            # autogroup scheduling that decides its share of a busy CPU.
+            start_new_session=True,
         )
         self._lines: queue.Queue[tuple[bytes, float] | None] = queue.Queue()
         self.stderr = bytearray()

@@ -38,6 +38,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
+    p.add_argument("--max-batch", type=int, help="requests one worker decodes together; more wait in the pool (default 8)")
     p.add_argument("--log-level", help="stderr log level: DEBUG, INFO (default), WARNING, ERROR")
 
 
@@ -48,7 +49,7 @@ def add_monitor_flags(p: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
-    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "metrics_port", "control_socket")
+    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "max_batch", "metrics_port", "control_socket")
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
