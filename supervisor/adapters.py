@@ -158,16 +158,29 @@ class AdapterCopies:
     def __init__(self) -> None:
         self._root: Path | None = None
 
-    def dir_for(self, spec: ModelSpec) -> Path:
+    def dir_for(self, spec: ModelSpec) -> Path | None:
+        """The directory for the worker of `spec`, asked at each start of
+        it; None while the private directory cannot be made (out of file
+        descriptors, say): copies are insurance, never a reason for a
+        worker not to start."""
         if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
-        return self._root / hashlib.sha256(repr(spec.key).encode()).hexdigest()[:16]
+            try:
+                self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
+            except OSError as exc:
+                log.warning("no directory for adapter copies now (%s); this worker start keeps none", exc)
+                return None
+        return self._root / _subdir(spec)
 
     def forget(self, spec: ModelSpec) -> None:
         if self._root is not None:
-            shutil.rmtree(self.dir_for(spec), ignore_errors=True)
+            shutil.rmtree(self._root / _subdir(spec), ignore_errors=True)
 
     def remove_all(self) -> None:
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+def _subdir(spec: ModelSpec) -> str:
+    """The copies of one worker (one worker key)."""
+    return hashlib.sha256(repr(spec.key).encode()).hexdigest()[:16]

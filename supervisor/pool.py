@@ -269,8 +269,7 @@ class Pool:
         first name of a worker creates its slot and starts its admission."""
         slot = self.slots.get(spec.key)
         if slot is None:
-            copies = self.copies.dir_for(spec)
-            command = lambda: worker_command(spec, self.config, copies)  # noqa: E731
+            command = lambda: worker_command(spec, self.config, self.copies.dir_for(spec))  # noqa: E731
             slot = WorkerSlot(spec, self, self.output, command, self.restart_policy, self.rng, next(self._numbers))
             slot.pause_reading(self.output.paused)
             self.slots[spec.key] = slot

@@ -329,3 +329,21 @@ def test_ps_puts_the_adapters_of_a_worker_under_its_first_row():
     assert [line.split()[0] for line in lines] == ["NAME", "a", "a-terse", "b", "b-style", "c-only"]
     assert [line.startswith("  ") for line in lines[1:]] == [False, True, False, True, False]
     assert "+5.0 KB" in lines[2] and "2.0 MB" in lines[1] and "2.0 MB" in lines[5] and "+5.0 KB" not in lines[5]
+
+
+def test_a_worker_stays_as_long_as_the_longest_keep_alive_of_its_names():
+    from pathlib import Path
+
+    from supervisor.policy import RestartPolicy
+    from supervisor.resolve import ModelSpec
+    from supervisor.slot import WorkerSlot
+
+    def spec(name, lora, keep):
+        return ModelSpec(name, Path("/m"), Path(lora) if lora else None, keep_alive=keep)
+
+    slot = WorkerSlot(spec("a", None, 10.0), None, None, None, RestartPolicy(), None)
+    slot.join(spec("a", None, 10.0))
+    slot.join(spec("b", "/x", 30.0))
+    assert slot.keep_alive == 30.0 and len(slot.names) == 2
+    slot.join(spec("c", "/y", None))
+    assert slot.keep_alive is None
