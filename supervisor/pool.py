@@ -430,7 +430,8 @@ class Pool:
         """Brings up the name `spec`: its worker starts if it does not run,
         its adapter is loaded into the running worker if it has one. A name
         already up gets its `ready` line again, and its adapter is loaded
-        again (read anew if the worker had dropped it)."""
+        again (read anew if the worker had dropped it, answered by
+        adapter_loaded)."""
         slot = self.slots.get(spec.key)
         if slot is not None and slot.state == State.FAILED:
             # An explicit load is the user saying "try again".
@@ -442,9 +443,12 @@ class Pool:
         slot = self.slot_for(spec)
         slot.touch()
         name = slot.names[spec.name_key]
-        if already and name.up and slot.state in (State.READY, State.BUSY):
-            (answer or self.output.write)(name.ready_line)
+        if already and slot.state in (State.READY, State.BUSY):
+            if name.up:
+                (answer or self.output.write)(name.ready_line)
             if name.lora is not None:
+                # Read again if the worker dropped it, or if it failed before
+                # (its name then comes up now).
                 slot.load_adapter(name.lora)
 
     def reload(self, spec: ModelSpec, id_json: str | None, answer: Answer | None = None) -> None:

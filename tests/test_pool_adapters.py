@@ -44,17 +44,18 @@ def live(files, tmp_path_factory):
     root = tmp_path_factory.mktemp("names")
     paths = {name: shutil.copytree(files[name, "peft"], root / name) for name in ("x", "y")}
     paths["z"] = files["x", "mlx"]
+    paths["w"] = root / "w.safetensors"  # no file yet
     return paths
 
 
 @pytest.fixture(scope="module")
 def pool(tiny_model, live, tmp_path_factory):
-    """base (no adapter), x and y preloaded, z on first use: one worker
-    holding at most two adapters."""
+    """base (no adapter), x and y preloaded, z and w (whose file is not
+    there yet) on first use: one worker holding at most two adapters."""
     root = tmp_path_factory.mktemp("pool")
     text = f'max_adapters = {MAX_ADAPTERS}\nprefix_cache_bytes = 0\nmetrics_port = 0\ncontrol_socket = "{root / "ctl.sock"}"\n'
-    for name, lora in (("base", None), ("x", live["x"]), ("y", live["y"]), ("z", live["z"])):
-        text += f'[[models]]\nname = "{name}"\npath = "{tiny_model}"\npreload = {str(name != "z").lower()}\n'
+    for name, lora in (("base", None), ("x", live["x"]), ("y", live["y"]), ("z", live["z"]), ("w", live["w"])):
+        text += f'[[models]]\nname = "{name}"\npath = "{tiny_model}"\npreload = {str(name in ("base", "x", "y")).lower()}\n'
         text += f'lora = "{lora}"\n' if lora else ""
     (root / "pool.toml").write_text(text)
     p = PoolProc("--config", str(root / "pool.toml"))
@@ -289,6 +290,28 @@ def test_load_and_unload_a_lora_on_the_running_worker(pool, files, references):
     pool.send({"op": "load", "model": "y"})
     since(pool, mark, "ready", model="y")
     assert texts(pool, [request("y", 1)]) == [expected["y", 1]] and rows(pool)["y"]["pid"] == pid
+
+
+def test_a_bad_adapter_fails_its_name_only_until_a_load_brings_it_up(pool, live, files, references):
+    """A name whose adapter cannot be read gets adapter_error, and each of
+    its requests an adapter_error error; the base and the other names go on.
+    Once the file is good, it comes up (its watch reloads it, or a load)."""
+    expected, _ = references
+    mark = time.monotonic()
+    pool.send({"op": "load", "model": "w"})
+    error = since(pool, mark, "adapter_error", model="w")
+    assert error["lora"] == str(live["w"]) and str(live["w"]) in error["msg"]
+    bad, good = request("w", 0), request("y", 1)
+    send_together(pool, [bad, good])
+    assert pool.terminal(bad["id"])["code"] == "adapter_error" and pool.of(bad["id"])[0]["ev"] == "error"
+    assert pool.terminal(good["id"])["ev"] == "gen_token" and pool.text(good["id"]) == expected["y", 1]
+    assert not [e for e in pool.events if e["ev"] in ("failed", "ready") and e["model"] == "w"]
+    mark = time.monotonic()
+    shutil.copy(files["x", "mlx"], live["w"])
+    pool.send({"op": "load", "model": "w"})
+    assert since(pool, mark, "ready", model="w")["lora"] == str(live["w"])
+    assert texts(pool, [request("w", 0)]) == [expected["x", 0]]
+    assert len(workers_of(pool)) == 1
 
 
 def test_a_config_of_one_worker_per_pair_keeps_working(tiny_model, live, references, tmp_path, spawn_pool):
