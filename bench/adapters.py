@@ -10,7 +10,13 @@ in one run, at the worker level (worker processes driven over their pipes).
    the adapters vs 8 on one adapter (and 8 on none), alternated over
    `--rounds` rounds; aggregate tok/s = generated tokens / time to the last
    final line. Goal: spread >= 0.8 x one adapter.
-3. Kernels, in this process: one linear layer of the model's MLP shape,
+3. Through the pool (`lattice-pool serve`): one [[models]] name per
+   adapter, all on the same base model, served by one worker (SPEC §10)
+   vs the old layout, one worker per name (made here by giving each entry
+   its own max_adapters, which gives it its own worker); each after the
+   same batch of one row per name. RSS and MLX active memory summed over
+   the workers from the `status` op, one row per worker.
+4. Kernels, in this process: one linear layer of the model's MLP shape,
    a batch of rows each with its own adapter, computed four ways (what the
    worker does, `mx.gather_mm` on stacked adapters; gathering A and B per
    row then batched matmuls; a loop over the adapters; ranks grouped
@@ -79,6 +85,44 @@ def measure_memory(model: Path, adapters: list[str], prompts: list[str]) -> tupl
     together = memory_of(shared)
     shared.close()
     return {"base_alone": alone, "one_worker": together, "worker_per_adapter": separate}, together, load_ms
+
+
+def pool_memory(model: Path, adapters: list[str], prompts: list[str], tmp: Path) -> dict:
+    """Memory of one name per adapter through `serve`: one shared worker vs
+    one worker per name."""
+    from harness.pool import PoolProc
+
+    out = {}
+    for layout in ("one_worker", "worker_per_name"):
+        text = "prefix_cache_bytes = 0\ncontrol_socket = false\n"
+        for i, path in enumerate(adapters):
+            text += f'[[models]]\nname = "a{i}"\npath = "{model}"\nlora = "{path}"\npreload = true\n'
+            if layout == "worker_per_name":
+                text += f"max_adapters = {i + 1}\n"  # a worker key of its own
+        config = tmp / f"{layout}.toml"
+        config.write_text(text)
+        pool = PoolProc("--config", str(config))
+        try:
+            for i in range(len(adapters)):
+                pool.wait_ev("ready", model=f"a{i}", timeout=600)
+            rows = [dict(model=f"a{i}", id=f"{layout}-{i}", prompt=p, max_tokens=16, temperature=0.0, repetition_penalty=1.0) for i, p in enumerate(prompts[: len(adapters)])]
+            pool.generate_many(rows)
+            pool.send({"op": "status"})
+            status = pool.wait_ev("status")["models"]
+            workers = {row["worker"]: row for row in status}.values()
+            out[layout] = {
+                "names": len(status),
+                "workers": len(workers),
+                "rss_bytes": sum(w["rss_bytes"] for w in workers),
+                "mlx_active_bytes": sum(w["mlx_active_bytes"] for w in workers),
+                "adapter_bytes": sum(row["adapter_bytes"] for row in status),
+            }
+            assert pool.close() == 0
+        finally:
+            pool.kill()
+    for key in ("rss_bytes", "mlx_active_bytes"):
+        out[f"{key}_ratio"] = round(out["one_worker"][key] / out["worker_per_name"][key], 3)
+    return out
 
 
 def throughput(model: Path, adapters: list[str], prompts: list[str], max_tokens: int, rounds: int) -> dict:
@@ -221,6 +265,7 @@ def main() -> int:
             modules = write_adapter(targets, Path(tmp) / f"adapter-{i}", args.rank, seed=i)
             adapters.append(str(Path(tmp) / f"adapter-{i}"))
         memory, shared, load_ms = measure_memory(model, adapters, prompts)
+        through_pool = pool_memory(model, adapters, prompts, Path(tmp))
         speed = throughput(model, adapters, prompts, args.max_tokens, args.rounds)
     kernel_us = kernels(d_in, d_out, args.rank, args.adapters, dtype)
 
@@ -241,6 +286,7 @@ def main() -> int:
         adapters={"count": args.adapters, "rank": args.rank, "modules": modules, "adapter_bytes_total": adapter_bytes, "load_ms": load_ms},
         memory=memory,
         memory_goal=goals,
+        pool_memory=through_pool,
         throughput={"requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds, **speed},
         kernels_us={"layer": {"d_in": d_in, "d_out": d_out, "dtype": str(dtype)}, **kernel_us},
     )
@@ -254,6 +300,10 @@ def main() -> int:
             f"{key}: one worker {g['one_worker'] * mib:.0f} MiB vs base + adapters {g['base_alone_plus_adapter_bytes'] * mib:.0f} MiB "
             f"(ratio {g['ratio']}, goal <= 1.10); a worker per adapter: {g['worker_per_adapter_total'] * mib:.0f} MiB"
         )
+    for layout in ("one_worker", "worker_per_name"):
+        m = through_pool[layout]
+        print(f"through serve, {m['names']} names on {m['workers']} worker(s): RSS {m['rss_bytes'] * mib:.0f} MiB, MLX active {m['mlx_active_bytes'] * mib:.0f} MiB")
+    print(f"one worker / worker per name: RSS {through_pool['rss_bytes_ratio']}, MLX active {through_pool['mlx_active_bytes_ratio']}")
     t = speed["median_tok_s"]
     print(
         f"8 requests: spread over {args.adapters} adapters {t['spread']} tok/s, one adapter {t['one_adapter']}, none {t['no_adapter']}; "

@@ -21,6 +21,11 @@ DEFAULT_REPETITION_PENALTY = 1.1
 # Requests a worker decodes together (its --max-batch; the pool's max_batch),
 # measured on a 2-core CPU: docs/performance.md, "Continuous batching".
 DEFAULT_MAX_BATCH = 8
+# LoRA adapters one worker keeps in memory (its --max-adapters; the pool's
+# max_adapters); beyond them the least recently used one that no request
+# runs with is dropped, and read again when a request needs it.
+DEFAULT_MAX_ADAPTERS = 8
+MAX_ADAPTERS_LIMIT = 1024
 # The bound of a worker's waiting line: a request beyond it is refused with
 # `overloaded`. The pool has at most max_batch requests at a worker, so
 # max_batch may not exceed it.

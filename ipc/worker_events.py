@@ -63,6 +63,17 @@ class Heartbeat(msgspec.Struct, tag_field="ev", tag=HEARTBEAT):
     busy: bool = False
 
 
+class AdapterFigures(msgspec.Struct):
+    """One resident adapter of a worker, as its worker_stats lists it."""
+
+    lora: str
+    sha256: str | None = None
+    config_sha256: str | None = None
+    bytes: int = 0  # its own factors, in the model's dtype (no padding)
+    rows: int = 0  # batch rows running with it
+    default: bool = False
+
+
 class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
     """The worker's measured memory and batch figures (docs/monitoring.md)."""
 
@@ -78,14 +89,30 @@ class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
     max_batch: int = 0
+    # Every adapter array held (padding, superseded versions still in use):
+    # adapter_bytes; each resident adapter on its own: adapters.
+    adapters: list[AdapterFigures] = []
+    max_adapters: int = 0
+
+
+# The adapter events name the adapter by its path, as the pool sent it.
 
 
 class AdapterLoaded(msgspec.Struct, tag_field="ev", tag="adapter_loaded"):
+    lora: str | None = None
     sha256: str | None = None
 
 
 class AdapterError(msgspec.Struct, tag_field="ev", tag="adapter_error"):
+    lora: str | None = None
     msg: str = ""
+
+
+class AdapterUnloaded(msgspec.Struct, tag_field="ev", tag="adapter_unloaded"):
+    """The answer to UnloadAdapter; `resident`: it was in memory."""
+
+    lora: str | None = None
+    resident: bool = False
 
 
 class Other(msgspec.Struct):
@@ -111,7 +138,7 @@ class _Token:
 
 TOKEN = _Token()  # a non-final token line: relay its bytes
 
-WorkerEvent = Done | Error | Ready | Loading | Heartbeat | WorkerStats | AdapterLoaded | AdapterError
+WorkerEvent = Done | Error | Ready | Loading | Heartbeat | WorkerStats | AdapterLoaded | AdapterError | AdapterUnloaded
 _decoder = msgspec.json.Decoder(WorkerEvent)
 _KNOWN = frozenset(t.__struct_config__.tag for t in WorkerEvent.__args__)
 _TERMINAL = frozenset({"gen_token", "error"})

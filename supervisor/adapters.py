@@ -12,8 +12,10 @@ in-place rewrite can be read half written, and the writer's last event may
 already be folded into the burst that triggered the failed read.
 
 Copies: each worker keeps a copy of every adapter it loaded in full
-(worker.lora.formats.AdapterReader), so a restart survives the loss of the
-file; the copies live in a private directory of this pool.
+(worker.lora.formats.AdapterReader), so a read after a restart or an
+eviction survives the loss of the file; the copies live in a private
+directory of this pool, one per worker, until the worker stops: at most one
+copy (max_adapter_bytes) per adapter path the worker has read.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ from typing import Callable
 
 from watchfiles import awatch
 
-from ipc.events import ADAPTER_ERROR, encode_event
-from supervisor.job import Sink
 from supervisor.resolve import ModelSpec
 from supervisor.slot import WorkerSlot
 
@@ -116,60 +116,71 @@ class AdapterWatcher:
 
 
 class AdapterWatches:
-    """One AdapterWatcher per worker key with an adapter."""
+    """One AdapterWatcher per adapter path in use on each worker."""
 
-    def __init__(self, lines: Sink):
-        self.lines = lines
-        self._watchers: dict[tuple, AdapterWatcher] = {}
+    def __init__(self) -> None:
+        # (worker key, adapter path) -> the slot it reloads, and its watcher
+        self._watchers: dict[tuple, tuple[WorkerSlot, AdapterWatcher]] = {}
 
-    def watch(self, slot: WorkerSlot) -> None:
-        if slot.spec.lora is None or slot.spec.key in self._watchers:
-            return
-
-        def missing() -> None:
-            msg = f"adapter {slot.lora} was deleted (or cannot be reached); the worker keeps the version it loaded"
-            self.lines.write(encode_event("adapter_error", model=slot.name, lora=slot.lora, code=ADAPTER_ERROR, msg=msg))
-
-        watcher = AdapterWatcher(slot.spec.lora, lambda: slot.set_adapter(slot.lora), missing)
-        self._watchers[slot.spec.key] = watcher
+    def watch(self, slot: WorkerSlot, lora: Path) -> None:
+        key = (slot.spec.key, str(lora))
+        if key in self._watchers:
+            if self._watchers[key][0] is slot:
+                return
+            self._watchers.pop(key)[1].stop()  # left by the slot this one replaced
+        path = str(lora)
+        watcher = AdapterWatcher(lora, lambda: slot.reload_adapter(path), lambda: slot.adapter_missing(path))
+        self._watchers[key] = (slot, watcher)
         watcher.start()
 
-    def unwatch(self, key: tuple) -> None:
-        watcher = self._watchers.pop(key, None)
-        if watcher is not None:
-            watcher.stop()
+    def unwatch(self, worker: tuple, lora: str | None = None) -> None:
+        """Stops the watch of one adapter of a worker, or (lora None) all of them."""
+        for key in [k for k in self._watchers if k[0] == worker and (lora is None or k[1] == lora)]:
+            self._watchers.pop(key)[1].stop()
 
-    def result(self, key: tuple, loaded: bool) -> None:
-        watcher = self._watchers.get(key)
-        if watcher is not None:
-            watcher.result(loaded)
+    def result(self, worker: tuple, lora: str | None, loaded: bool) -> None:
+        entry = self._watchers.get((worker, lora))
+        if entry is not None:
+            entry[1].result(loaded)
 
     def stop_all(self) -> None:
-        for watcher in self._watchers.values():
+        for _, watcher in self._watchers.values():
             watcher.stop()
         self._watchers.clear()
 
 
 class AdapterCopies:
     """The pool's private directory (mode 0700, under $TMPDIR) of adapter
-    copies, one subdirectory per worker key; made on first use, removed
-    with its model or with the pool."""
+    copies, one subdirectory per worker, in which the worker keeps a copy of
+    each adapter it has read; made on first use, removed with its worker or
+    with the pool."""
 
     def __init__(self) -> None:
         self._root: Path | None = None
 
     def dir_for(self, spec: ModelSpec) -> Path | None:
-        if spec.lora is None:
-            return None
+        """The directory for the worker of `spec`, asked at each start of
+        it; None while the private directory cannot be made (out of file
+        descriptors, say): copies are insurance, never a reason for a
+        worker not to start."""
         if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
-        return self._root / hashlib.sha256(f"{spec.path}\0{spec.lora}".encode()).hexdigest()[:16]
+            try:
+                self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
+            except OSError as exc:
+                log.warning("no directory for adapter copies now (%s); this worker start keeps none", exc)
+                return None
+        return self._root / _subdir(spec)
 
     def forget(self, spec: ModelSpec) -> None:
-        if self._root is not None and spec.lora is not None:
-            shutil.rmtree(self.dir_for(spec), ignore_errors=True)
+        if self._root is not None:
+            shutil.rmtree(self._root / _subdir(spec), ignore_errors=True)
 
     def remove_all(self) -> None:
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+def _subdir(spec: ModelSpec) -> str:
+    """The copies of one worker (one worker key)."""
+    return hashlib.sha256(repr(spec.key).encode()).hexdigest()[:16]

@@ -69,10 +69,11 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of the pool's worker for `spec`."""
+    """argv and environment of the pool's worker for `spec.key`, named by
+    `spec.name`. It starts without an adapter: every request names its own
+    (SPEC §10), so the one worker serves every name on its base model."""
     args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval), "--max-batch", str(spec.max_batch)]
-    if spec.lora is not None:
-        args += ["--lora", str(spec.lora)]
+    args += ["--max-adapters", str(spec.max_adapters)]
     if spec.tokenizer_dir is not None:
         args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
     if config.prefix_cache_bytes is not None:

@@ -14,13 +14,15 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_BATCH, DEFAULT_MAX_PROMPT_BYTES, MAX_WAITING
+from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH, DEFAULT_MAX_PROMPT_BYTES, MAX_ADAPTERS_LIMIT, MAX_WAITING
 
 Duration = str | int | float
 Size = str | int
 # Requests in flight at one worker: the pool never sends more than the
 # worker's waiting line holds.
 MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)]
+# LoRA adapters one worker keeps in memory (SPEC §10).
+MaxAdapters = Annotated[int, Meta(ge=1, le=MAX_ADAPTERS_LIMIT)]
 
 
 class ConfigError(Exception):
@@ -46,6 +48,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     preload: bool = False
     keep_alive: Duration | None = None
     max_batch: MaxBatch | None = None
+    max_adapters: MaxAdapters | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
@@ -62,6 +65,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Requests decoded together by one worker; more wait in the pool, first
     # in first out. A [[models]] entry may set its own.
     max_batch: MaxBatch = DEFAULT_MAX_BATCH
+    # Adapters one worker keeps in memory, least recently used out. A
+    # [[models]] entry may set its own; entries that share a model path
+    # share one worker when their tokenizer_dir, max_batch and max_adapters
+    # agree (supervisor.resolve.ModelSpec.key).
+    max_adapters: MaxAdapters = DEFAULT_MAX_ADAPTERS
     # Prometheus metrics on 127.0.0.1:PORT; 0 picks a free port (logged).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     # True: the default path (supervisor.control.default_socket_path); a

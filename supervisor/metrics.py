@@ -48,7 +48,7 @@ MODEL_GAUGES = {
     "mlx_peak_bytes": ("lattice_model_mlx_peak_bytes", "MLX peak memory in the worker since it started"),
     "mlx_cache_bytes": ("lattice_model_mlx_cache_bytes", "MLX buffer cache in the worker"),
     "weights_bytes": ("lattice_model_weights_bytes", "Bytes of model weights loaded in the worker"),
-    "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of LoRA adapter weights loaded in the worker"),
+    "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of this name's LoRA adapter in the worker's memory (0 when not resident)"),
     "queued": ("lattice_model_queued_requests", "Requests waiting for this worker"),
     "in_flight": ("lattice_model_in_flight_requests", "Requests sent to this worker and not yet ended"),
     "uptime_s": ("lattice_model_uptime_seconds", "Seconds since the worker process started"),
@@ -56,6 +56,7 @@ MODEL_GAUGES = {
     "active_rows": ("lattice_model_active_rows", "Requests the worker is decoding (its batch rows)"),
     "waiting_rows": ("lattice_model_waiting_rows", "Requests sent to the worker that wait for room in its batch"),
     "rows_cache_bytes": ("lattice_model_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
+    "max_adapters": ("lattice_model_max_adapters", "Adapters the worker may keep in memory"),
 }
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -78,14 +79,18 @@ class _MeasuredGauges(Collector):
             return
         families = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in MODEL_GAUGES.items()}
         state = GaugeMetricFamily("lattice_model_state", "1 for the worker's current state, 0 for the others", labels=(*LABELS, "state"))
-        info = GaugeMetricFamily("lattice_model_info", "Always 1; the format label says how the weights are stored", labels=(*LABELS, "format"))
+        info = GaugeMetricFamily(
+            "lattice_model_info",
+            "Always 1; format: how the weights are stored; worker: the worker serving this name (names on one base model share it)",
+            labels=(*LABELS, "format", "worker"),
+        )
         for row in status.models:
             key = [row.model, row.lora or ""]
             for field, family in families.items():
                 family.add_metric(key, getattr(row, field))
             for s in State:
                 state.add_metric([*key, s.value], 1.0 if row.state == s.value else 0.0)
-            info.add_metric([*key, row.format or "unknown"], 1.0)
+            info.add_metric([*key, row.format or "unknown", str(row.worker)], 1.0)
         yield from families.values()
         yield state
         yield info

@@ -1,8 +1,10 @@
 """The pool: routes requests to worker slots, runs ops, admits and evicts workers.
 
-Runs on one event loop. Slots are keyed by (model dir, adapter path); each
-WorkerSlot owns its worker's state, the pool owns which slots exist and
-hears from them as their SlotEvents.
+Runs on one event loop. Slots are keyed by the worker a name needs (its base
+model and the worker's settings, ModelSpec.key), so every name on one base
+model shares one worker (SPEC §10); each WorkerSlot owns its worker's state
+and its names, the pool owns which slots exist and hears from them as their
+SlotEvents. Admission, eviction and keep_alive count workers, not names.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from supervisor.adapters import AdapterCopies, AdapterWatches
 from supervisor.child import worker_command
 from supervisor.config import Config, parse_duration, parse_size
 from supervisor.job import Job, Sink
+from supervisor.names import Name
 from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
 from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
@@ -62,7 +65,8 @@ class PoolObserver(Protocol):
 
     def error(self, spec: ModelSpec | None, code: str) -> None: ...
 
-    def adapter_event(self, spec: ModelSpec, loaded: bool) -> None: ...
+    def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
+        """An adapter_loaded (True) or adapter_error line written for the name `spec`."""
 
     def restarted(self, spec: ModelSpec) -> None: ...
 
@@ -78,8 +82,9 @@ class Pool:
         self.max_prompt_bytes = parse_size(config.max_prompt_bytes)
         self.stats_interval = parse_duration(config.stats_interval)
         self.slots: dict[tuple, WorkerSlot] = {}
-        self.watches = AdapterWatches(output)
+        self.watches = AdapterWatches()
         self.copies = AdapterCopies()
+        self._numbers = itertools.count(1)
         self.accepting = True
         self.observers: list[PoolObserver] = []
         self._rids = itertools.count(1)
@@ -128,21 +133,23 @@ class Pool:
         if self._quiet():
             self._all_idle.set()
 
-    def request_done(self, slot: WorkerSlot, done: Done) -> None:
+    def request_done(self, slot: WorkerSlot, spec: ModelSpec, done: Done) -> None:
         for observer in self.observers:
-            observer.request_done(slot.spec, done)
+            observer.request_done(spec, done)
 
     def error_counted(self, slot: WorkerSlot, code: str | None) -> None:
         self.note_error(slot.spec, code)
 
-    def adapter_event(self, slot: WorkerSlot, loaded: bool) -> None:
+    def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
         for observer in self.observers:
-            observer.adapter_event(slot.spec, loaded)
-        self.watches.result(slot.spec.key, loaded)
+            for spec in specs:
+                observer.adapter_event(spec, loaded)
+        self.watches.result(slot.spec.key, lora, loaded)
 
     def restarted(self, slot: WorkerSlot) -> None:
         for observer in self.observers:
-            observer.restarted(slot.spec)
+            for name in slot.names.values():
+                observer.restarted(name.spec)
 
     def idle(self, slot: WorkerSlot) -> None:
         self._room.set()
@@ -193,7 +200,7 @@ class Pool:
         if id_json is not None and (full := self._full(spec)):
             self.reject(OVERLOADED, full, id_json, sink)
             return
-        job = Job(self._generate(msg, next(self._rids)), spec, sink)
+        job = Job(self._generate(msg, spec, next(self._rids)), spec, sink)
         self._live_jobs += 1
         self._all_idle.clear()
         if id_json is None:
@@ -227,7 +234,7 @@ class Pool:
                 self._idless_room.clear()
                 await self._idless_room.wait()
 
-    def _generate(self, msg: ClientLine, rid: int) -> Generate:
+    def _generate(self, msg: ClientLine, spec: ModelSpec, rid: int) -> Generate:
         d = self.config.defaults
         fields = {}
         for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "reasoning_budget"):
@@ -236,6 +243,9 @@ class Pool:
                 value = getattr(d, name)
             if value is not None:
                 fields[name] = value
+        # Every request names its adapter (None: the base model); workers
+        # have no default adapter (SPEC §10).
+        lora = str(spec.lora) if spec.lora else None
         return Generate(
             rid=rid,
             prompt=msg.prompt,
@@ -244,6 +254,7 @@ class Pool:
             stop=stop_list(msg.stop),
             id_json=msg.id_json,
             response_format=response_format_text(msg),
+            lora=lora,
             **fields,
         )
 
@@ -264,13 +275,20 @@ class Pool:
     # -- workers -------------------------------------------------------------------
 
     def slot_for(self, spec: ModelSpec) -> WorkerSlot:
+        """The worker slot of the name `spec`, with the name joined; the
+        first name of a worker creates its slot and starts its admission."""
         slot = self.slots.get(spec.key)
         if slot is None:
-            copies = self.copies.dir_for(spec)
-            slot = WorkerSlot(spec, self, self.output, lambda: worker_command(spec, self.config, copies), self.restart_policy, self.rng)
+            command = lambda: worker_command(spec, self.config, self.copies.dir_for(spec))  # noqa: E731
+            slot = WorkerSlot(spec, self, self.output, command, self.restart_policy, self.rng, next(self._numbers))
             slot.pause_reading(self.output.paused)
             self.slots[spec.key] = slot
+            slot.join(spec)
             self.spawn(self._admit(slot))
+        elif spec.name_key not in slot.names:
+            slot.join(spec)
+            if spec.lora is not None and slot.state != State.UNLOADED:  # admitted: its adapters are watched
+                self.watches.watch(slot, spec.lora)
         return slot
 
     def _estimate_bytes(self, spec: ModelSpec) -> int:
@@ -335,17 +353,27 @@ class Pool:
                             await self._stop(victim, f"evicted to make room for {slot.name!r}")
                     await slot.start("admitted")
                     if self.slots.get(slot.spec.key) is slot:  # not unloaded meanwhile
-                        self.watches.watch(slot)
+                        for name in list(slot.names.values()):
+                            if name.spec.lora is not None:
+                                self.watches.watch(slot, name.spec.lora)
                     return
                 self._room.clear()
             log.info("model=%s waits for room: %s", slot.name, decision.reason)
             await self._room.wait()
 
     def unload(self, spec: ModelSpec, reason: str, answer: Answer | None = None) -> None:
-        slot = self.slots.pop(spec.key, None)
-        if slot is None:
+        """Unloads the name `spec`: its worker stops with its last name, and
+        otherwise goes on serving the others."""
+        slot = self.slots.get(spec.key)
+        if slot is None or spec.name_key not in slot.names:
             (answer or self.output.write)(encode_event("unloaded", model=spec.name, lora=str(spec.lora) if spec.lora else None, reason="not loaded"))
             return
+        if len(slot.names) > 1:
+            slot.remove_name(spec, reason)
+            if spec.lora is not None and not slot.uses(str(spec.lora)):
+                self.watches.unwatch(slot.spec.key, str(spec.lora))
+            return
+        del self.slots[spec.key]
         self.spawn(self._stop(slot, reason))
 
     async def _stop(self, slot: WorkerSlot, reason: str, queued_code: str = UNLOADED) -> None:
@@ -409,20 +437,37 @@ class Pool:
         answer(line)
 
     def load(self, spec: ModelSpec, answer: Answer | None = None) -> None:
+        """Brings up the name `spec`: its worker starts if it does not run,
+        its adapter is loaded into the running worker if it has one. A name
+        already up gets its `ready` line again, and its adapter is loaded
+        again (read anew if the worker had dropped it, answered by
+        adapter_loaded)."""
         slot = self.slots.get(spec.key)
         if slot is not None and slot.state == State.FAILED:
             # An explicit load is the user saying "try again".
+            self.slot_for(spec)
             slot.reset_failed()
             self.spawn(slot.start("load requested after failure"))
             return
+        already = slot is not None and spec.name_key in slot.names
         slot = self.slot_for(spec)
         slot.touch()
-        if slot.state in (State.READY, State.BUSY) and slot.ready_line is not None:
-            (answer or self.output.write)(slot.ready_line)
+        name = slot.names[spec.name_key]
+        if already and slot.state in (State.READY, State.BUSY):
+            if name.up:
+                (answer or self.output.write)(name.ready_line)
+            if name.lora is not None:
+                # Read again if the worker dropped it, or if it failed before
+                # (its name then comes up now).
+                slot.load_adapter(name.lora)
 
     def reload(self, spec: ModelSpec, id_json: str | None, answer: Answer | None = None) -> None:
         slot = self.slots.get(spec.key)
-        if slot is None or not slot.set_adapter(slot.lora):
+        if slot is None or spec.name_key not in slot.names:
+            self._refuse(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json, answer)
+        elif spec.lora is None:
+            self._refuse(BAD_REQUEST, f"model {spec.name!r} has no adapter; nothing to reload", id_json, answer)
+        elif not slot.reload_adapter(str(spec.lora)):
             self._refuse(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json, answer)
 
     def cancel(self, id_json: str, answer: Answer | None = None) -> None:
@@ -435,17 +480,22 @@ class Pool:
 
     async def status(self) -> Status:
         """The `status` event's figures, measured now (docs/monitoring.md)."""
-        return status(await self._measure(list(self.slots.values())))
+        return status([row for _, _, row in await self._measure(list(self.slots.values()))])
 
-    async def _measure(self, slots: list[WorkerSlot]) -> list[StatusRow]:
+    async def _measure(self, slots: list[WorkerSlot]) -> list[tuple[WorkerSlot, Name, StatusRow]]:
+        """One row per name of each slot, measured once per worker."""
         # The state as it was when the figures were asked for: a worker that
         # turns ready meanwhile measured its memory while still loading.
         states = [s.state for s in slots]
         stats = await asyncio.gather(*(s.fresh_stats() for s in slots))
-        return [status_row(s, st, state, self._idless_waiting(s)) for s, st, state in zip(slots, stats, states)]
+        return [
+            (s, name, status_row(s, name, st, state, self._idless_waiting(name.spec)))
+            for s, st, state in zip(slots, stats, states)
+            for name in list(s.names.values())
+        ]
 
-    def _idless_waiting(self, slot: WorkerSlot) -> int:
-        return sum(1 for j in self._idless if isinstance(j, Job) and j.spec.key == slot.spec.key)
+    def _idless_waiting(self, spec: ModelSpec) -> int:
+        return sum(1 for j in self._idless if isinstance(j, Job) and j.spec.name_key == spec.name_key)
 
     # -- housekeeping ------------------------------------------------------------------
 
@@ -458,7 +508,7 @@ class Pool:
             try:
                 for slot in list(self.slots.values()):
                     slot.check_stall(now, self.config.stall_timeout)
-                    keep = slot.spec.keep_alive
+                    keep = slot.keep_alive
                     if keep is not None and slot.idle and now - slot.last_used > keep:
                         self.slots.pop(slot.spec.key, None)
                         self.spawn(self._stop(slot, f"idle for {now - slot.last_used:.0f}s (keep_alive {keep:g}s)"))
@@ -476,9 +526,9 @@ class Pool:
 
     async def _emit_stats(self) -> None:
         slots = [s for s in self.slots.values() if s.state in LIVE]
-        for slot, row in zip(slots, await self._measure(slots)):
+        for slot, name, row in await self._measure(slots):
             # Unloaded while it was measured: its `unloaded` line is out.
-            if self.slots.get(slot.spec.key) is slot:
+            if self.slots.get(slot.spec.key) is slot and slot.names.get(name.spec.name_key) is name:
                 self.output.write(stats_event(row))
 
     def preload(self) -> list[WorkerSlot]:

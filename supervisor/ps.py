@@ -106,22 +106,38 @@ def _requests(row: StatusRow) -> str:
     return f"{row.served}" + (f" ({', '.join(waiting)})" if waiting else "")
 
 
-def cells(row: StatusRow) -> tuple[str, ...]:
+def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
+    """A name's cells; `under` another name of its worker, indented, with
+    the bytes its adapter adds to the worker as its MEMORY."""
     running = row.pid is not None
+    if not running:
+        memory = "-"
+    elif under:
+        memory = "+" + human_bytes(row.adapter_bytes)
+    else:
+        memory = human_bytes(row.rss_bytes)
     return (
-        row.model,
+        "  " + row.model if under else row.model,
         _adapter(row.lora),
         row.format or "-",
         row.state,
-        human_bytes(row.rss_bytes) if running else "-",
+        memory,
         str(row.pid) if running else "-",
         human_duration(row.uptime_s) if running else "-",
         _requests(row),
     )
 
 
+def by_worker(models: list[StatusRow]) -> list[list[StatusRow]]:
+    """The rows of each worker, its names without adapter first."""
+    groups: dict[int, list[StatusRow]] = {}
+    for row in sorted(models, key=lambda r: (r.lora is not None, r.model, r.lora or "")):
+        groups.setdefault(row.worker, []).append(row)
+    return sorted(groups.values(), key=lambda g: (g[0].model, g[0].lora or ""))
+
+
 def table(status: Status) -> str:
-    rows = [COLUMNS] + [cells(r) for r in sorted(status.models, key=lambda r: (r.model, r.lora or ""))]
+    rows = [COLUMNS] + [cells(r, under=i > 0) for group in by_worker(status.models) for i, r in enumerate(group)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
 

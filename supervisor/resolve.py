@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc.messages import DEFAULT_MAX_BATCH
+from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
 from supervisor.config import Config, ModelEntry, parse_duration
 
 
@@ -16,7 +16,8 @@ class UnknownModel(Exception):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A worker to run: the pool keys workers by (path, lora)."""
+    """A name for a (base model, adapter) pair. Names whose `key` is equal
+    share one worker (SPEC §10); `name_key` tells the names apart."""
 
     name: str
     path: Path
@@ -24,10 +25,16 @@ class ModelSpec:
     tokenizer_dir: Path | None = None
     keep_alive: float | None = None
     max_batch: int = DEFAULT_MAX_BATCH
+    max_adapters: int = DEFAULT_MAX_ADAPTERS
 
     @property
-    def key(self) -> tuple[Path, Path | None]:
-        return (self.path, self.lora)
+    def key(self) -> tuple:
+        """The worker: its base model and everything on its command line."""
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters)
+
+    @property
+    def name_key(self) -> tuple[str, Path | None]:
+        return (self.name, self.lora)
 
 
 def expand(path: str) -> Path:
@@ -68,6 +75,7 @@ class Resolver:
             tokenizer_dir=expand(entry.tokenizer_dir) if entry.tokenizer_dir else None,
             keep_alive=keep,
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
+            max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
         )
 
     def default_ref(self) -> str | None:
@@ -101,9 +109,9 @@ class Resolver:
         if "/" not in ref and ref not in (".", ".."):
             cached = self.cache / ref
             if cached.is_dir():
-                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch)
+                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         candidate = expand(ref)
         if ("/" in ref or ref.startswith("~")) and candidate.is_dir():
-            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch)
+            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         known = ", ".join(sorted(self.by_name)) or "none configured"
         raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}, not a model path")

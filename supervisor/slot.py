@@ -7,8 +7,12 @@ stall watchdog. Everything runs on the event loop thread, so no locks. The
 pool drives a slot through its methods and hears back through `SlotEvents`;
 a slot never reaches into the pool.
 
-A slot serves every name whose spec has its key (model dir, adapter); the
-name a request used travels with its Job, and errors name that one.
+A slot serves every name whose spec has its key (the base model and the
+worker's settings: supervisor.resolve.ModelSpec.key), each a (model name,
+adapter) pair (supervisor.names). The worker starts without an adapter and
+every request carries its name's adapter (null for the base), so requests of
+different names share its batch. The name a request used travels with its
+Job, and errors name that one; lifecycle events go out once per name.
 
 Up to `max_batch` requests are in flight at the worker, the rest wait here,
 first in first out. Each line the worker writes belongs to the in-flight
@@ -26,25 +30,29 @@ import signal
 import time
 from typing import Callable, Coroutine, Protocol
 
-from ipc.events import LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
-from ipc.messages import Cancel, Generate, SetAdapter, Stats, ToWorker
+from ipc.events import ADAPTER_ERROR, LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
+from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Stats, ToWorker, UnloadAdapter
 from ipc.worker_events import (
     TOKEN,
     AdapterError,
     AdapterLoaded,
+    AdapterUnloaded,
     Done,
     Error,
     Heartbeat,
+    Loading,
     Malformed,
     Ready,
     WorkerStats,
     holds,
     line_id,
+    parse_event,
     read_line,
     token_block,
 )
 from supervisor.child import ChildProcess, MAX_WORKER_LINE, RESOURCE_ERRNOS
 from supervisor.job import Job, Sink
+from supervisor.names import Name, renamed
 from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
 from supervisor.resolve import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
@@ -63,14 +71,15 @@ class SlotEvents(Protocol):
     def request_ended(self, slot: "WorkerSlot", job: Job) -> None:
         """The job's one terminal line has gone to its sink."""
 
-    def request_done(self, slot: "WorkerSlot", done: Done) -> None:
-        """The worker finished a request (its done line, for the counters)."""
+    def request_done(self, slot: "WorkerSlot", spec: ModelSpec, done: Done) -> None:
+        """The worker finished a request of the name `spec` (its done line, for the counters)."""
 
     def error_counted(self, slot: "WorkerSlot", code: str | None) -> None:
         """An error line ended a request (the worker's or the slot's)."""
 
-    def adapter_event(self, slot: "WorkerSlot", loaded: bool) -> None:
-        """adapter_loaded (True) or adapter_error (False) from the worker."""
+    def adapter_event(self, slot: "WorkerSlot", lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
+        """adapter_loaded (True) or adapter_error (False) from the worker
+        about `lora`, written for the names of `specs`."""
 
     def restarted(self, slot: "WorkerSlot") -> None: ...
 
@@ -103,8 +112,13 @@ class WorkerSlot:
         command: Callable[[], tuple[list[str], dict[str, str]]],
         restart_policy: RestartPolicy,
         rng,
+        number: int = 0,
     ):
+        # The settings of the worker are those of `spec`, the first name;
+        # the worker speaks under its name.
         self.spec = spec
+        self.number = number  # tells this worker's status rows apart from others'
+        self.names: dict[tuple, Name] = {}
         self.events = events
         self.lines = lines  # lifecycle events and lines of no request
         self.command = command
@@ -117,11 +131,10 @@ class WorkerSlot:
         self.child: ChildProcess | None = None
         self.history = CrashHistory()
         self.restarts = 0
-        self.served = 0
-        self.tokens = 0
         self.last_used = time.monotonic()
         self.last_heard = time.monotonic()
-        self.ready_line: bytes | None = None
+        self._ready: dict = {}  # the fields of the running worker's ready line
+        self._ready_at = 0.0
         self.stats: WorkerStats | None = None
         self.stderr_tail = LastMessage()
         self.reading_paused = False
@@ -143,11 +156,8 @@ class WorkerSlot:
 
     @property
     def name(self) -> str:
+        """The worker's own name (its first name's)."""
         return self.spec.name
-
-    @property
-    def lora(self) -> str | None:
-        return str(self.spec.lora) if self.spec.lora else None
 
     @property
     def state(self) -> State:
@@ -159,11 +169,16 @@ class WorkerSlot:
 
     def _describe(self) -> str:
         pid = self.child.pid if self.child else "-"
-        lora = f" lora={self.lora}" if self.lora else ""
-        return f"model={self.name}{lora} pid={pid}"
+        others = f" (+{len(self.names) - 1} names)" if len(self.names) > 1 else ""
+        return f"model={self.name}{others} pid={pid}"
 
     def _emit(self, ev: str, **fields: object) -> None:
-        self.lines.write(encode_event(ev, model=self.name, lora=self.lora, **fields))
+        """A lifecycle event of the worker, once for each of its names."""
+        for name in list(self.names.values()):
+            self._emit_for(name, ev, **fields)
+
+    def _emit_for(self, name: Name, ev: str, **fields: object) -> None:
+        self.lines.write(encode_event(ev, model=name.name, lora=name.lora, **fields))
 
     @property
     def idle(self) -> bool:
@@ -173,6 +188,13 @@ class WorkerSlot:
         if self.child is None or self.state not in LIVE:
             return 0.0
         return time.monotonic() - self.child.started_at
+
+    @property
+    def keep_alive(self) -> float | None:
+        """Idle seconds before the worker is unloaded: the longest of its
+        names' keep_alive, None (never) if any of them has none."""
+        values = [n.spec.keep_alive for n in self.names.values()]
+        return None if not values or None in values else max(values)
 
     def touch(self) -> None:
         """Counts as a use for least-recently-used eviction."""
@@ -187,8 +209,11 @@ class WorkerSlot:
             log.info("%s: not started (%s): the model was unloaded", self._describe(), reason)
             return
         self.sm.to(State.LOADING, reason)
-        self.ready_line = None
+        self._ready = {}
         self._kill_reason = None
+        now = time.monotonic()
+        for name in self.names.values():
+            name.up, name.since, name.ready_line = False, now, None
         self._emit("loading")
         child = ChildProcess(self._on_lines, self._on_stderr, self._on_exit, self._on_overflow)
         self.child = child
@@ -369,6 +394,14 @@ class WorkerSlot:
                 self._got_stats(event)
             case Ready():
                 self._on_ready(line)
+            case Loading():
+                for name in [n for n in self.names.values() if not n.up]:
+                    self.lines.write(renamed(line, name.name, self.name))
+            case AdapterLoaded() | AdapterError():
+                self._on_adapter_event(line, event.lora, isinstance(event, AdapterLoaded))
+            case AdapterUnloaded(lora=lora, resident=resident):
+                # The pool has answered the unload with `unloaded` already.
+                log.info("%s: adapter %s unloaded (was resident: %s)", self._describe(), lora, resident)
             case Malformed(why=why, terminal=terminal):
                 if terminal and self.in_flight:
                     # Which request it meant to end cannot be read: the
@@ -378,17 +411,17 @@ class WorkerSlot:
                     log.warning("%s: malformed line from the worker dropped (%s): %r", self._describe(), why, line[:120])
             case _:
                 self.lines.write(line)
-                if isinstance(event, (AdapterLoaded, AdapterError)):
-                    self.events.adapter_event(self, isinstance(event, AdapterLoaded))
 
     def _finish(self, job: Job, line: bytes, done: Done | None) -> None:
         del self.in_flight[job.key]
         self._in_flight_changed()
-        self.served += 1
         self.touch()
+        name = self.names.get(job.spec.name_key)
+        if name is not None:  # else unloaded while the request ended
+            name.served += 1
+            name.tokens += done.gen_tokens if done is not None else 0
         if done is not None:
-            self.tokens += done.gen_tokens
-            self.events.request_done(self, done)
+            self.events.request_done(self, job.spec, done)
         self._end(job, line)
         if not self.in_flight and self.state == State.BUSY:
             self.sm.to(State.READY, f"request {job.label} done")
@@ -397,13 +430,20 @@ class WorkerSlot:
             self.events.idle(self)
 
     def _on_ready(self, line: bytes) -> None:
-        self.ready_line = line
         if self.state != State.LOADING:
-            self.lines.write(line)
+            log.warning("%s: a second ready line dropped: %r", self._describe(), line[:200])
             return
+        self._ready = parse_event(line)
+        self._ready_at = time.monotonic()
         self.sm.to(State.READY, "worker ready")
         self.settled.set()
-        self.lines.write(line)
+        asked: set[str] = set()
+        for name in list(self.names.values()):
+            if name.lora is None:
+                self._announce(name, line)
+            elif name.lora not in asked:
+                asked.add(name.lora)
+                self._send(LoadAdapter(path=name.lora))
         self.request_stats_nowait()
         self._dispatch()
         if self.idle:
@@ -448,12 +488,106 @@ class WorkerSlot:
             if not future.done():
                 future.set_result(stats)
 
-    # -- adapters ----------------------------------------------------------------
+    # -- names and their adapters ------------------------------------------------
 
-    def set_adapter(self, path: str | None) -> bool:
-        if self.child is None or self.state not in LIVE:
+    def join(self, spec: ModelSpec) -> Name:
+        """The name of `spec` on this worker; a new one comes up now if the
+        worker runs (`loading`, then `ready` once its adapter is loaded),
+        else with the worker."""
+        name = self.names.get(spec.name_key)
+        if name is None:
+            name = self.names[spec.name_key] = Name(spec)
+            if self.state in LIVE:
+                name.since = time.monotonic()
+                self._emit_for(name, "loading")
+                if self.state != State.LOADING:
+                    self._bring_up(name)
+        return name
+
+    def _bring_up(self, name: Name) -> None:
+        """Its ready line now, or once the worker has its adapter."""
+        if name.lora is None:
+            self._announce(name)
+        else:
+            self._send(LoadAdapter(path=name.lora))
+
+    def _announce(self, name: Name, worker_line: bytes | None = None) -> None:
+        """The name's `ready` line: the worker's, for its name and adapter."""
+        if name.since <= self._ready_at:
+            # Up with the worker: its load time, and the adapter's read after it.
+            load_ms = self._ready.get("load_ms", 0) + int((time.monotonic() - self._ready_at) * 1000 if name.lora else 0)
+        else:
+            load_ms = int((time.monotonic() - name.since) * 1000)
+        if worker_line is not None and name.name == self.name:
+            line = worker_line  # the worker spoke for this very name: its line as written
+        else:
+            fields = {k: v for k, v in self._ready.items() if k != "ev"}
+            line = encode_event("ready", **{**fields, "model": name.name, "lora": name.lora, "load_ms": load_ms})
+        name.up, name.ready_line = True, line
+        self.lines.write(line)
+
+    def _on_adapter_event(self, line: bytes, lora: str | None, loaded: bool) -> None:
+        """adapter_loaded / adapter_error about `lora`, written once per name
+        with that adapter; except that adapter_loaded brings up the names
+        still coming up, and their `ready` line stands for it, as it did when
+        a worker read its one adapter at start."""
+        names = [n for n in self.names.values() if n.lora == lora]
+        coming = [n for n in names if not n.up] if loaded and self.state in (State.READY, State.BUSY) else []
+        told = [n for n in names if n not in coming]
+        for name in told:
+            self.lines.write(renamed(line, name.name, self.name))
+        if not names:
+            log.info("%s: adapter event of no name dropped: %r", self._describe(), line[:200])
+        self.events.adapter_event(self, lora, [n.spec for n in told], loaded)
+        for name in coming:
+            self._announce(name)
+
+    def load_adapter(self, lora: str) -> bool:
+        """Makes the worker hold this adapter (a use, for its least recently
+        used order); answered by adapter_loaded or adapter_error."""
+        return self.state in LIVE and self._send(LoadAdapter(path=lora))
+
+    def reload_adapter(self, lora: str) -> bool:
+        """The worker reads the adapter's file again (it changed, or the
+        `reload` op): new requests get the new version, a bad file keeps the
+        one it has."""
+        return self.state in LIVE and self._send(ReloadAdapter(path=lora))
+
+    def adapter_missing(self, lora: str) -> None:
+        msg = f"adapter {lora} was deleted (or cannot be reached); the worker keeps the version it loaded"
+        for name in [n for n in self.names.values() if n.lora == lora]:
+            self._emit_for(name, "adapter_error", code=ADAPTER_ERROR, msg=msg)
+
+    def remove_name(self, spec: ModelSpec, reason: str) -> bool:
+        """Unloads one name while the worker goes on serving the others: its
+        queued requests end with `unloaded`, those in flight are cancelled
+        (finish_reason cancelled), its adapter leaves the worker's memory
+        unless another name uses it. False when it is not here."""
+        name = self.names.pop(spec.name_key, None)
+        if name is None:
             return False
-        return self._send(SetAdapter(path=path))
+        jobs = [job for job in self.queue if job.spec.name_key == spec.name_key]
+        for job in jobs:
+            self.queue.remove(job)
+            self.end_with_error(job, UNLOADED, f"request not run: model {job.spec.name!r} {reason}")
+        for job in list(self.in_flight.values()):
+            if job.spec.name_key == spec.name_key:
+                self._send(Cancel(rid=job.rid))
+        if name.lora is not None and not self.uses(name.lora) and self.state in LIVE:
+            self._send(UnloadAdapter(path=name.lora))
+        self._emit_for(name, "unloaded", reason=reason)
+        if self.idle:
+            self.events.idle(self)
+        return True
+
+    def uses(self, lora: str) -> bool:
+        """Whether a name of this worker runs with the adapter `lora`."""
+        return any(n.lora == lora for n in self.names.values())
+
+    def waiting(self, spec: ModelSpec) -> tuple[int, int]:
+        """The name's requests queued here and in flight at the worker."""
+        key = spec.name_key
+        return sum(1 for j in self.queue if j.spec.name_key == key), sum(1 for j in self.in_flight.values() if j.spec.name_key == key)
 
     # -- faults ------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
-"""The status row: one typed record per worker slot that the `status` op,
-the `stats` events, the Prometheus gauges and `lattice-pool ps` all read.
+"""The status row: one typed record per name (a model name and adapter
+that a worker serves) that the `status` op, the `stats` events, the
+Prometheus gauges and `lattice-pool ps` all read.
 
 Fields and their meaning: docs/monitoring.md. Every memory figure is the
 worker's own measurement (worker_stats), or psutil's from outside for a
-worker that has not answered yet; a row without a process reports 0.
+worker that has not answered yet; a row without a process reports 0. The
+worker's figures repeat in the row of each of its names, except
+`adapter_bytes`, the name's adapter's own; `worker` tells workers apart.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import psutil
 
 from ipc.events import encode_event
 from ipc.worker_events import WorkerStats, rss_uss
+from supervisor.names import Name
 from supervisor.slot import WorkerSlot
 from supervisor.states import State
 
@@ -43,6 +47,10 @@ class StatusRow(msgspec.Struct):
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
+    # Many names on one worker (SPEC §10): the worker's number, the same in
+    # the rows of all its names, and the adapters it may keep in memory.
+    worker: int = 0
+    max_adapters: int = 0
 
 
 class Status(msgspec.Struct):
@@ -58,10 +66,10 @@ _NOTHING = WorkerStats()
 _supervisor = psutil.Process()
 
 
-def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waiting: int) -> StatusRow:
-    """The slot's row with the worker's figures `stats`, as of `state` (the
-    state when they were asked for). `waiting`: requests for it still
-    waiting in the pool (id-less ones waiting their turn)."""
+def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: State, waiting: int) -> StatusRow:
+    """The row of one of the slot's names with the worker's figures `stats`,
+    as of `state` (the state when they were asked for). `waiting`: requests
+    of the name still waiting in the pool (id-less ones waiting their turn)."""
     pid = slot.pid
     s = stats or _NOTHING
     if pid is None:
@@ -70,9 +78,10 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         s = WorkerStats(format=s.format)
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
+    queued, in_flight = slot.waiting(name.spec)
     return StatusRow(
-        model=slot.name,
-        lora=slot.lora,
+        model=name.name,
+        lora=name.lora,
         state=state.value,
         pid=pid,
         format=s.format,
@@ -82,17 +91,19 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         mlx_peak_bytes=s.mlx_peak_bytes,
         mlx_cache_bytes=s.mlx_cache_bytes,
         weights_bytes=s.weights_bytes,
-        adapter_bytes=s.adapter_bytes,
-        queued=len(slot.queue) + waiting,
-        in_flight=len(slot.in_flight),
-        served=slot.served,
-        tokens=slot.tokens,
+        adapter_bytes=next((a.bytes for a in s.adapters if a.lora == name.lora), 0),
+        queued=queued + waiting,
+        in_flight=in_flight,
+        served=name.served,
+        tokens=name.tokens,
         restarts=slot.restarts,
         uptime_s=round(slot.uptime(), 1),
         max_batch=slot.max_batch,
         active_rows=s.active_rows,
         waiting_rows=s.waiting_rows,
         rows_cache_bytes=s.rows_cache_bytes,
+        worker=slot.number,
+        max_adapters=s.max_adapters or slot.spec.max_adapters,
     )
 
 

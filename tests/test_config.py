@@ -32,3 +32,27 @@ def test_bad_durations_are_refused(tmp_path, bad):
     path.write_text(f'keep_alive = "{bad}"\n')
     with pytest.raises(ConfigError, match="not a duration"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, where", [("max_adapters = 0\n", "`max_adapters`: Expected `int` >= 1"), ('[[models]]\nname = "a"\npath = "/m"\nmax_adapters = 2000\n', r"`models\[0\]\.max_adapters`: Expected `int` <= 1024")])
+def test_max_adapters_is_checked(tmp_path, text, where):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=where):
+        load_config(path)
+
+
+def test_names_on_one_base_share_a_worker_key_unless_their_worker_settings_differ(tmp_path):
+    from supervisor.resolve import Resolver
+
+    (tmp_path / "m").mkdir()
+    entries = [("a", None, ""), ("b", "/x", ""), ("c", "/y", "max_adapters = 2\n"), ("d", None, "max_batch = 2\n")]
+    text = "max_adapters = 4\n" + "".join(
+        f'[[models]]\nname = "{n}"\npath = "{tmp_path / "m"}"\n' + (f'lora = "{lora}"\n' if lora else "") + extra for n, lora, extra in entries
+    )
+    (tmp_path / "c.toml").write_text(text)
+    resolver = Resolver(load_config(tmp_path / "c.toml"))
+    specs = {n: resolver.resolve(n) for n, _, _ in entries}
+    assert specs["a"].key == specs["b"].key == resolver.resolve("a", "/z").key and specs["a"].max_adapters == 4
+    assert specs["a"].name_key != specs["b"].name_key != resolver.resolve("a", "/z").name_key
+    assert len({specs[n].key for n in "acd"}) == 3 and specs["c"].max_adapters == 2

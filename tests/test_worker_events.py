@@ -7,7 +7,10 @@ import pytest
 from ipc.events import encode_cancelled_done, encode_done, encode_error, encode_event, encode_token
 from ipc.worker_events import (
     TOKEN,
+    AdapterError,
+    AdapterFigures,
     AdapterLoaded,
+    AdapterUnloaded,
     Done,
     Error,
     Heartbeat,
@@ -41,7 +44,12 @@ def test_each_kind_becomes_its_struct():
     assert ready == Ready(model="m", format="q4", load_ms=812)
     stats = read_line(encode_event("worker_stats", model="m", format="bf16", weights_bytes=10, rss_bytes=40, active_rows=3, max_batch=8))
     assert isinstance(stats, WorkerStats) and (stats.rss_bytes, stats.active_rows, stats.max_batch, stats.waiting_rows) == (40, 3, 8, 0)
-    assert read_line(encode_event("adapter_loaded", model="m", sha256="ab")) == AdapterLoaded(sha256="ab")
+    assert read_line(encode_event("adapter_loaded", model="m", lora="/a", sha256="ab")) == AdapterLoaded(lora="/a", sha256="ab")
+    assert read_line(encode_event("adapter_error", model="m", lora="/a", code="adapter_error", msg="bad")) == AdapterError(lora="/a", msg="bad")
+    assert read_line(encode_event("adapter_unloaded", model="m", lora="/a", resident=True)) == AdapterUnloaded(lora="/a", resident=True)
+    listed = {"lora": "/a", "sha256": "ab", "config_sha256": None, "bytes": 7, "rows": 1, "default": False}
+    stats = read_line(encode_event("worker_stats", model="m", adapter_bytes=9, adapters=[listed], max_adapters=2))
+    assert stats.adapters == [AdapterFigures(lora="/a", sha256="ab", bytes=7, rows=1)] and (stats.adapter_bytes, stats.max_adapters) == (9, 2)
     assert read_line(encode_event("mystery", model="m")) == Other("mystery")
 
 
