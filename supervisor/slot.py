@@ -60,10 +60,10 @@ class SlotEvents(Protocol):
     def request_ended(self, slot: "WorkerSlot", job: Job) -> None:
         """The job's one terminal line has gone to its sink."""
 
-    def request_done(self, slot: "WorkerSlot", done: Done) -> None:
+    def request_done(self, slot: "WorkerSlot", job: Job, done: Done) -> None:
         """The worker finished a request (its done line, for the counters)."""
 
-    def error_counted(self, slot: "WorkerSlot", code: str | None) -> None:
+    def error_counted(self, slot: "WorkerSlot", job: Job, code: str | None) -> None:
         """An error line ended a request (the worker's or the slot's)."""
 
     def adapter_event(self, slot: "WorkerSlot", loaded: bool) -> None:
@@ -278,7 +278,7 @@ class WorkerSlot:
             self.end_with_error(job, code, msg(job.spec.name))
 
     def end_with_error(self, job: Job, code: str, msg: str) -> None:
-        self.events.error_counted(self, code)
+        self.events.error_counted(self, job, code)
         self._end(job, encode_error(msg, code, job.id_json))
 
     def _end(self, job: Job, line: bytes) -> None:
@@ -341,7 +341,7 @@ class WorkerSlot:
                 if job is None:
                     self.lines.write(line)
                     return
-                self.events.error_counted(self, code)
+                self.events.error_counted(self, job, code)
                 self._finish(job, line, None)
             case Heartbeat(busy=busy):
                 if not self.in_flight or busy:
@@ -371,7 +371,7 @@ class WorkerSlot:
         self.touch()
         if done is not None:
             self.tokens += done.gen_tokens
-            self.events.request_done(self, done)
+            self.events.request_done(self, job, done)
         self._end(job, line)
         if not self.in_flight and self.state == State.BUSY:
             self.sm.to(State.READY, f"request {job.label} done")

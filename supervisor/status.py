@@ -38,6 +38,13 @@ class StatusRow(msgspec.Struct):
     uptime_s: float
 
 
+class SurfaceRequests(msgspec.Struct):
+    """Generation requests that came through one surface (stdin or http)."""
+
+    received: int  # since the pool started, refused ones included
+    active: int  # queued or running now
+
+
 class Status(msgspec.Struct):
     """The `status` event's fields (without "ev")."""
 
@@ -45,6 +52,7 @@ class Status(msgspec.Struct):
     rss_bytes: int
     system_total_bytes: int
     system_available_bytes: int
+    requests: dict[str, SurfaceRequests] = {}
 
 
 _NOTHING = WorkerStats()
@@ -85,13 +93,14 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
     )
 
 
-def status(rows: list[StatusRow]) -> Status:
+def status(rows: list[StatusRow], requests: dict[str, SurfaceRequests]) -> Status:
     memory = psutil.virtual_memory()
     return Status(
         models=rows,
         rss_bytes=_supervisor.memory_info().rss,
         system_total_bytes=memory.total,
         system_available_bytes=memory.available,
+        requests=requests,
     )
 
 
