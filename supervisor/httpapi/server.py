@@ -163,13 +163,17 @@ async def _send_json(send, status: int, body: bytes, *headers: tuple[bytes, byte
     await send({"type": "http.response.body", "body": body})
 
 
-async def _read_body(scope: dict, receive, limit: int) -> bytes:
+async def _read_body(scope: dict, receive, limit: int, timeout: float) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise HttpError(413, f"request body is {int(value)} bytes; the limit is {limit} (max_http_body_bytes)", code="request_too_large")
     body = bytearray()
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except asyncio.TimeoutError:
+            # uvicorn waits for a body without a bound; a trickle must not hold a connection.
+            raise HttpError(408, f"no more of the request body came for {timeout:g}s (http_idle_timeout)", code="request_timeout") from None
         if message["type"] == "http.disconnect":
             raise _ClientGone()
         body += message.get("body", b"")
@@ -193,6 +197,7 @@ class App:
         self.api_key = api_key.encode() if api_key else None
         self.max_body = parse_size(config.max_http_body_bytes)
         self.stream_buffer = parse_size(config.http_stream_buffer)
+        self.idle_timeout = parse_duration(config.http_idle_timeout)
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
@@ -313,7 +318,7 @@ class App:
         await self._generate(scope, receive, send, chat=False)
 
     async def _generate(self, scope: dict, receive, send, *, chat: bool) -> None:
-        body = await _read_body(scope, receive, self.max_body)
+        body = await _read_body(scope, receive, self.max_body, self.idle_timeout)
         request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         msg, opts = (chat_request if chat else completion_request)(body, request_id, self._model_name)
         id_json = msg.id_json
