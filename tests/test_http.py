@@ -340,3 +340,22 @@ def test_refuses_a_host_beyond_loopback_without_a_key(tiny_model):
     assert proc.returncode == 2
     lines = proc.stderr.decode().strip().splitlines()
     assert lines[-1].startswith("lattice-pool: error: http 0.0.0.0:0: 0.0.0.0 is not a loopback address") and "API key" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "inside, pieces, reasoning, answer",
+    [
+        (True, ["Let me see", "</think>", "\n\n", "Hi."], "Let me see", "Hi."),
+        (True, ["a</th", "ink>\n", "\nb"], "a", "b"),
+        (False, ["\n", "<thi", "nk>", "plan</think>\n", "done"], "plan", "done"),
+        (False, ["Hello ", "<think>", " is just text"], None, "Hello <think> is just text"),
+        (True, ["never closed <"], "never closed <", ""),
+    ],
+)
+def test_think_splitter(inside, pieces, reasoning, answer):
+    from supervisor.httpapi.reasoning import ThinkSplitter
+
+    splitter = ThinkSplitter(inside)
+    out = [p for piece in pieces for p in splitter.feed(piece)] + splitter.flush()
+    assert "".join(t for r, t in out if r) == (reasoning or "") and splitter.thought == (reasoning is not None)
+    assert "".join(t for r, t in out if not r) == answer

@@ -41,6 +41,11 @@ class _Error(msgspec.Struct, tag_field="ev", tag="error"):
 log = logging.getLogger("lattice.http")
 _line = msgspec.json.Decoder(_Token | _Error)
 _SKIP = len(PREFIX)
+# A non-final token line is PREFIX + this + the token as a JSON string +
+# _TOKEN_TAIL + (the id) + "}"; inside the string every quote is escaped,
+# so the last _TOKEN_TAIL is the field.
+_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token","token":'
+_TOKEN_TAIL = b',"done":false'
 
 
 class Exchange:
@@ -73,6 +78,10 @@ class Exchange:
         for line in data.splitlines():
             if self.ended or self.overflowed:
                 break
+            if self.stream and self.started and line.startswith(_TOKEN_HEAD):
+                end = line.rfind(_TOKEN_TAIL)
+                if end > 0 and self._raw_piece(line[len(_TOKEN_HEAD) : end]):
+                    continue
             try:
                 event = _line.decode(line[_SKIP:])
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -97,6 +106,19 @@ class Exchange:
             if self.stream and self.reply.chat:
                 self._put(self.reply.first())
         self._pieces(self.splitter.feed(text) if self.splitter else [(False, text)])
+
+    def _raw_piece(self, raw: bytes) -> bool:
+        """The stream's fast path: the token's JSON string as the worker
+        wrote it goes into the chunk without being decoded and encoded
+        again, unless it may hold a <think> tag (or the splitter holds text)."""
+        if self.splitter is None:
+            self._put(self.reply.raw_piece(raw, False))
+            return True
+        reasoning = self.splitter.settled()
+        if reasoning is None or (reasoning and b"<" in raw):
+            return False
+        self._put(self.reply.raw_piece(raw, reasoning))
+        return True
 
     def _pieces(self, pieces: list[tuple[bool, str]]) -> None:
         for reasoning, text in pieces:

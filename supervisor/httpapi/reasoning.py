@@ -40,6 +40,14 @@ class ThinkSplitter:
         self._held = ""
         self._trim = False  # drop the newlines that follow </think>
 
+    def settled(self) -> bool | None:
+        """True inside the block, False in the answer, when nothing is held
+        back and the next piece's kind depends only on a tag in it (the
+        caller's fast path); None otherwise."""
+        if self._held or self._trim or self._may_open:
+            return None
+        return self.inside
+
     def feed(self, text: str) -> Pieces:
         text = self._held + text
         self._held = ""

@@ -69,6 +69,7 @@ class Connection(H11Protocol):
 
     max_connections = 0
     idle_timeout = 0.0
+    send_buffer = 0
     refusal = b""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -85,6 +86,12 @@ class Connection(H11Protocol):
             transport.write(self.refusal)
             transport.close()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # Linux grows a connection's send buffer up to 4 MiB on its own
+            # (tcp_wmem): bounded, that is the kernel's share of what a
+            # client that does not read can make us hold.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         self._first_request = self.loop.call_later(self.idle_timeout, self._idle)
 
     def handle_events(self) -> None:
@@ -112,7 +119,13 @@ def connection_class(config: Config) -> type[Connection]:
     limit = config.max_http_connections
     body = error_body(f"{limit} HTTP connections are open (max_http_connections); try again later", "rate_limit_error", OVERLOADED)
     refusal = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
-    return type("BoundedConnection", (Connection,), {"max_connections": limit, "idle_timeout": parse_duration(config.http_idle_timeout), "refusal": refusal})
+    settings = {
+        "max_connections": limit,
+        "idle_timeout": parse_duration(config.http_idle_timeout),
+        "send_buffer": parse_size(config.http_stream_buffer),
+        "refusal": refusal,
+    }
+    return type("BoundedConnection", (Connection,), settings)
 
 
 class _Server(uvicorn.Server):

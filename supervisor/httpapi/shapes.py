@@ -244,7 +244,11 @@ class Reply:
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
         """The SSE chunk of one piece of text (reasoning: a reasoning_content delta)."""
-        return self._prefix["reasoning_content" if reasoning else "content"] + _encode(text) + self._suffix
+        return self.raw_piece(_encode(text), reasoning)
+
+    def raw_piece(self, text_json: bytes, reasoning: bool) -> bytes:
+        """The same, from the text already as a JSON string."""
+        return self._prefix["reasoning_content" if reasoning else "content"] + text_json + self._suffix
 
     def _chunk(self, choices: list, **extra: object) -> bytes:
         body = {**self._head, "choices": choices, **extra}
