@@ -26,6 +26,7 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -279,8 +280,6 @@ class App:
         return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state}
 
     async def _models(self, scope, receive, send) -> None:
-        import msgspec
-
         data = []
         for entry in self.pool.config.models:
             try:
@@ -290,8 +289,6 @@ class App:
         await _send_json(send, 200, msgspec.json.encode({"object": "list", "data": data}))
 
     async def _model(self, scope, receive, send) -> None:
-        import msgspec
-
         name = scope["path"].removeprefix("/v1/models/")
         try:
             await _send_json(send, 200, msgspec.json.encode(self._model_object(self._model_name(name))))
