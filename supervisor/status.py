@@ -36,6 +36,13 @@ class StatusRow(msgspec.Struct):
     tokens: int
     restarts: int
     uptime_s: float
+    # Continuous batching: the pool sends at most max_batch requests to the
+    # worker (in_flight); of those, the worker decodes active_rows and holds
+    # waiting_rows back (its memory guard), their caches taking rows_cache_bytes.
+    max_batch: int = 0
+    active_rows: int = 0
+    waiting_rows: int = 0
+    rows_cache_bytes: int = 0
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -90,6 +97,10 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         tokens=slot.tokens,
         restarts=slot.restarts,
         uptime_s=round(slot.uptime(), 1),
+        max_batch=slot.max_batch,
+        active_rows=s.active_rows,
+        waiting_rows=s.waiting_rows,
+        rows_cache_bytes=s.rows_cache_bytes,
     )
 
 

@@ -256,7 +256,6 @@ def test_listens_on_loopback_by_default(served):
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
 
 
-@pytest.mark.xfail(strict=True, reason="the worker does not enforce response_format yet (branch wire16 wires it into the engine)")
 def test_response_format_gives_json(served):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"], "additionalProperties": False}
     with client(served) as c:
