@@ -324,6 +324,14 @@ def test_idle_connections_and_trickled_bodies_are_closed(tiny_model, tmp_path, s
         assert idle.recv(4096) == b""
         answer = trickle.recv(4096)
     assert answer.startswith(b"HTTP/1.1 408") and b"http_idle_timeout" in answer
+    with socket.create_connection(("127.0.0.1", pool.port)) as sock:  # not HTTP at all: answered in OpenAI's shape too
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        sock.settimeout(30)
+        answer = b""
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "bad_request"
     assert pool.close() == 0
 
 

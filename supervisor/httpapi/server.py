@@ -30,7 +30,7 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ipc.events import INTERNAL, OVERLOADED, UNKNOWN_MODEL
+from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, UNKNOWN_MODEL
 from ipc.worker_events import Ready, read_line
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi.exchange import Exchange
@@ -111,6 +111,13 @@ class Connection(H11Protocol):
             self._first_request.cancel()
             self._first_request = None
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers what h11 cannot parse (a head over 64 KiB, not
+        # HTTP at all) in plain text; ours is in OpenAI's shape too.
+        body = error_body(f"invalid HTTP request: {msg}", "invalid_request_error", BAD_REQUEST)
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def abort(self) -> None:
         self.transport.abort()
