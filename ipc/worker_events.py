@@ -51,6 +51,8 @@ class Ready(msgspec.Struct, tag_field="ev", tag="ready"):
     model: str | None = None
     format: str | None = None
     load_ms: int = 0
+    # The chat template's generation prompt opens a <think> block.
+    opens_think: bool = False
 
 
 class Loading(msgspec.Struct, tag_field="ev", tag="loading"):

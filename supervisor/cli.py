@@ -46,10 +46,12 @@ def add_monitor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-socket", help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: see docs/monitoring.md)")
     p.add_argument("--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open a control socket")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, logged)")
+    p.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8080 (docs/http.md)")
+    p.add_argument("--api-key", help="with --http: require this bearer token (default $LATTICE_API_KEY); needed for a host that is not loopback")
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
-    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "max_batch", "metrics_port", "control_socket")
+    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "max_batch", "metrics_port", "control_socket", "http", "api_key")
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
@@ -98,7 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = base_config(args)
     if args.model or args.model_dir or not config.models:
         add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    return asyncio.run(serve(config, eof_grace=config.shutdown_grace))
+    if args.no_stdin and config.http is None:
+        raise UsageError("--no-stdin leaves the pool no requests but HTTP ones: add --http HOST:PORT")
+    return asyncio.run(serve(config, eof_grace=config.shutdown_grace, read_stdin=not args.no_stdin))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -205,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_flags(serve)
     add_monitor_flags(serve)
     add_model_flags(serve)
+    serve.add_argument("--no-stdin", action="store_true", help="with --http: do not read stdin (run as a service; stop with SIGTERM)")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="chat_metal-compatible single-model run")

@@ -83,6 +83,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_control_clients: Annotated[int, Meta(ge=1)] = 32
     control_idle_timeout: Duration | None = "5m"
     max_metrics_connections: Annotated[int, Meta(ge=1)] = 8
+    # The OpenAI-compatible HTTP surface (docs/http.md): "HOST:PORT" or
+    # "PORT" (on 127.0.0.1); port 0 picks a free port (logged). A host
+    # that is not loopback needs api_key (or $LATTICE_API_KEY).
+    http: str | None = None
+    api_key: str | None = None
+    max_http_connections: Annotated[int, Meta(ge=1)] = 128
+    max_http_body_bytes: Size = "8MiB"
+    http_stream_buffer: Size = "256KiB"
+    http_idle_timeout: Duration = "30s"
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 
@@ -94,11 +103,27 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Parse once so a bad value fails at start-up, not at first use.
         parse_size(self.memory_budget)
         parse_size(self.prefix_cache_bytes)
-        for name in ("max_prompt_bytes", "max_adapter_bytes"):
+        if self.http is not None:
+            split_address(self.http)
+        for name in ("max_prompt_bytes", "max_adapter_bytes", "max_http_body_bytes", "http_stream_buffer"):
             if parse_size(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1 byte")
         for value in (self.keep_alive, self.stats_interval, self.control_idle_timeout, *(m.keep_alive for m in self.models)):
             parse_duration(value)
+        if parse_duration(self.http_idle_timeout) is None:
+            raise ValueError("http_idle_timeout must be a duration: an idle connection is never kept forever")
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 8080) from "127.0.0.1:8080", "[::1]:8080", "localhost:8080" or "8080"."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host = "127.0.0.1"
+    elif host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"http: not HOST:PORT: {text!r} (e.g. '127.0.0.1:8080')")
+    return host, int(port)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,

@@ -26,6 +26,7 @@ class Job:
     generate: Generate
     spec: ModelSpec
     sink: Sink
+    surface: str = "stdin"  # where it came from: "stdin" (also run/chat) or "http"
     emitted: bool = False  # a line of it reached its sink: a retry would show
     attempts: int = 0
     finished: bool = False

@@ -38,20 +38,22 @@ async def first_set(*events: asyncio.Event) -> None:
 
 
 class RunningPool:
-    def __init__(self, pool: Pool, control: ControlServer | None, metrics):
+    def __init__(self, pool: Pool, control: ControlServer | None, metrics, http):
         self.pool = pool
         self.control = control
         self.metrics = metrics
+        self.http = http
         self.housekeeping = pool.spawn(pool.housekeeping())
         self._signals: list[int] = []
 
     @classmethod
     async def start(cls, config: Config, output, *, monitor: bool) -> "RunningPool":
         """A pool writing to `output` (stdout's Output, or a terminal's
-        EventSink). monitor: also the control socket and metrics page."""
-        # The socket and the port before any worker starts: one that cannot
+        EventSink). monitor: also the control socket, the metrics page and
+        the HTTP surface."""
+        # The sockets and ports before any worker starts: one that cannot
         # be had fails the start rather than leaving a pool nobody can reach.
-        control = metrics = None
+        control = metrics = http = None
         try:
             control = ControlServer.bind(config) if monitor else None
             pool = Pool(config, output)
@@ -59,14 +61,20 @@ class RunningPool:
                 from supervisor.metrics import MetricsServer  # prometheus-client only when asked for
 
                 metrics = MetricsServer.start(pool, config.metrics_port, config.max_metrics_connections)
+            if monitor and config.http is not None:
+                from supervisor.httpapi.server import HttpServer  # uvicorn only when asked for
+
+                http = await HttpServer.start(pool, config)
         except ConfigError:
             output.close()
             if control is not None:
                 await control.close()
+            if metrics is not None:
+                await metrics.close()
             raise
         if control is not None:
             await control.start(pool)
-        return cls(pool, control, metrics)
+        return cls(pool, control, metrics, http)
 
     def on_signals(self, handler: Callable[[], None], signals=SIGNALS) -> None:
         """Handlers until close(); they only set events (an asyncio signal
@@ -79,6 +87,8 @@ class RunningPool:
     async def close(self) -> None:
         """After pool.shutdown: the endpoints, then the output."""
         self.housekeeping.cancel()
+        if self.http is not None:
+            await self.http.close()
         if self.control is not None:
             await self.control.close()
         if self.metrics is not None:
@@ -94,12 +104,14 @@ class RunningPool:
         await self.close()
 
 
-async def serve(config: Config, *, eof_grace: float | None, settle_first: bool = False) -> int:
+async def serve(config: Config, *, eof_grace: float | None, settle_first: bool = False, read_stdin: bool = True) -> int:
     """Serves stdin until EOF, SIGTERM/SIGINT, a `shutdown` op or a closed
     stdout; then drains for the grace period and stops every worker.
 
     settle_first: read stdin only once preloaded models are ready (or have
-    failed), as chat_metal did, so its clients see `ready` before anything."""
+    failed), as chat_metal did, so its clients see `ready` before anything.
+    read_stdin False (`--no-stdin`, for an HTTP server run as a service):
+    stdin is never read, so its EOF stops nothing."""
     output = Output()
     await output.open()
     running = await RunningPool.start(config, output, monitor=True)
@@ -112,7 +124,7 @@ async def serve(config: Config, *, eof_grace: float | None, settle_first: bool =
 
     running.on_signals(on_signal)
     preloaded = pool.preload()
-    stdin = asyncio.ensure_future(_serve_after(pool, preloaded if settle_first else []))
+    stdin = asyncio.ensure_future(_serve_after(pool, preloaded if settle_first else []) if read_stdin else asyncio.Event().wait())
     waits = {
         stdin: "stdin closed",
         asyncio.ensure_future(stopping.wait()): "signal",

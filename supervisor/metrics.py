@@ -111,9 +111,11 @@ class PoolMetrics:
         prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = Counter("lattice_requests", "Generation requests a worker completed (any finish_reason)", LABELS, registry=r)
-        self.tokens = Counter("lattice_generated_tokens", "Tokens generated", LABELS, registry=r)
-        self.errors = Counter("lattice_errors", "Error events on stdout by code; model is empty when no model was resolved", (*LABELS, "code"), registry=r)
+        self.requests = Counter("lattice_requests", "Generation requests a worker completed (any finish_reason)", (*LABELS, "surface"), registry=r)
+        self.tokens = Counter("lattice_generated_tokens", "Tokens generated", (*LABELS, "surface"), registry=r)
+        self.errors = Counter(
+            "lattice_errors", "Error events that end a request or refuse a line, by code; model is empty when no model was resolved", (*LABELS, "code", "surface"), registry=r
+        )
         self.restarts = Counter("lattice_worker_restarts", "Worker restarts after a crash, stall or kill", LABELS, registry=r)
         self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
         self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
@@ -135,17 +137,17 @@ class PoolMetrics:
 
     # -- PoolObserver -------------------------------------------------------------
 
-    def request_done(self, spec: ModelSpec, done: Done) -> None:
+    def request_done(self, spec: ModelSpec, done: Done, surface: str) -> None:
         key = _labels(spec)
-        self.requests.labels(*key).inc()
+        self.requests.labels(*key, surface).inc()
         if done.gen_tokens:
             # A request cancelled before its first token has no TTFT or rate.
-            self.tokens.labels(*key).inc(done.gen_tokens)
+            self.tokens.labels(*key, surface).inc(done.gen_tokens)
             self.ttft.labels(*key).observe(done.ttft_ms / 1000.0)
             self.tok_s.labels(*key).observe(done.tok_s)
 
-    def error(self, spec: ModelSpec | None, code: str) -> None:
-        self.errors.labels(*_labels(spec), code).inc()
+    def error(self, spec: ModelSpec | None, code: str, surface: str) -> None:
+        self.errors.labels(*_labels(spec), code, surface).inc()
 
     def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
         self.adapter_reloads.labels(*_labels(spec), "loaded" if loaded else "error").inc()

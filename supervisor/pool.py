@@ -41,7 +41,7 @@ from supervisor.requests import ClientLine, prompt_bytes, response_format_text, 
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.states import LIVE, State
-from supervisor.status import Status, StatusRow, stats_event, status, status_event, status_row
+from supervisor.status import Status, StatusRow, SurfaceRequests, stats_event, status, status_event, status_row
 from supervisor.stderr import relay_worker_stderr
 from supervisor.stdout import Output
 
@@ -58,17 +58,22 @@ Answer = Callable[[bytes], None]
 
 class PoolObserver(Protocol):
     """Told of what the pool counts (supervisor.metrics is one), labelled by
-    the worker's spec (None: no model was resolved); every call comes from
-    the event loop thread."""
+    the worker's spec (None: no model was resolved) and the surface the
+    request came through (SURFACES); every call comes from the event loop
+    thread."""
 
-    def request_done(self, spec: ModelSpec, done: Done) -> None: ...
+    def request_done(self, spec: ModelSpec, done: Done, surface: str) -> None: ...
 
-    def error(self, spec: ModelSpec | None, code: str) -> None: ...
+    def error(self, spec: ModelSpec | None, code: str, surface: str) -> None: ...
 
     def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
         """An adapter_loaded (True) or adapter_error line written for the name `spec`."""
 
     def restarted(self, spec: ModelSpec) -> None: ...
+
+
+# Where requests come from: stdin (and the terminal front ends), or HTTP.
+SURFACES = ("stdin", "http")
 
 
 class Pool:
@@ -94,6 +99,8 @@ class Pool:
         self._idless_running: Job | None = None
         self._idless_room = asyncio.Event()
         self._live_jobs = 0  # requests queued or running, id-less ones included
+        self.received = dict.fromkeys(SURFACES, 0)  # generation requests submitted, by surface
+        self.live_by_surface = dict.fromkeys(SURFACES, 0)  # of _live_jobs
         self._tasks: set[asyncio.Task] = set()
         self._admission = asyncio.Lock()
         self._room = asyncio.Event()
@@ -117,14 +124,15 @@ class Pool:
         for slot in self.slots.values():
             slot.pause_reading(paused)
 
-    def note_error(self, spec: ModelSpec | None, code: str | None) -> None:
+    def note_error(self, spec: ModelSpec | None, code: str | None, surface: str = "stdin") -> None:
         for observer in self.observers:
-            observer.error(spec, code or "unknown")
+            observer.error(spec, code or "unknown", surface)
 
     # -- SlotEvents ----------------------------------------------------------------
 
     def request_ended(self, slot: WorkerSlot, job: Job) -> None:
         self._live_jobs -= 1
+        self.live_by_surface[job.surface] -= 1
         if job.id_json is not None and self._active.get(job.id_json) is job:
             del self._active[job.id_json]
         if self._idless_running is job:
@@ -133,12 +141,12 @@ class Pool:
         if self._quiet():
             self._all_idle.set()
 
-    def request_done(self, slot: WorkerSlot, spec: ModelSpec, done: Done) -> None:
+    def request_done(self, slot: WorkerSlot, job: Job, done: Done) -> None:
         for observer in self.observers:
-            observer.request_done(spec, done)
+            observer.request_done(job.spec, done, job.surface)
 
-    def error_counted(self, slot: WorkerSlot, code: str | None) -> None:
-        self.note_error(slot.spec, code)
+    def error_counted(self, slot: WorkerSlot, job: Job, code: str | None) -> None:
+        self.note_error(slot.spec, code, job.surface)
 
     def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
         for observer in self.observers:
@@ -161,14 +169,14 @@ class Pool:
 
     # -- requests ------------------------------------------------------------------
 
-    def reject(self, code: str, msg: str, id_json: str | None, sink: Sink | None = None) -> None:
+    def reject(self, code: str, msg: str, id_json: str | None, sink: Sink | None = None, surface: str = "stdin") -> None:
         """Answers a line that will not run with one error line."""
         sink = sink or self.output
         if id_json is not None and id_json in self._active:
             # The id names a request still running: a line carrying it would
             # read as that request's end.
             msg, id_json = f"{msg} (id {id_json} belongs to a request still running, so this error carries no id)", None
-        self.note_error(None, code)
+        self.note_error(None, code, surface)
         line = encode_error(msg, code, id_json)
         if id_json is None and (self._idless_running is not None or self._idless):
             # An id-less error is the answer to an id-less line: it waits its
@@ -178,30 +186,37 @@ class Pool:
             return
         sink.write(line)
 
-    def submit(self, msg: ClientLine, sink: Sink | None = None) -> None:
+    def submit(self, msg: ClientLine, sink: Sink | None = None, surface: str = "stdin") -> None:
         """A validated generation request: route it, or end it with an error.
-        Its lines go to `sink` (default: stdout)."""
+        Its lines go to `sink` (default: stdout); `surface` (SURFACES) says
+        where it came from, for the counters."""
         sink = sink or self.output
         id_json = msg.id_json
+        self.received[surface] += 1
+
+        def refuse(code: str, why: str) -> None:
+            self.reject(code, why, id_json, sink, surface)
+
         if not self.accepting:
-            self.reject(SHUTTING_DOWN, "the pool is shutting down", id_json, sink)
+            refuse(SHUTTING_DOWN, "the pool is shutting down")
             return
         if id_json is not None and id_json in self._active:
-            self.reject(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running; this line is refused", id_json, sink)
+            refuse(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running; this line is refused")
             return
         if prompt_bytes(msg, self.max_prompt_bytes) > self.max_prompt_bytes:
-            self.reject(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)", id_json, sink)
+            refuse(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
             return
         try:
             spec = self.resolver.resolve(msg.model, msg.lora)
         except UnknownModel as exc:
-            self.reject(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc), id_json, sink)
+            refuse(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc))
             return
         if id_json is not None and (full := self._full(spec)):
-            self.reject(OVERLOADED, full, id_json, sink)
+            refuse(OVERLOADED, full)
             return
-        job = Job(self._generate(msg, spec, next(self._rids)), spec, sink)
+        job = Job(self._generate(msg, spec, next(self._rids)), spec, sink, surface)
         self._live_jobs += 1
+        self.live_by_surface[surface] += 1
         self._all_idle.clear()
         if id_json is None:
             # chat_metal clients send no id and expect no interleaving at all.
@@ -480,7 +495,8 @@ class Pool:
 
     async def status(self) -> Status:
         """The `status` event's figures, measured now (docs/monitoring.md)."""
-        return status([row for _, _, row in await self._measure(list(self.slots.values()))])
+        rows = [row for _, _, row in await self._measure(list(self.slots.values()))]
+        return status(rows, {s: SurfaceRequests(received=self.received[s], active=self.live_by_surface[s]) for s in SURFACES})
 
     async def _measure(self, slots: list[WorkerSlot]) -> list[tuple[WorkerSlot, Name, StatusRow]]:
         """One row per name of each slot, measured once per worker."""
@@ -568,7 +584,7 @@ class Pool:
                 sink.write(line)
             else:
                 job.sink.write(encode_error("the pool is shutting down", SHUTTING_DOWN, job.id_json))
-                self.note_error(None, SHUTTING_DOWN)
+                self.note_error(None, SHUTTING_DOWN, job.surface)
         slots = list(self.slots.values())
         self.slots.clear()
         self.watches.stop_all()

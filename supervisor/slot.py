@@ -71,10 +71,10 @@ class SlotEvents(Protocol):
     def request_ended(self, slot: "WorkerSlot", job: Job) -> None:
         """The job's one terminal line has gone to its sink."""
 
-    def request_done(self, slot: "WorkerSlot", spec: ModelSpec, done: Done) -> None:
-        """The worker finished a request of the name `spec` (its done line, for the counters)."""
+    def request_done(self, slot: "WorkerSlot", job: Job, done: Done) -> None:
+        """The worker finished a request of the name `job.spec` (its done line, for the counters)."""
 
-    def error_counted(self, slot: "WorkerSlot", code: str | None) -> None:
+    def error_counted(self, slot: "WorkerSlot", job: Job, code: str | None) -> None:
         """An error line ended a request (the worker's or the slot's)."""
 
     def adapter_event(self, slot: "WorkerSlot", lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
@@ -316,7 +316,7 @@ class WorkerSlot:
             self.end_with_error(job, code, msg(job.spec.name))
 
     def end_with_error(self, job: Job, code: str, msg: str) -> None:
-        self.events.error_counted(self, code)
+        self.events.error_counted(self, job, code)
         self._end(job, encode_error(msg, code, job.id_json))
 
     def _end(self, job: Job, line: bytes) -> None:
@@ -383,7 +383,7 @@ class WorkerSlot:
                 if job is None:
                     self.lines.write(line)
                     return
-                self.events.error_counted(self, code)
+                self.events.error_counted(self, job, code)
                 self._finish(job, line, None)
             case Heartbeat(busy=busy):
                 if not self.in_flight or busy:
@@ -421,7 +421,7 @@ class WorkerSlot:
             name.served += 1
             name.tokens += done.gen_tokens if done is not None else 0
         if done is not None:
-            self.events.request_done(self, job.spec, done)
+            self.events.request_done(self, job, done)
         self._end(job, line)
         if not self.in_flight and self.state == State.BUSY:
             self.sm.to(State.READY, f"request {job.label} done")

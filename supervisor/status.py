@@ -53,6 +53,13 @@ class StatusRow(msgspec.Struct):
     max_adapters: int = 0
 
 
+class SurfaceRequests(msgspec.Struct):
+    """Generation requests that came through one surface (stdin or http)."""
+
+    received: int  # since the pool started, refused ones included
+    active: int  # queued or running now
+
+
 class Status(msgspec.Struct):
     """The `status` event's fields (without "ev")."""
 
@@ -60,6 +67,7 @@ class Status(msgspec.Struct):
     rss_bytes: int
     system_total_bytes: int
     system_available_bytes: int
+    requests: dict[str, SurfaceRequests] = {}
 
 
 _NOTHING = WorkerStats()
@@ -107,13 +115,14 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
     )
 
 
-def status(rows: list[StatusRow]) -> Status:
+def status(rows: list[StatusRow], requests: dict[str, SurfaceRequests]) -> Status:
     memory = psutil.virtual_memory()
     return Status(
         models=rows,
         rss_bytes=_supervisor.memory_info().rss,
         system_total_bytes=memory.total,
         system_available_bytes=memory.available,
+        requests=requests,
     )
 
 

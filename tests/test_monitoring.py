@@ -158,13 +158,13 @@ def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
         assert samples[series("lattice_model_state", m, state="ready")] == 1
         assert samples[series("lattice_model_state", m, state="busy")] == 0
         assert samples[series("lattice_model_queued_requests", m)] == 0
-    assert samples[series("lattice_requests_total", "a")] == 1
-    assert samples[series("lattice_generated_tokens_total", "a")] == done["gen_tokens"] == 7
+    assert samples[series("lattice_requests_total", "a", surface="stdin")] == 1
+    assert samples[series("lattice_generated_tokens_total", "a", surface="stdin")] == done["gen_tokens"] == 7
     assert samples[series("lattice_ttft_seconds_count", "a")] == 1
     assert samples[series("lattice_ttft_seconds_sum", "a")] == pytest.approx(done["ttft_ms"] / 1000)
     assert samples[series("lattice_tokens_per_second_count", "a")] == 1
-    assert series("lattice_requests_total", "b") not in samples
-    assert samples[series("lattice_errors_total", "", code="unknown_model")] == 1
+    assert series("lattice_requests_total", "b", surface="stdin") not in samples
+    assert samples[series("lattice_errors_total", "", code="unknown_model", surface="stdin")] == 1
     assert samples[series("lattice_worker_restarts_total", "a")] == 1
     assert samples[("lattice_supervisor_rss_bytes", ())] > 0
 
@@ -172,7 +172,7 @@ def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
     pool.wait_ev("unloaded", model="b")
     samples = scrape(port)
     assert not [k for k in samples if k[0].startswith("lattice_model_") and ("model", "b") in k[1]]
-    assert samples[series("lattice_model_rss_bytes", "a")] > 0 and samples[series("lattice_requests_total", "a")] == 1
+    assert samples[series("lattice_model_rss_bytes", "a")] > 0 and samples[series("lattice_requests_total", "a", surface="stdin")] == 1
     assert pool.close() == 0
 
 

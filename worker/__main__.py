@@ -178,13 +178,35 @@ def main(argv: list[str] | None = None) -> int:
         loaded.format, loaded.weights_bytes, load_ms, scheduler.max_batch, scheduler.batch_memory,
     )
     channel.write(
-        encode_event("ready", model=name, format=loaded.format, lora=args.lora, load_ms=load_ms, weights_bytes=loaded.weights_bytes)
+        encode_event(
+            "ready",
+            model=name,
+            format=loaded.format,
+            lora=args.lora,
+            load_ms=load_ms,
+            weights_bytes=loaded.weights_bytes,
+            opens_think=chat_opens_think(codec),
+        )
     )
 
     # Messages that came meanwhile (adapter messages too) wait in the inbox,
     # so every answer comes after `ready`.
     server.serve_forever()
     return 0
+
+
+def chat_opens_think(codec) -> bool:
+    """Whether a reply to `messages` starts inside a <think> block (the chat
+    template's generation prompt opens one): HTTP clients get that text as
+    reasoning_content, not as the answer."""
+    from ipc.messages import Message
+    from worker.streamer import think_open
+
+    try:
+        prompt = codec.encode(codec.render([Message("user", "Hi")]))
+    except Exception:  # a user's template may raise anything; requests will say so
+        return False
+    return think_open(prompt, codec.think_start, codec.think_end)
 
 
 if __name__ == "__main__":

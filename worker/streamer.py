@@ -18,6 +18,16 @@ from worker.text import StopMatcher, TextCodec
 Emit = Callable[[bytes], None]
 
 
+def think_open(prompt: list[int], start: int | None, end: int | None) -> bool:
+    """Whether `prompt` leaves a <think> block open (the model's reply starts
+    inside it, as after Qwen3.5's generation prompt)."""
+    if start is None or end is None:
+        return False
+    last_open = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+    last_close = max((i for i, t in enumerate(prompt) if t == end), default=-1)
+    return last_open > last_close
+
+
 class ThinkBudget:
     """Counts tokens inside <think> and says when </think> must be forced."""
 
@@ -28,13 +38,10 @@ class ThinkBudget:
         self.budget = budget if (budget is not None and start is not None and end is not None) else None
         self.inside = False
         self.count = 0
-        if self.budget is not None:
-            # The generation prompt may already have opened the block.
-            last_open = max((i for i, t in enumerate(prompt) if t == start), default=-1)
-            last_close = max((i for i, t in enumerate(prompt) if t == end), default=-1)
-            if last_open > last_close:
-                self.inside = True
-                self.count = len(prompt) - last_open - 1
+        if self.budget is not None and think_open(prompt, start, end):
+            # The generation prompt has already opened the block.
+            self.inside = True
+            self.count = len(prompt) - 1 - max(i for i, t in enumerate(prompt) if t == start)
 
     def must_close(self) -> bool:
         return self.budget is not None and self.inside and self.count >= self.budget

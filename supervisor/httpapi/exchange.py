@@ -1,0 +1,175 @@
+"""One HTTP generation request: the pool's sink for its lines, and what
+its response is made of.
+
+The pool writes the request's `@@lattice` lines here (never blocking, like
+every sink); the response task takes them out. A streamed request keeps
+its SSE chunks in a buffer of at most `limit` bytes: a client that reads
+slower than the model writes fills it, and past the bound the request is
+cancelled and the connection dropped (`overflow`), so one slow reader
+never holds memory without bound nor slows the other rows of its batch
+(pausing the worker, as stdout does, would stall every row). A
+non-streamed request keeps only its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import msgspec
+
+from ipc.events import INTERNAL, PREFIX
+from supervisor.httpapi.reasoning import ThinkSplitter
+from supervisor.httpapi.shapes import HttpError, Reply, stream_error, usage
+
+
+class _Token(msgspec.Struct, tag_field="ev", tag="gen_token"):
+    token: str = ""
+    done: bool = False
+    prompt_tokens: int = 0
+    gen_tokens: int = 0
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+class _Error(msgspec.Struct, tag_field="ev", tag="error"):
+    msg: str = ""
+    code: str | None = None
+
+
+log = logging.getLogger("lattice.http")
+_line = msgspec.json.Decoder(_Token | _Error)
+_SKIP = len(PREFIX)
+# A non-final token line is PREFIX + this + the token as a JSON string +
+# _TOKEN_TAIL + (the id) + "}"; inside the string every quote is escaped,
+# so the last _TOKEN_TAIL is the field.
+_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token","token":'
+_TOKEN_TAIL = b',"done":false'
+
+
+class Exchange:
+    """Sink of one request. `changed` is set whenever there is more to send
+    or the request has ended; `ended` once its terminal line came (then
+    `error` or `finish_reason` say how)."""
+
+    def __init__(self, reply: Reply, stream: bool, limit: int, opens_think: Callable[[], bool] | None, overflow: Callable[[], None]):
+        self.reply = reply
+        self.stream = stream
+        self.limit = limit
+        self._opens_think = opens_think  # None: no reasoning split (completions)
+        self._overflow = overflow
+        self.splitter: ThinkSplitter | None = None
+        self.changed = asyncio.Event()
+        self.ended = False
+        self.overflowed = False
+        self.error: HttpError | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.started = False  # a token came: a stream's headers may go
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+
+    # -- the pool's side -------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        for line in data.splitlines():
+            if self.ended or self.overflowed:
+                break
+            if self.stream and self.started and line.startswith(_TOKEN_HEAD):
+                end = line.rfind(_TOKEN_TAIL)
+                if end > 0 and self._raw_piece(line[len(_TOKEN_HEAD) : end]):
+                    continue
+            try:
+                event = _line.decode(line[_SKIP:])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # The slot reads every terminal line before it gets here; a
+                # sink must not raise into the slot whatever it is given.
+                log.error("http: unreadable line for request %s: %r", self.reply.request_id, line[:200])
+                self._end_error(HttpError(500, "internal error: the model's answer could not be read", "server_error", INTERNAL))
+                break
+            if isinstance(event, _Error):
+                self._end_error(HttpError.from_pool(event.code, event.msg))
+            elif event.done:
+                self._end_done(event)
+            else:
+                self._text_piece(event.token)
+        self.changed.set()
+
+    def _text_piece(self, text: str) -> None:
+        if not self.started:
+            self.started = True
+            if self._opens_think is not None:
+                self.splitter = ThinkSplitter(self._opens_think())
+            if self.stream and self.reply.chat:
+                self._put(self.reply.first())
+        self._pieces(self.splitter.feed(text) if self.splitter else [(False, text)])
+
+    def _raw_piece(self, raw: bytes) -> bool:
+        """The stream's fast path: the token's JSON string as the worker
+        wrote it goes into the chunk without being decoded and encoded
+        again, unless it may hold a <think> tag (or the splitter holds text)."""
+        if self.splitter is None:
+            self._put(self.reply.raw_piece(raw, False))
+            return True
+        reasoning = self.splitter.settled()
+        if reasoning is None or (reasoning and b"<" in raw):
+            return False
+        self._put(self.reply.raw_piece(raw, reasoning))
+        return True
+
+    def _pieces(self, pieces: list[tuple[bool, str]]) -> None:
+        for reasoning, text in pieces:
+            if self.stream:
+                self._put(self.reply.piece(text, reasoning))
+            else:
+                (self._reasoning if reasoning else self._text).append(text)
+
+    def _put(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > self.limit and not self.overflowed:
+            self.overflowed = True
+            self._overflow()
+
+    def _end_done(self, event: _Token) -> None:
+        if self.splitter is not None:
+            self._pieces(self.splitter.flush())
+        self.ended = True
+        if self.stream and event.finish_reason != "cancelled" and not self.started:
+            self.started = True  # a reply with no text at all
+            if self.reply.chat:
+                self._put(self.reply.first())
+        if event.finish_reason == "cancelled":
+            # Not the client's doing (it would be gone): an unload, the
+            # pool's shutdown, a cancel op naming this request.
+            self._end_error(HttpError(503, "the request was cancelled: its model was unloaded or the pool is shutting down", "server_error", "cancelled"))
+            return
+        self.finish_reason = event.finish_reason or "stop"
+        self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
+        if self.stream:
+            self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None))
+
+    def _end_error(self, error: HttpError) -> None:
+        self.ended = True
+        self.error = error
+        if self.stream and self.started:
+            self._put(stream_error(error))
+
+    # -- the response's side ---------------------------------------------------
+
+    def take(self) -> bytes:
+        """The stream's chunks so far, in one piece."""
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if not self.ended:
+            self.changed.clear()
+        return data
+
+    def whole(self) -> bytes:
+        """The non-streamed answer of a request that ended with done."""
+        reasoning = "".join(self._reasoning) if self.splitter is not None and self.splitter.thought else None
+        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage)

@@ -1,0 +1,368 @@
+"""The OpenAI-compatible HTTP surface end to end: a real `lattice-pool
+serve --http` with a real worker, driven by the official `openai` client
+(and raw sockets where a client misbehaves on purpose). Loopback only;
+every server listens on port 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+
+from harness.pool import PoolProc
+from harness.procs import ROOT, child_env, wait_for
+from tests.conftest import keep_alive_across_tests, release
+from tests.test_monitoring import metrics_port, scrape
+
+HI = [{"role": "user", "content": "Tell me about the river."}]
+PROMPT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"temperature": 0}
+
+
+def http_port(pool) -> int:
+    found = wait_for(lambda: re.search(rb"http on http://127\.0\.0\.1:(\d+)/v1", pool.stderr), 60, message="the http log line")
+    return int(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    """One pool for the module: the tiny model, HTTP on port 0 of the
+    default host, metrics, and small HTTP bounds the tests reach."""
+    config = tmp_path_factory.mktemp("http") / "pool.toml"
+    config.write_text(
+        'http_stream_buffer = "64KiB"\nmax_http_body_bytes = "256KiB"\n'
+        f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n'
+    )
+    pool = PoolProc("--config", str(config), "--http", "0", "--metrics-port", "0")
+    keep_alive_across_tests(pool.proc.pid)
+    pool.wait_ev("ready", model="tiny")
+    pool.port = http_port(pool)
+    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    yield pool
+    release(pool.proc.pid)
+    assert pool.close() == 0
+
+
+def client(pool, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pool.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=120, **kwargs)
+
+
+def stdin_answer(pool, request: dict) -> tuple[str, dict]:
+    """The text and final line of the same request sent on stdin."""
+    request_id = f"stdin-{time.monotonic_ns()}"
+    pool.send({**request, "id": request_id})
+    done = pool.terminal(request_id)
+    assert done["ev"] == "gen_token", done
+    return pool.text(request_id), done
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """A reply that starts inside <think> as (reasoning, answer), the way
+    the HTTP surface splits it."""
+    if "</think>" not in text:
+        return text, ""
+    reasoning, answer = text.split("</think>", 1)
+    return reasoning, answer.lstrip("\n")
+
+
+def status(pool) -> dict:
+    pool.send({"op": "status"})
+    return pool.wait_ev("status")
+
+
+def post(pool, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(pool.url + path, data=body, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_completions_equal_stdin_streamed_or_not(served):
+    with client(served) as c:
+        whole = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **GREEDY)
+        chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    text, done = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 12, **GREEDY})
+    assert whole.choices[0].text == text and text
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (done["prompt_tokens"], 12, done["prompt_tokens"] + 12)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion" and whole.model == "tiny"
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_equals_stdin_with_reasoning_split(served):
+    """The demo's chat template opens <think>: the reply is reasoning until
+    </think> (forced by the reasoning budget), then the answer."""
+    request = {"max_tokens": 16, "reasoning_budget": 4, **GREEDY}
+    text, done = stdin_answer(served, {"messages": HI, **request})
+    reasoning, answer = split_thinking(text)
+    assert "</think>" in text and answer, text
+    extra = {"reasoning_budget": 4}
+    with client(served) as c:
+        whole = c.chat.completions.create(model="tiny", messages=HI, max_tokens=16, temperature=0, extra_body=extra)
+        chunks = list(c.chat.completions.create(model="tiny", messages=HI, max_completion_tokens=16, temperature=0, extra_body=extra, stream=True))
+    message = whole.choices[0].message
+    assert (message.role, message.content, message.reasoning_content) == ("assistant", answer, reasoning)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == done["gen_tokens"] == 16
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert deltas[0].role == "assistant" and deltas[0].content == ""
+    kinds = ["reasoning" if getattr(d, "reasoning_content", None) else "content" for d in deltas[1:-1]]
+    assert kinds == sorted(kinds, key=lambda k: k == "content"), "reasoning deltas come first"
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == answer
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+def test_stop_string_and_seeded_sampling(served):
+    text, _ = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 12, **GREEDY})
+    stop = text[4:7]
+    with client(served) as c:
+        cut = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, stop=[stop], **GREEDY)
+        sampled = [c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=7, extra_body={"top_k": 20}) for _ in range(2)]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+    seeded, _ = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 7, "top_k": 20})
+    assert sampled[0].choices[0].text == sampled[1].choices[0].text == seeded
+
+
+def test_32_concurrent_streams_and_stdin_at_once(served):
+    port = metrics_port(served)
+    before = scrape(port)
+    first = status(served)["requests"]
+    text, _ = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 6, **GREEDY})
+
+    async def one(c: openai.AsyncOpenAI) -> tuple[str, str]:
+        stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, stream=True, **GREEDY)
+        pieces, reason = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(pieces), reason
+
+    async def many() -> list:
+        async with openai.AsyncOpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(one(c) for _ in range(32)))
+
+    ids = [f"side-{i}" for i in range(4)]
+    for request_id in ids:  # stdin requests while the streams run
+        served.send({"id": request_id, "prompt": PROMPT, "max_tokens": 6, **GREEDY})
+    results = asyncio.run(many())
+    assert results == [(text, "length")] * 32
+    assert [served.terminal(i)["ev"] for i in ids] == ["gen_token"] * 4
+    assert [served.text(i) for i in ids] == [text] * 4
+    # No HTTP request's line reached stdout.
+    assert not [e for e in served.events if str(e.get("id", "")).startswith(("cmpl-", "chatcmpl-"))]
+    counts = status(served)["requests"]
+    assert counts["http"]["received"] - first["http"]["received"] == 32 and counts["http"]["active"] == 0
+    assert counts["stdin"]["received"] - first["stdin"]["received"] == 5
+    after = scrape(port)
+    key = ("lattice_requests_total", (("adapter", ""), ("model", "tiny"), ("surface", "http")))
+    assert after[key] - before.get(key, 0) == 32
+    stdin_key = ("lattice_requests_total", (("adapter", ""), ("model", "tiny"), ("surface", "stdin")))
+    assert after[stdin_key] - before.get(stdin_key, 0) == 5
+
+
+def wait_row_gone(pool, timeout: float = 60.0) -> dict:
+    """Waits until the model has nothing queued or in flight and HTTP has no request."""
+
+    def gone():
+        s = status(pool)
+        row = s["models"][0]
+        return s if row["in_flight"] == 0 and row["queued"] == 0 and s["requests"]["http"]["active"] == 0 else None
+
+    return wait_for(gone, timeout, interval=0.2, message="the request's row to leave")
+
+
+def test_disconnect_mid_stream_cancels(served):
+    with client(served) as c:
+        stream = c.chat.completions.create(model="tiny", messages=HI, max_tokens=1_000_000, stream=True, **GREEDY)
+        for _, chunk in zip(range(3), stream):
+            assert chunk.choices[0].finish_reason is None
+        busy = status(served)
+        assert busy["models"][0]["in_flight"] == 1 and busy["requests"]["http"]["active"] == 1
+        stream.close()
+    wait_row_gone(served)
+    # The pool goes on serving HTTP.
+    with client(served) as c:
+        assert c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_reader_too_slow_is_cut_off(served):
+    """A client that never reads: past http_stream_buffer its request is
+    cancelled and its connection dropped; the pool goes on."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", served.port))
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1_000_000, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    sock.settimeout(60)
+    assert sock.recv(12) == b"HTTP/1.1 200"
+    wait_for(lambda: b"http_stream_buffer" in served.stderr, 120, interval=0.2, message="the slow reader to be cut off")
+    wait_row_gone(served)
+    sock.settimeout(30)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert b"data: [DONE]" not in received
+
+
+def test_errors_in_openai_shape(served):
+    status_code, body = post(served, "/chat/completions", b'{"model": "tiny", "messages": [')
+    assert status_code == 400 and body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    status_code, body = post(served, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "temperature": "hot"}).encode())
+    assert status_code == 400 and "temperature" in body["error"]["message"]
+    status_code, body = post(served, "/completions", json.dumps({"model": "tiny", "prompt": "x" * 300_000}).encode())
+    assert status_code == 413 and "max_http_body_bytes" in body["error"]["message"]
+    status_code, body = post(served, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "response_format": {"type": "yaml"}}).encode())
+    assert status_code == 400 and "response_format" in body["error"]["message"]
+    with client(served) as c:
+        with pytest.raises(openai.NotFoundError) as exc:
+            c.chat.completions.create(model="no-such-model", messages=HI)
+        assert exc.value.body["code"] == "unknown_model" and exc.value.body["param"] == "model"
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="tiny", messages=HI, max_tokens=0)
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="tiny", messages=HI, n=2)
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="other", messages=HI, stream=True)
+    with urllib.request.urlopen(served.url.removesuffix("/v1") + "/health", timeout=30) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    with client(served) as c:
+        models = c.models.list().data
+    assert [(m.id, m.loaded, m.state) for m in models] == [("tiny", True, "ready")]
+
+
+def test_listens_on_loopback_by_default(served):
+    listening = [c for c in psutil.Process(served.proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == served.port]
+    assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+
+
+def test_response_format_gives_json(served):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"], "additionalProperties": False}
+    with client(served) as c:
+        reply = c.chat.completions.create(
+            model="tiny",
+            messages=HI,
+            max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+            extra_body={"reasoning_budget": 2},
+            **GREEDY,
+        )
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(reply.choices[0].message.content)) == {"name"}
+
+
+# -- a pool with an API key and tight connection bounds (no worker needed) --------
+
+
+def bare_pool(spawn_pool, tiny_model, tmp_path, settings: str):
+    """A pool whose model is not preloaded: no worker, HTTP on port 0."""
+    config = tmp_path / "pool.toml"
+    config.write_text(settings + f'\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
+    pool = spawn_pool("--config", str(config), "--http", "127.0.0.1:0")
+    pool.port = http_port(pool)
+    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    return pool
+
+
+def established(pool, ports: set[int]) -> int:
+    return len([c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ports])
+
+
+def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
+    pool = bare_pool(spawn_pool, tiny_model, tmp_path, 'api_key = "s3cret"\nmax_http_connections = 3')
+    with client(pool, api_key="wrong") as c:
+        with pytest.raises(openai.AuthenticationError) as exc:
+            c.models.list()
+        assert exc.value.body["code"] == "invalid_api_key"
+    status_code, body = post(pool, "/chat/completions", json.dumps({"messages": HI}).encode())
+    assert status_code == 401 and body["error"]["code"] == "missing_api_key"
+    with client(pool, api_key="s3cret") as c:
+        assert [(m.id, m.loaded) for m in c.models.list().data] == [("tiny", False)]
+
+    # Three open connections fill max_http_connections: a fourth is answered 429 and closed.
+    wait_for(lambda: not [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_ESTABLISHED], 30, message="earlier connections to close")
+    held = [socket.create_connection(("127.0.0.1", pool.port)) for _ in range(3)]
+    wait_for(lambda: established(pool, {s.getsockname()[1] for s in held}) == 3, 30, message="three connections")
+    with socket.create_connection(("127.0.0.1", pool.port)) as extra:
+        extra.settimeout(30)
+        answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 429") and b"max_http_connections" in answer
+    for sock in held:
+        sock.close()
+    wait_for(lambda: established(pool, set(range(65536))) == 0, 30, message="the connections to close")
+    with client(pool, api_key="s3cret") as c:
+        assert c.models.list().data[0].id == "tiny"
+    assert pool.close() == 0
+
+
+def test_idle_connections_and_trickled_bodies_are_closed(tiny_model, tmp_path, spawn_pool):
+    pool = bare_pool(spawn_pool, tiny_model, tmp_path, 'http_idle_timeout = "1s"')
+    with socket.create_connection(("127.0.0.1", pool.port)) as idle, socket.create_connection(("127.0.0.1", pool.port)) as trickle:
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
+        for sock in (idle, trickle):
+            sock.settimeout(30)
+        assert idle.recv(4096) == b""
+        answer = trickle.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408") and b"http_idle_timeout" in answer
+    with socket.create_connection(("127.0.0.1", pool.port)) as sock:  # not HTTP at all: answered in OpenAI's shape too
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        sock.settimeout(30)
+        answer = b""
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "bad_request"
+    assert pool.close() == 0
+
+
+def test_refuses_a_host_beyond_loopback_without_a_key(tiny_model):
+    proc = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--model-dir", str(tiny_model), "--http", "0.0.0.0:0", "--no-control-socket"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env={k: v for k, v in child_env().items() if k != "LATTICE_API_KEY"},
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.decode().strip().splitlines()
+    assert lines[-1].startswith("lattice-pool: error: http 0.0.0.0:0: 0.0.0.0 is not a loopback address") and "API key" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "inside, pieces, reasoning, answer",
+    [
+        (True, ["Let me see", "</think>", "\n\n", "Hi."], "Let me see", "Hi."),
+        (True, ["a</th", "ink>\n", "\nb"], "a", "b"),
+        (False, ["\n", "<thi", "nk>", "plan</think>\n", "done"], "plan", "done"),
+        (False, ["Hello ", "<think>", " is just text"], None, "Hello <think> is just text"),
+        (True, ["never closed <"], "never closed <", ""),
+    ],
+)
+def test_think_splitter(inside, pieces, reasoning, answer):
+    from supervisor.httpapi.reasoning import ThinkSplitter
+
+    splitter = ThinkSplitter(inside)
+    out = [p for piece in pieces for p in splitter.feed(piece)] + splitter.flush()
+    assert "".join(t for r, t in out if r) == (reasoning or "") and splitter.thought == (reasoning is not None)
+    assert "".join(t for r, t in out if not r) == answer
