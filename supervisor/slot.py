@@ -184,6 +184,11 @@ class WorkerSlot:
     def idle(self) -> bool:
         return self.state == State.READY and not self.in_flight and not self.queue
 
+    @property
+    def opens_think(self) -> bool:
+        """Whether the running worker's chat template opens <think> (its ready line says)."""
+        return bool(self._ready.get("opens_think"))
+
     def uptime(self) -> float:
         if self.child is None or self.state not in LIVE:
             return 0.0

@@ -366,3 +366,23 @@ def test_think_splitter(inside, pieces, reasoning, answer):
     out = [p for piece in pieces for p in splitter.feed(piece)] + splitter.flush()
     assert "".join(t for r, t in out if r) == (reasoning or "") and splitter.thought == (reasoning is not None)
     assert "".join(t for r, t in out if not r) == answer
+
+
+def test_a_fault_rendering_one_answer_ends_that_request_alone():
+    """The slot writes a worker's lines into each request's exchange: an
+    exception there must not reach the slot (it would kill the worker and
+    every other row with it). The exchange ends its own request with a 500
+    and asks for its row to be cancelled."""
+    from ipc.events import encode_token
+    from supervisor.httpapi.exchange import Exchange
+    from supervisor.httpapi.shapes import Reply
+
+    def broken() -> bool:
+        raise RuntimeError("a bug in the reasoning split")
+
+    faults = []
+    exchange = Exchange(Reply(True, "chatcmpl-x", 0, "tiny", False), True, 1 << 16, broken, lambda: None, lambda: faults.append(1))
+    exchange.write(encode_token("Hel", '"chatcmpl-x"'))
+    assert exchange.ended and exchange.error.status == 500 and faults == [1]
+    exchange.write(encode_token("lo", '"chatcmpl-x"'))  # later lines are dropped, nothing raises
+    assert faults == [1]

@@ -243,7 +243,7 @@ def test_status_ps_and_metrics_have_a_row_per_name(pool, live):
         assert samples[series("lattice_model_rss_bytes", m, adapter=adapter)] > 0
         assert samples[series("lattice_model_adapter_bytes", m, adapter=adapter)] == now[m]["adapter_bytes"]
     assert now["x"]["adapter_bytes"] > 0 and now["x"]["worker"] == now["base"]["worker"]
-    assert samples[series("lattice_requests_total", "x", adapter=str(live["x"]))] >= 2
+    assert samples[series("lattice_requests_total", "x", adapter=str(live["x"]), surface="stdin")] >= 2
 
 
 def test_a_crash_restarts_the_base_worker_once_and_every_name_comes_back(pool, references):

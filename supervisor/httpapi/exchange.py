@@ -53,12 +53,21 @@ class Exchange:
     or the request has ended; `ended` once its terminal line came (then
     `error` or `finish_reason` say how)."""
 
-    def __init__(self, reply: Reply, stream: bool, limit: int, opens_think: Callable[[], bool] | None, overflow: Callable[[], None]):
+    def __init__(
+        self,
+        reply: Reply,
+        stream: bool,
+        limit: int,
+        opens_think: Callable[[], bool] | None,
+        overflow: Callable[[], None],
+        fault: Callable[[], None],
+    ):
         self.reply = reply
         self.stream = stream
         self.limit = limit
         self._opens_think = opens_think  # None: no reasoning split (completions)
         self._overflow = overflow
+        self._fault = fault
         self.splitter: ThinkSplitter | None = None
         self.changed = asyncio.Event()
         self.ended = False
@@ -75,6 +84,18 @@ class Exchange:
     # -- the pool's side -------------------------------------------------------
 
     def write(self, data: bytes) -> None:
+        # The slot writes here for a worker that serves other requests too:
+        # a fault of this one request's rendering ends this request alone.
+        try:
+            self._write(data)
+        except Exception:
+            log.exception("http: request %s: its answer could not be rendered; cancelled", self.reply.request_id)
+            if not self.ended:
+                self._end_error(HttpError(500, "internal error while rendering the answer", "server_error", INTERNAL))
+                self._fault()
+            self.changed.set()
+
+    def _write(self, data: bytes) -> None:
         for line in data.splitlines():
             if self.ended or self.overflowed:
                 break

@@ -31,7 +31,6 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, UNKNOWN_MODEL
-from ipc.worker_events import Ready, read_line
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.shapes import HttpError, Reply, bad, chat_request, completion_request, error_body
@@ -323,8 +322,7 @@ class App:
         except UnknownModel:
             return False
         slot = self.pool.slots.get(spec.key)
-        event = read_line(slot.ready_line) if slot is not None and slot.ready_line else None
-        return isinstance(event, Ready) and event.opens_think
+        return slot is not None and slot.opens_think
 
     # -- generation -----------------------------------------------------------------
 
@@ -356,8 +354,12 @@ class App:
             if connection is not None:
                 loop.call_soon(connection.abort)
 
+        def fault() -> None:
+            # The exchange has ended itself: stop the row whatever it says.
+            loop.call_soon(self.pool.cancel, id_json, _ignore)
+
         reply = Reply(chat, request_id, int(time.time()), opts.model, opts.include_usage)
-        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow)
+        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow, fault)
         self.pool.submit(msg, exchange, surface="http")
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(lambda _: exchange.changed.set())
