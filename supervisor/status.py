@@ -8,6 +8,8 @@ worker that has not answered yet; a row without a process reports 0.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import psutil
 
@@ -36,6 +38,11 @@ class StatusRow(msgspec.Struct):
     tokens: int
     restarts: int
     uptime_s: float
+    processor: str | None = None  # cpu, metal or cuda, as the worker reports
+    # Seconds until keep_alive unloads the worker (the full keep_alive while
+    # requests run or wait: the countdown starts when it goes idle); null
+    # when it is never unloaded for idling.
+    expires_in_s: float | None = None
 
 
 class Status(msgspec.Struct):
@@ -60,7 +67,7 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
     if pid is None:
         # Figures a dead or never-started worker reported earlier describe
         # memory that is no longer in use.
-        s = WorkerStats(format=s.format)
+        s = WorkerStats(format=s.format, processor=s.processor)
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
     return StatusRow(
@@ -82,7 +89,18 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         tokens=slot.tokens,
         restarts=slot.restarts,
         uptime_s=round(slot.uptime(), 1),
+        processor=s.processor,
+        expires_in_s=expires_in(slot),
     )
+
+
+def expires_in(slot: WorkerSlot) -> float | None:
+    keep = slot.spec.keep_alive
+    if keep is None:
+        return None
+    if not slot.idle:
+        return keep
+    return round(max(0.0, keep - (time.monotonic() - slot.last_used)), 1)
 
 
 def status(rows: list[StatusRow]) -> Status:
