@@ -225,7 +225,7 @@ def test_chat_repl_on_a_terminal(tiny_model, start_chat):
     assert "Hello there" in history.read_text() and "never sent" not in history.read_text()
 
 
-def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, tmp_path, start_chat):
+def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, second_model, tmp_path, start_chat):
     lora = tmp_path / "style.safetensors"  # not there yet: the worker cannot start
     chat = start_chat("--model-dir", str(tiny_model), "--lora", str(lora), "--max-tokens", "3")
     chat.wait("model 'tiny' failed: bad adapter")
@@ -246,6 +246,19 @@ def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, tmp_path
     chat.line("Hello")
     chat.prompt()
     chat.wait_served(1)
+
+    # /unload stops the worker; /model switches (any form --model takes).
+    chat.line("/unload")
+    chat.wait("model 'tiny' unloaded")
+    chat.prompt()
+    assert query_status(chat.socket).models == []
+    chat.line(f"/model {second_model}")
+    chat.wait(f"{second_model} ready")
+    chat.prompt()
+    chat.line("Hello")
+    chat.prompt()
+    chat.wait_served(1)
+    assert [row.model for row in query_status(chat.socket).models] == [str(second_model)]
     chat.line("/bye")
     assert chat.close() == 0
 
