@@ -192,43 +192,57 @@ class Chat:
 
     def on_event(self, event: dict, line: bytes) -> None:
         ev = event["ev"]
-        name = event.get("model")
         if ev in ("loading", "ready", "failed"):
             self.progress.update(event)
-        if ev == "gen_token":
-            if not self.answers(event):
-                return
-            if event["done"]:
-                self.screen.reply("\n")
-                if self.args.verbose:
-                    self.screen.note(stats_line(event))
-                self.turn_done.set()
-            else:
-                self.reply.append(event["token"])
-                self.screen.reply(event["token"])
+        if ev == "gen_token" and self.answers(event):
+            self.on_token(event)
         elif ev == "error":
-            if event.get("id") is not None:
-                if not self.answers(event):
-                    return
-                hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed") else ""
-                self.screen.note(error_line(event) + hint)
-                self.turn_done.set()
-            else:
-                # A load that cannot be done (insufficient_memory, say).
-                self.screen.note(error_line(event))
-                self.end_wait("error")
-        elif ev == "failed" and not self.quitting:
+            self.on_error(event)
+        elif ev in ("failed", "restarting", "unloaded") and not self.quitting:
+            self.on_model_change(event)
+        if self.awaited is not None and event.get("model") == self.awaited[0] and ev in self.awaited[1]:
+            self.end_wait(ev)
+
+    def on_token(self, event: dict) -> None:
+        if event["done"]:
+            self.screen.reply("\n")
+            if self.args.verbose:
+                self.screen.note(stats_line(event))
+            self.turn_done.set()
+        else:
+            self.reply.append(event["token"])
+            self.screen.reply(event["token"])
+
+    def on_error(self, event: dict) -> None:
+        if event.get("id") is None:
+            # A load that cannot be done (insufficient_memory, say).
+            self.screen.note(error_line(event))
+            self.end_wait("error")
+        elif self.answers(event):
+            hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed") else ""
+            self.screen.note(error_line(event) + hint)
+            self.turn_done.set()
+
+    def on_model_change(self, event: dict) -> None:
+        name, ev = event.get("model"), event["ev"]
+        if ev == "failed":
             self.screen.note(f"model {name!r} failed: {cause(event.get('reason', ''))}")
             self.screen.note("  /load retries, /model NAME switches to another model, /bye quits")
-        if self.awaited is not None and name == self.awaited[0] and ev in self.awaited[1]:
-            self.end_wait(ev)
-        if ev == "restarting" and not self.quitting:
+        elif ev == "restarting":
             self.screen.note(f"model {name!r} restarting: {cause(event.get('reason', ''))}")
-        elif ev == "unloaded" and not self.quitting and event.get("reason") != "not loaded":
+        elif event.get("reason") != "not loaded":
             self.screen.note(f"model {name!r} unloaded ({event.get('reason')})")
 
     def answers(self, event: dict) -> bool:
         return self.current is not None and event.get("id") == self.current.id
+
+    def expect(self, name: str, events: set[str]) -> None:
+        """Sets up a wait for the next of `events` of model `name`, before
+        the action that leads to it (its event may come at once)."""
+        self.awaited = (name, frozenset(events))
+        self.awaited_event.clear()
+        self.interrupted.clear()
+        self.outcome = None
 
     def end_wait(self, outcome: str) -> None:
         if self.awaited is not None:
@@ -236,13 +250,9 @@ class Chat:
             self.outcome = outcome
             self.awaited_event.set()
 
-    async def wait_for_event(self, name: str, events: set[str]) -> str | None:
-        """The event of model `name` among `events` that came next, or None
-        when Ctrl-C (or a quit) ended the wait first."""
-        self.awaited = (name, frozenset(events))
-        self.awaited_event.clear()
-        self.interrupted.clear()
-        self.outcome = None
+    async def expected(self) -> str | None:
+        """The event that ended the wait, or None when Ctrl-C (or a quit)
+        ended it first."""
         await first_set(self.awaited_event, self.interrupted, self.quit, self.pool.shutdown_requested)
         self.awaited = None
         return self.outcome
@@ -269,10 +279,9 @@ class Chat:
             return False
         slot = self.pool.slots.get(spec.key)
         name = slot.name if slot is not None else spec.name
-        waiting = asyncio.ensure_future(self.wait_for_event(name, {"ready", "failed"}))
-        await asyncio.sleep(0)  # the wait is set up before any event can come
+        self.expect(name, {"ready", "failed"})
         self.pool.load(spec)
-        outcome = await waiting
+        outcome = await self.expected()
         if outcome is None and self.interrupted.is_set():
             self.screen.end_bar()
             self.screen.note(f"still loading {name} in the background")
@@ -289,10 +298,9 @@ class Chat:
         if slot is None:
             self.screen.note(f"{spec.name} is not loaded")
             return
-        waiting = asyncio.ensure_future(self.wait_for_event(slot.name, {"unloaded"}))
-        await asyncio.sleep(0)
+        self.expect(slot.name, {"unloaded"})
         self.pool.unload(spec, "unloaded from chat")
-        await waiting
+        await self.expected()
 
     async def switch(self, ref: str) -> None:
         """Makes `ref` the model of the next messages once it resolves (a

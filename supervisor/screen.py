@@ -44,8 +44,15 @@ class Screen:
         if not text:
             return
         with self._lock:
-            self.out.write(text)
-            self.out.flush()
+            # As UTF-8 bytes whatever the locale says, as chat_metal wrote them.
+            buffer = getattr(self.out, "buffer", None)
+            if buffer is not None:
+                self.out.flush()
+                buffer.write(text.encode("utf-8"))
+                buffer.flush()
+            else:
+                self.out.write(text)
+                self.out.flush()
             if self.shared:
                 self._midline = not text.endswith("\n")
                 if not self._midline:

@@ -128,7 +128,7 @@ def columns_at(raw: bytes, pattern: re.Pattern) -> list[int]:
     """The terminal column at which each match of `pattern` starts, playing
     the bytes as a terminal would: CR, LF, backspace, cursor left/right;
     other escape sequences move nothing."""
-    cols, col, i = [], 0, 0
+    cols, col = [], 0
     starts = {m.start() for m in pattern.finditer(raw)}
     token = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[^\[]|[\r\n\b]|[^\x1b\r\n\b]")
     for m in token.finditer(raw):
