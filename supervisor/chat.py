@@ -348,7 +348,10 @@ class Chat:
         knob, _, value = arg.partition(" ")
         value = value.strip()
         if not knob:
-            shown = [f"  {k} {self.knobs[k] if self.knobs[k] is not None else DEFAULTS[k]}" + ("" if self.knobs[k] is not None else " (default)") for k in KNOBS]
+            shown = []
+            for k in KNOBS:
+                value = self.knobs[k] if self.knobs[k] is not None else DEFAULTS[k]
+                shown.append(f"  {k} {'none' if value is None else value}" + (" (default)" if self.knobs[k] is None else ""))
             self.screen.note("\n".join(shown + [f"  system {self.system!r}" if self.system else "  system (none)"]))
         elif knob == "system":
             self.system = value or None

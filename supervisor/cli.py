@@ -198,12 +198,8 @@ def cmd_unload(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     config = base_config(args)
     cache = model_cache_dir(config)
-    found = [
-        local_models.LocalModel(m.name, local_models.model_format(expand(m.path)), local_models.dir_size(expand(m.path)), expand(m.path))
-        for m in config.models
-        if local_models.is_model_dir(expand(m.path))
-    ]
-    found += local_models.cache_models(cache) + local_models.hub_models()
+    configured = (local_models.dir_model(m.name, expand(m.path)) for m in config.models)
+    found = [m for m in configured if m is not None] + local_models.cache_models(cache) + local_models.hub_models()
     if args.json:
         print(json.dumps([{"name": m.name, "format": m.format, "size_bytes": m.size, "path": str(m.where)} for m in found], indent=2))
         return 0

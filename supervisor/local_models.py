@@ -117,13 +117,23 @@ def dir_size(path: Path) -> int:
     return total
 
 
+def dir_model(name: str, path: Path) -> LocalModel | None:
+    """The model directory at `path` under `name`, or None if it is none."""
+    try:
+        if path.is_dir() and is_model_dir(path):
+            return LocalModel(name, model_format(path), dir_size(path), path)
+    except OSError:
+        pass
+    return None
+
+
 def cache_models(cache: Path) -> list[LocalModel]:
     """Model dirs directly under the model cache."""
     try:
         entries = sorted(cache.iterdir())
     except OSError:
         return []
-    return [LocalModel(p.name, model_format(p), dir_size(p), p) for p in entries if p.is_dir() and is_model_dir(p)]
+    return [m for m in (dir_model(p.name, p) for p in entries) if m is not None]
 
 
 def hub_models() -> list[LocalModel]:
