@@ -5,11 +5,13 @@ For each N, N greedy requests (no repetition penalty, as batch_generate's
 defaults) with different prompts (40-80 tokens) are sent at once; each of
 `--rounds` rounds starts every side afresh, warms it up and runs each N:
 
-- `batched`: our worker (`--max-batch` = the largest N), driven over its
-  pipes (`--through worker`; a `serve` side would drive `lattice-pool serve`
-  through the same interface);
-- `one_at_a_time`: the same worker with `--max-batch 1`, which serves them
-  one after another as the worker did before batching;
+- `batched`: with `--through worker` (the default) our worker
+  (`--max-batch` = the largest N) driven over its pipes; with `--through
+  serve`, `lattice-pool serve` with `max_batch` = the largest N, the
+  requests (with ids) written to its stdin at once and its stdout read as a
+  client reads it;
+- `one_at_a_time`: the same with max_batch 1, which serves them one after
+  another as the worker and the pool did before batching;
 - `mlx_lm_batch_generate`: mlx-lm's continuous-batching engine driven as
   `batch_generate` drives it (defaults: prefill batches of 8, up to 32 rows)
   on the same prompts, in its own process, on the worker's compute setup
@@ -24,19 +26,22 @@ repeat. Goals (issue 13): at N = 8 aggregate
 >= 1.0x batch_generate; N = 1 >= 0.98x stream_generate; slowest TTFT at
 N = 8 <= 10x a lone request's on 2 CPU cores (<= 3x on an H200).
 
-    python -m bench.batch [--size small|0.8b] [--model DIR] [--max-tokens 128] [--n 1,2,4,8,16] [--rounds 3]
+    python -m bench.batch [--size small|0.8b] [--model DIR] [--max-tokens 128] [--n 1,2,4,8,16] [--rounds 3] [--through worker|serve]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from bench import mlx_lm_baseline
 from bench.chat import user_messages
 from bench.common import backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+from harness.pool import PoolProc
 from harness.worker import WorkerProc
 
 
@@ -53,7 +58,34 @@ class WorkerSide:
         self.client.close()
 
 
-SIDES = {"worker": WorkerSide}
+class ServeSide:
+    """Requests sent through `lattice-pool serve`, as its stdin client does."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, model: Path, max_batch: int):
+        self.dir = tempfile.TemporaryDirectory(prefix="lattice-bench-batch-")
+        config = Path(self.dir.name) / "pool.toml"
+        config.write_text(f'prefix_cache_bytes = 0\nmax_batch = {max_batch}\n[[models]]\nname = "m"\npath = "{model}"\npreload = true\n')
+        self.pool = PoolProc("--config", str(config), "--no-control-socket", "--log-level", "WARNING")
+        self.pool.wait_ev("ready", model="m", timeout=600)
+
+    def run(self, prompts: list[str], max_tokens: int) -> dict:
+        requests = [
+            {"id": f"b{next(self._ids)}", "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "repetition_penalty": 1.0}
+            for p in prompts
+        ]
+        return self.pool.generate_many(requests)
+
+    def close(self) -> None:
+        try:
+            assert self.pool.close() == 0
+        finally:
+            self.pool.kill()
+            self.dir.cleanup()
+
+
+SIDES = {"worker": WorkerSide, "serve": ServeSide}
 
 
 def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[int], max_tokens: int) -> dict[int, dict]:
@@ -149,7 +181,7 @@ def main() -> int:
             r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
         ratios[n] = r
     result["ratios"] = ratios
-    name = f"batch-{result['backend']}-{args.size if not args.model else model.name}"
+    name = f"batch-{result['backend']}-{args.size if not args.model else model.name}" + ("-serve" if args.through == "serve" else "")
     write_result(tagged(name, args.tag), result)
 
     print(f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}")

@@ -1,11 +1,11 @@
-"""Structured output costs, in one process: llguidance's token mask per step
-and a schema's compile time (its first-token cost), on the demo tokenizer
-and on a 151k-token byte-level BPE; then decode tok/s with a JSON-schema
-constraint vs none in the same run, through the in-process batched loop of
-tests/constrained_decode.py, with the mask overlapped with the forward pass
-and without.
+"""Structured output costs: decode tok/s with a JSON-schema constraint vs
+none, and a constraint's first-token cost, through a real worker process
+(the batched engine, real pipes) for 1 and 8 concurrent rows; whether the
+masks overlap the forward pass inside the engine; and llguidance's own
+costs per step (mask fill, apply, compile). Each on the demo tokenizer and
+on a 151k-token byte-level BPE, every comparison in the same run.
 
-    python -m bench.constrain [--size small] [--tokens 128] [--rounds 3] [--tag X]
+    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker] [--tag X]
 
 The 151k tokenizer is trained locally on this Python's standard library
 sources (nothing downloaded) and cached beside the demo models; the
@@ -22,12 +22,16 @@ import statistics
 import sys
 import sysconfig
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from bench.common import MODELS, demo_model, load_average, machine, summary, tagged, write_result
 from tests.schemas import PET, PET_VALUE
 
 REAL_VOCAB = 151_936  # Qwen2/3's padded vocabulary
+# Tokens per row in the in-engine overlap check: the first ones of a LONG
+# reply are inside a length-bounded string, llguidance's costliest steps.
+OVERLAP_TOKENS = 64
 REAL_TOKENS = 151_643
 
 # The tests' schema plus a free-text field. For llguidance the costly steps
@@ -175,116 +179,208 @@ def mask_costs(tokenizer_json: str, vocab: int, eos: set[int], encode, rounds: i
     return out
 
 
-def overlap_check(model_dir: Path, tokenizer: Path, steps: int, rounds: int) -> dict:
-    """Do masks filled on BatchMasks' side thread overlap with a forward pass
-    on mlx's CPU backend? One decode step of the model, and the masks of 1
-    or 8 rows of the 151k tokenizer at the start of a length-bounded string,
-    llguidance's costliest kind of step (free text is cheap: its precomputed
-    slices cover it): each alone, one after the other, and overlapped."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from tokenizers import Tokenizer
+def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
+    """Does the mask still overlap the forward pass inside the real engine?
+    The worker's Scheduler in this process (the model, tokenizer and engine
+    a worker runs, without the pipes). Each of `runs` runs decodes `rows`
+    rows of `tokens` tokens unconstrained, then the same rows constrained,
+    in which the decode steps alternate between the engine as it is (the
+    masks filled on BatchMasks' side thread beside the forward pass) and
+    the masks filled on the engine's thread before the forward pass is
+    handed to mlx (on mlx's CPU backend: one after the other; on a GPU the
+    device computes meanwhile either way): step by step, so that a busy
+    spell on a shared machine hits both alike. Decode steps only, after
+    every row's first token.
 
-    from worker.constrain import BatchMasks, Constraints
-    from worker.loader import load
-
-    model = load(model_dir).model
-    tok = Tokenizer.from_file(str(tokenizer))
-    eos = {tok.token_to_id("<|im_end|>")}
-    constraints = Constraints(tok.to_str(), REAL_VOCAB, eos)
-    masks = BatchMasks(REAL_VOCAB, eos)
-    prefix = tok.encode('{"name":"', add_special_tokens=False).ids
-    cache = make_prompt_cache(model)
-    y = mx.array([[1]], dtype=mx.uint32)
-    mx.eval(model(y, cache=cache))
-
-    def fresh_rows(n: int) -> list:
-        # A matcher keeps the mask of its current state: each step gets new rows.
-        rows = [constraints.row(schema_format(PET_NOTES), []) for _ in range(n)]
-        for r in rows:
-            for token in prefix:
-                r.advance(token)
-        return rows
-
-    def run(kind: str, n: int) -> float:
-        batches = [fresh_rows(n) for _ in range(steps)]
-        t0 = time.perf_counter()
-        for rows in batches:
-            if kind == "forward":
-                mx.eval(model(y, cache=cache))
-            elif kind == "fill":
-                masks.fill(rows)
-            elif kind == "sequential":
-                mx.eval(model(y, cache=cache))
-                masks.fill(rows)
-            else:
-                logits = model(y, cache=cache)
-                pending = masks.fill_async(rows)
-                mx.eval(logits)
-                pending.result()
-        return (time.perf_counter() - t0) / steps * 1000
-
-    out: dict = {"model": model_dir.name}
-    for n in (1, 8):
-        runs: dict[str, list[float]] = {k: [] for k in ("forward", "fill", "sequential", "overlapped")}
-        for _ in range(rounds):
-            for kind in runs:
-                runs[kind].append(run(kind, n))
-        med = {k: round(statistics.median(v), 3) for k, v in runs.items()}
-        hidden = (med["sequential"] - med["overlapped"]) / med["fill"]
-        out[f"rows{n}"] = {"ms_per_step": med, "share_of_fill_hidden": round(hidden, 2)}
-    return out
-
-
-def decode_speed(model_dir: Path, tokens: int, rounds: int, batches: list[int]) -> dict:
+    Then a constrained run with probes in its steps: how long the side
+    thread filled the masks, how long the engine thread then waited for
+    them, and whether the forward pass was still running once they were
+    ready (an mx.eval of the logits before the masks are applied). Where it
+    was, no mask time was exposed; elsewhere at most the wait."""
     import mlx.core as mx
 
-    from tests.constrained_decode import Row, Sampler, decode
-    from worker.constrain import BatchMasks, Constraints
+    from ipc.messages import Generate
     from worker.loader import load
+    from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
     loaded = load(model_dir)
-    codec = TextCodec(model_dir, loaded.config)
-    vocab = loaded.config["text_config"]["vocab_size"]
-    constraints = Constraints.for_codec(codec, vocab)
-    constraints.prepare()
-    masks = BatchMasks(vocab, codec.eos_ids)
-    prompt = codec.encode("<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n")
+    engine = Scheduler(loaded, TextCodec(model_dir, loaded.config), lambda line: None, batch_memory=1 << 34, max_batch=rows, prefix_cache_bytes=0)
+    engine.warm_up()
+    masks = engine.masks
+    real_fill, real_apply, side_thread = masks.fill, masks.apply, masks.fill_async
+    current: dict = {}
+
+    def on_this_thread(constraints):
+        t = time.perf_counter()
+        done = Future()
+        done.set_result(real_fill(constraints))
+        current["fill"] = time.perf_counter() - t
+        return done
+
+    def timed_fill(constraints):
+        t = time.perf_counter()
+        bits = real_fill(constraints)
+        current["fill"] = time.perf_counter() - t
+        return bits
+
+    def probed(constraints):
+        return _TimedResult(side_thread(constraints), current)
+
+    def probed_apply(logits, bits):
+        t = time.perf_counter()
+        mx.eval(logits)
+        current["forward_left"] = time.perf_counter() - t
+        return real_apply(logits, bits)
+
+    modes = {"none": side_thread, "overlapped": side_thread, "masks_first": on_this_thread, "probed": probed}
+    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
-    variants = {"none": (False, True), "json_schema": (True, True), "json_schema_no_overlap": (True, False)}
+    rid = iter(range(1, 1 << 30))
 
-    def once(batch: int, constrained: bool, overlap: bool) -> tuple[float, list[str]]:
-        rows = [
-            Row(
-                Sampler(vocab_size=vocab, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=seed),
-                constraints.row(text, prompt) if constrained else None,
-            )
-            for seed in range(batch)
-        ]
-        decoded = decode(loaded.model, prompt, rows, masks, max_tokens=tokens, eos=frozenset(), overlap=overlap)
-        return batch * decoded.steps / decoded.seconds, [r.finish for r in rows]
+    def decode(constrained: bool, mode_of) -> list[dict]:
+        """One step record per decode step: its mode, seconds, and probes."""
+        for seed in range(rows):
+            engine.submit(Generate(rid=next(rid), prompt=prompt, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
+        while len(engine.generator.decoding) < rows or any(not s.generated for s in engine.streams.values()):
+            if not engine.waiting and len(engine.streams) < rows:
+                raise RuntimeError("a row failed (see the log above)")
+            engine.step()
+        steps = []
+        while engine.generator:
+            mode = mode_of(len(steps))
+            masks.fill_async = modes[mode]
+            current.clear()
+            t = time.perf_counter()
+            engine.step()
+            steps.append({"mode": mode, "s": time.perf_counter() - t, **current})
+        masks.fill_async = side_thread
+        return steps
 
-    out: dict = {"model": model_dir.name, "vocab": vocab, "tokens": tokens}
-    for batch in batches:
-        once(batch, True, True)  # warm-up: kernels and the grammar compile here
-        runs: dict[str, list[float]] = {v: [] for v in variants}
-        finishes = set()
-        for _ in range(rounds):
-            for name, (constrained, overlap) in variants.items():
-                rate, finish = once(batch, constrained, overlap)
-                runs[name].append(rate)
-                finishes.update(finish)
-        assert finishes == {"length"}, f"every row should run to max_tokens, got {finishes}"
-        med = {name: statistics.median(v) for name, v in runs.items()}
-        out[f"batch{batch}"] = {
-            "tok_s": {name: summary(v, 1) for name, v in runs.items()},
-            "ratio_json_schema_vs_none": round(med["json_schema"] / med["none"], 3),
-            "ratio_no_overlap_vs_none": round(med["json_schema_no_overlap"] / med["none"], 3),
-        }
-        print(f"{model_dir.name} batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()), file=sys.stderr)
-    del loaded
+    def mean_ms(steps: list[dict], mode: str, key: str = "s") -> float:
+        return statistics.mean(s[key] for s in steps if s["mode"] == mode and key in s) * 1000
+
+    decode(True, lambda k: "overlapped")  # the grammar compiles here
+    none, overlapped, masks_first, fill_ms, hidden, ratio, probes = [], [], [], [], [], [], []
+    for _ in range(runs):
+        free = decode(False, lambda k: "none")
+        steps = decode(True, lambda k: ("overlapped", "masks_first")[k % 2])
+        none.append(mean_ms(free, "none"))
+        overlapped.append(mean_ms(steps, "overlapped"))
+        masks_first.append(mean_ms(steps, "masks_first"))
+        fill_ms.append(mean_ms(steps, "masks_first", "fill"))
+        hidden.append((masks_first[-1] - overlapped[-1]) / fill_ms[-1])
+        ratio.append(none[-1] / overlapped[-1])
+        masks.fill, masks.apply = timed_fill, probed_apply
+        probes += decode(True, lambda k: "probed")
+        masks.fill, masks.apply = real_fill, real_apply
+    # A probed step's masks took `fill`; the engine thread waited `wait` for
+    # them after handing over the forward pass; if that pass was still
+    # running once they were ready (`forward_left` beyond an mx.eval's own
+    # cost), none of the mask time was exposed, else at most the wait.
+    ready_first = [p["forward_left"] > 1e-4 for p in probes]
+    exposed = sum(0.0 if first else p["wait"] for first, p in zip(ready_first, probes))
+    filled = sum(p["fill"] for p in probes)
+    out = {
+        "model": model_dir.name,
+        "rows": rows,
+        "tokens": tokens,
+        "runs": runs,
+        "ms_per_step": {
+            "none": summary(none, 2),
+            "overlapped": summary(overlapped, 2),
+            "masks_first": summary(masks_first, 2),
+            "masks_alone": summary(fill_ms, 2),
+        },
+        "share_of_masks_hidden": summary(hidden, 2),
+        "ratio_overlapped_vs_none": round(statistics.median(ratio), 3),
+        "probed": {
+            "steps": len(probes),
+            "masks_ms_per_step": round(filled / len(probes) * 1000, 3),
+            "masks_ready_before_the_forward_pass_ended": round(sum(ready_first) / len(probes), 3),
+            "exposed_mask_ms_per_step_at_most": round(exposed / len(probes) * 1000, 3),
+            "share_of_masks_hidden_at_least": round(1 - exposed / filled, 3),
+        },
+    }
+    del engine, loaded
     mx.clear_cache()
+    return out
+
+
+class _TimedResult:
+    """A pending mask fill whose result() records how long its caller waited."""
+
+    def __init__(self, pending: Future, record: dict):
+        self.pending, self.record = pending, record
+
+    def result(self):
+        t = time.perf_counter()
+        bits = self.pending.result()
+        self.record["wait"] = time.perf_counter() - t
+        return bits
+
+
+def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches: list[int]) -> dict:
+    """Through a real worker process and its pipes, as the pool drives it:
+    decode tok/s of N rows with a JSON-schema constraint vs none, the same
+    prompt and seeds; then the first-token cost of a constraint (TTFT of a
+    lone request with no response_format, a schema never seen, the same
+    schema again). Each round starts a fresh worker, whose first
+    constrained request also builds the tokenizer view; within it the two
+    sides run in `pairs` back-to-back pairs (order alternating), and each
+    pair gives a ratio, so that the load of a shared machine hits both
+    sides of a ratio alike. Also the worker's CPU time per token (all its
+    threads): work, where tok/s is latency."""
+    import psutil
+
+    from harness.worker import WorkerProc
+
+    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
+    text = schema_format(LONG)
+    sides = ("none", "json_schema")
+    runs: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in sides} for n in batches}
+    ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
+    names = iter(range(1 << 30))
+    for _ in range(rounds):
+        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0")
+        proc = psutil.Process(client.proc.pid)
+        try:
+            first = client.generate(prompt=prompt, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
+            ttft["first_constrained_request"].append(first["ttft_ms"])
+            for n in batches:
+                for i in range(pairs):
+                    for side in sides if i % 2 == 0 else sides[::-1]:
+                        cpu = sum(proc.cpu_times()[:2])
+                        run = client.generate_many([dict(prompt=prompt, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)])
+                        run["cpu_s"] = sum(proc.cpu_times()[:2]) - cpu
+                        runs[n][side].append(run)
+            for _ in range(5):
+                new = schema_format(LONG, f"new{next(names)}")
+                for name, fmt in (("none", None), ("new_schema", new), ("cached_schema", new)):
+                    ttft[name].append(client.generate(prompt=prompt, max_tokens=2, response_format=fmt)["ttft_ms"])
+        finally:
+            client.close()
+
+    def decode_rate(run: dict) -> float:
+        # From the moment every row has its first token to the last final line.
+        n = len(run["ttft_ms"])
+        return (run["tokens"] - n) / ((max(run["done_ms"]) - max(run["ttft_ms"])) / 1000)
+
+    out: dict = {"model": model_dir.name, "tokens": tokens, "rounds": rounds, "pairs_per_round": pairs}
+    for n in batches:
+        rates = {side: [decode_rate(r) for r in runs[n][side]] for side in sides}
+        cpu_ms = {side: [r["cpu_s"] * 1000 / r["tokens"] for r in runs[n][side]] for side in sides}
+        out[f"rows{n}"] = {
+            "decode_tok_s": {side: summary(v, 1) for side, v in rates.items()},
+            "cpu_ms_per_token": {side: summary(v, 3) for side, v in cpu_ms.items()},
+            "tokens": {side: sorted({r["tokens"] for r in runs[n][side]}) for side in sides},
+            "ratio_json_schema_vs_none": round(statistics.median(c / f for c, f in zip(rates["json_schema"], rates["none"])), 3),
+            "cpu_ratio_none_vs_json_schema": round(statistics.median(f / c for c, f in zip(cpu_ms["json_schema"], cpu_ms["none"])), 3),
+        }
+        print(f"{model_dir.name} {n} rows: {json.dumps(out[f'rows{n}'])}", file=sys.stderr)
+    med = {name: statistics.median(v) for name, v in ttft.items()}
+    out["ttft_ms"] = {name: summary(v, 2) for name, v in ttft.items()}
+    out["first_token_cost_ms"] = {name: round(med[name] - med["none"], 2) for name in ("new_schema", "cached_schema", "first_constrained_request")}
     return out
 
 
@@ -292,8 +388,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batches", default="1,8")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh worker or engine (default 3)")
+    p.add_argument("--pairs", type=int, default=4, help="back-to-back pairs of constrained and free runs per round (default 4)")
+    p.add_argument("--batches", default="1,8", help="concurrent rows (default 1,8)")
+    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -307,8 +405,10 @@ def main() -> int:
     load_before = load_average()
     demo = demo_model(args.size)
     real = real_vocab_model(args.size)
-    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "decode": {}}
-    for label, model_dir in (("demo", demo), ("bpe-151k", real)):
+    batches = [int(b) for b in args.batches.split(",")]
+    parts = set(args.parts.split(","))
+    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "worker": {}}
+    for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "masks" in parts else ():
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
         eos = {tok.token_to_id("<|im_end|>")}
@@ -316,11 +416,11 @@ def main() -> int:
         masks["tokenizer_tokens"] = tok.get_vocab_size()
         result["masks"][label] = masks
         print(f"{label}: {json.dumps(masks)}", file=sys.stderr)
-    result["overlap"] = overlap_check(demo, real_vocab_tokenizer(), steps=30, rounds=5)
-    print(f"overlap: {json.dumps(result['overlap'])}", file=sys.stderr)
-    batches = [int(b) for b in args.batches.split(",")]
-    for label, model_dir in (("demo", demo), ("bpe-151k", real)):
-        result["decode"][label] = decode_speed(model_dir, args.tokens, args.rounds, batches)
+    if "overlap" in parts:
+        result["engine_overlap"] = {f"rows{n}": engine_overlap(real, OVERLAP_TOKENS, args.rounds * args.pairs, n) for n in batches}
+        print(f"engine overlap: {json.dumps(result['engine_overlap'])}", file=sys.stderr)
+    for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "worker" in parts else ():
+        result["worker"][label] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches)
     result["load_average"] = {"before": load_before, "after": load_average()}
     write_result(tagged(f"constrain-{backend}-{args.size}", args.tag), result)
     print(json.dumps(result, indent=1))

@@ -63,14 +63,19 @@ class PoolProc:
         for line in self.proc.stderr:
             self.stderr += line
 
+    @staticmethod
+    def line(request: dict) -> bytes:
+        return json.dumps(request, ensure_ascii=False).encode() + b"\n"
+
     def send(self, request: dict | bytes) -> None:
+        """A request (counted for check_terminals) or raw bytes (not counted)."""
         if isinstance(request, dict):
             if "op" not in request:
                 if request.get("id") is None:
                     self.idless_sent += 1
                 else:
                     self.sent_ids.append(request["id"])
-            data = json.dumps(request, ensure_ascii=False).encode() + b"\n"
+            data = self.line(request)
         else:
             data = request
         self.proc.stdin.write(data)
@@ -146,7 +151,7 @@ class PoolProc:
         """Sends requests with ids in one write; returns harness.worker's
         stream_figures of their lines."""
         t0 = time.monotonic()
-        self.send(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+        self.send(b"".join(self.line(r) for r in requests))
         self.sent_ids += [r["id"] for r in requests]
 
         def next_line() -> tuple[bytes, float]:
@@ -154,6 +159,20 @@ class PoolProc:
             return event["_line"], event["_at"]
 
         return stream_figures(next_line, [json.dumps(r["id"]).encode() for r in requests], t0)
+
+    def idless_texts(self, since: int = 0) -> list[str]:
+        """The texts of the id-less requests whose lines are among
+        events[since:], read as a chat_metal client reads them: every token
+        line without an id belongs to the current text, a done line ends it."""
+        texts, current = [], []
+        for e in self.events[since:]:
+            if e["ev"] == "gen_token" and "id" not in e:
+                if e["done"]:
+                    texts.append("".join(current))
+                    current = []
+                else:
+                    current.append(e["token"])
+        return texts
 
     def drain(self) -> None:
         while True:

@@ -40,6 +40,9 @@ class WorkerProc:
             stderr=subprocess.PIPE,
             env=child_env(),
             cwd=ROOT,
+            # In a session of its own, as the pool starts its workers: with
+            # autogroup scheduling that decides its share of a busy CPU.
+            start_new_session=True,
         )
         self._lines: queue.Queue[tuple[bytes, float] | None] = queue.Queue()
         self.stderr = bytearray()
@@ -210,11 +213,12 @@ class WorkerProc:
 def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
     """Reads the lines of the requests `ids` (their ids as JSON text) from
     `next_line()` -> (line, arrival time) until each has ended; returns the
-    time of each one's first token from t0 (ms, in the order of `ids`), the
-    tokens generated, and the wall time to the last end. Token lines are read
-    as the supervisor relays them, without decoding JSON: only the id at the
-    tail matters."""
+    time of each one's first token and of its end from t0 (ms, in the order
+    of `ids`), the tokens generated, and the wall time to the last end. Token
+    lines are read as the supervisor relays them, without decoding JSON: only
+    the id at the tail matters."""
     first: dict[bytes, float] = {}
+    done: dict[bytes, float] = {}
     tokens = 0
     pending = set(ids)
     last = t0
@@ -232,6 +236,11 @@ def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
         if event["ev"] == "gen_token":
             tokens += event["gen_tokens"]
             pending.discard(key)
-            last = at
+            done[key] = last = at
     wall = last - t0
-    return {"ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids], "tokens": tokens, "wall_s": wall}
+    return {
+        "ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids],
+        "done_ms": [(done[i] - t0) * 1000 for i in ids],
+        "tokens": tokens,
+        "wall_s": wall,
+    }

@@ -18,6 +18,14 @@ DEFAULT_TOP_K = 50
 DEFAULT_TOP_P = 0.9
 DEFAULT_REPETITION_PENALTY = 1.1
 
+# Requests a worker decodes together (its --max-batch; the pool's max_batch),
+# measured on a 2-core CPU: docs/performance.md, "Continuous batching".
+DEFAULT_MAX_BATCH = 8
+# The bound of a worker's waiting line: a request beyond it is refused with
+# `overloaded`. The pool has at most max_batch requests at a worker, so
+# max_batch may not exceed it.
+MAX_WAITING = 1024
+
 # Bounds both sides enforce (the pool's config may change them): prompt text
 # is refused above this many UTF-8 bytes before it is tokenized, and an
 # adapter file above this size before it is read.

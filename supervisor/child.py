@@ -70,7 +70,7 @@ def python_module(module: str, *args: str) -> list[str]:
 
 def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None) -> tuple[list[str], dict[str, str]]:
     """argv and environment of the pool's worker for `spec`."""
-    args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval)]
+    args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval), "--max-batch", str(spec.max_batch)]
     if spec.lora is not None:
         args += ["--lora", str(spec.lora)]
     if spec.tokenizer_dir is not None:
@@ -206,15 +206,15 @@ class ChildProcess:
             left -= len(data)
             deliver(data)
 
-    def send(self, msg: ToWorker) -> bool:
-        """Queues a frame without waiting: a worker that stops reading must
-        not block the pool (the stall watchdog deals with it)."""
+    def send(self, *msgs: ToWorker) -> bool:
+        """Queues frames, in one write, without waiting: a worker that stops
+        reading must not block the pool (the stall watchdog deals with it)."""
         if self._dead or self.transport is None:
             return False
         pipe = self.transport.get_pipe_transport(0)
         if pipe is None or pipe.is_closing():
             return False
-        pipe.write(encode_frame(msg))
+        pipe.write(b"".join(encode_frame(msg) for msg in msgs))
         return True
 
     def pause_reading(self, paused: bool) -> None:

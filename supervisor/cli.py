@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 
+from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
 from supervisor import local_models, ps, stderr
 from supervisor.chat import chat
 from supervisor.child import child_env, python_module
@@ -41,6 +42,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
+    p.add_argument("--max-batch", type=int, help="requests one worker decodes together; more wait in the pool (default 8)")
     p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
 
 
@@ -51,7 +53,7 @@ def add_monitor_flags(p: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
-    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "metrics_port", "control_socket")
+    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "max_batch", "metrics_port", "control_socket")
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
@@ -112,6 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.serve:
         if not args.json:
             raise UsageError("--serve speaks the event protocol: add --json")
+        if args.json_schema:
+            raise UsageError("--json-schema applies to --prompt; with --serve, give each request a response_format")
         # chat_metal finished every request it had read before exiting at EOF.
         return asyncio.run(serve(config, eof_grace=None, settle_first=True))
     if args.prompt is None:
@@ -126,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "reasoning_budget": args.reasoning_budget,
         "stop": args.stop,
+        "response_format": json_schema_format(args.json_schema) if args.json_schema else None,
     }
     try:
         # The same validation as a line on stdin, so the limits match.
@@ -133,6 +138,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     except BadRequest as exc:
         raise UsageError(exc.msg) from exc
     return asyncio.run(run_once(config, request, as_json=args.json))
+
+
+def json_schema_format(path: Path) -> dict:
+    """`run --json-schema FILE`: the file's JSON Schema as a response_format."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_RESPONSE_FORMAT_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read --json-schema {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_RESPONSE_FORMAT_BYTES:
+        raise UsageError(f"--json-schema {path} is over {MAX_RESPONSE_FORMAT_BYTES} bytes, the limit of a response_format")
+    try:
+        schema = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise UsageError(f"--json-schema {path} is not JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {path} must hold a JSON object (a JSON Schema)")
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -281,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", help="ChatML prompt text, used verbatim")
     run.add_argument("--json", action="store_true", help="print @@lattice event lines instead of text")
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
+    run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema)")
     run.add_argument("--verbose", action="store_true", help="show the pool's and the worker's logs (--log-level INFO)")
     run.set_defaults(func=cmd_run)
 

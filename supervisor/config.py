@@ -14,10 +14,13 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
+from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_BATCH, DEFAULT_MAX_PROMPT_BYTES, MAX_WAITING
 
 Duration = str | int | float
 Size = str | int
+# Requests in flight at one worker: the pool never sends more than the
+# worker's waiting line holds.
+MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)]
 
 
 class ConfigError(Exception):
@@ -42,6 +45,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     tokenizer_dir: str | None = None
     preload: bool = False
     keep_alive: Duration | None = None
+    max_batch: MaxBatch | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
@@ -55,6 +59,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
     prefix_cache_bytes: Size | None = None
+    # Requests decoded together by one worker; more wait in the pool, first
+    # in first out. A [[models]] entry may set its own.
+    max_batch: MaxBatch = DEFAULT_MAX_BATCH
     # Prometheus metrics on 127.0.0.1:PORT; 0 picks a free port (logged).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     # True: the default path (supervisor.control.default_socket_path); a

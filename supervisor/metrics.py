@@ -50,8 +50,12 @@ MODEL_GAUGES = {
     "weights_bytes": ("lattice_model_weights_bytes", "Bytes of model weights loaded in the worker"),
     "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of LoRA adapter weights loaded in the worker"),
     "queued": ("lattice_model_queued_requests", "Requests waiting for this worker"),
-    "in_flight": ("lattice_model_in_flight_requests", "Requests this worker is generating"),
+    "in_flight": ("lattice_model_in_flight_requests", "Requests sent to this worker and not yet ended"),
     "uptime_s": ("lattice_model_uptime_seconds", "Seconds since the worker process started"),
+    "max_batch": ("lattice_model_max_batch", "Requests the worker may decode together"),
+    "active_rows": ("lattice_model_active_rows", "Requests the worker is decoding (its batch rows)"),
+    "waiting_rows": ("lattice_model_waiting_rows", "Requests sent to the worker that wait for room in its batch"),
+    "rows_cache_bytes": ("lattice_model_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
 }
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -34,7 +34,7 @@ from supervisor.child import worker_command
 from supervisor.config import Config, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
-from supervisor.requests import ClientLine, prompt_bytes, stop_list
+from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
 from supervisor.resolve import ModelSpec, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.states import LIVE, State
@@ -236,7 +236,16 @@ class Pool:
                 value = getattr(d, name)
             if value is not None:
                 fields[name] = value
-        return Generate(rid=rid, prompt=msg.prompt, messages=msg.messages, seed=msg.seed, stop=stop_list(msg.stop), id_json=msg.id_json, **fields)
+        return Generate(
+            rid=rid,
+            prompt=msg.prompt,
+            messages=msg.messages,
+            seed=msg.seed,
+            stop=stop_list(msg.stop),
+            id_json=msg.id_json,
+            response_format=response_format_text(msg),
+            **fields,
+        )
 
     def _pump_idless(self) -> None:
         while self._idless_running is None and self._idless:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.messages import DEFAULT_MAX_BATCH
 from supervisor.config import Config, ModelEntry, parse_duration
 from supervisor.local_models import hub_snapshot, is_hub_id
 
@@ -23,6 +24,7 @@ class ModelSpec:
     lora: Path | None = None
     tokenizer_dir: Path | None = None
     keep_alive: float | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
 
     @property
     def key(self) -> tuple[Path, Path | None]:
@@ -70,6 +72,7 @@ class Resolver:
             lora=expand(adapter) if adapter else None,
             tokenizer_dir=expand(entry.tokenizer_dir) if entry.tokenizer_dir else None,
             keep_alive=keep,
+            max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
         )
 
     def default_ref(self) -> str | None:
@@ -104,13 +107,13 @@ class Resolver:
         if "/" not in ref and ref not in (".", ".."):
             cached = self.cache / ref
             if cached.is_dir():
-                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive)
+                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch)
         snapshot = self._hub_snapshot(ref)
         if snapshot is not None:
-            return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive)
+            return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch)
         candidate = expand(ref)
         if ("/" in ref or ref.startswith("~")) and candidate.is_dir():
-            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive)
+            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch)
         known = ", ".join(sorted(self.by_name)) or "none configured"
         hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
         raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}{hub}, not a model path")

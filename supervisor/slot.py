@@ -7,6 +7,9 @@ stall watchdog. Everything runs on the event loop thread, so no locks. The
 pool drives a slot through its methods and hears back through `SlotEvents`;
 a slot never reaches into the pool.
 
+A slot serves every name whose spec has its key (model dir, adapter); the
+name a request used travels with its Job, and errors name that one.
+
 Up to `max_batch` requests are in flight at the worker, the rest wait here,
 first in first out. Each line the worker writes belongs to the in-flight
 request its id tail names (a line without an id, to the one request without
@@ -24,7 +27,7 @@ import time
 from typing import Callable, Coroutine, Protocol
 
 from ipc.events import LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
-from ipc.messages import Cancel, SetAdapter, Stats
+from ipc.messages import Cancel, Generate, SetAdapter, Stats, ToWorker
 from ipc.worker_events import (
     TOKEN,
     AdapterError,
@@ -35,9 +38,10 @@ from ipc.worker_events import (
     Malformed,
     Ready,
     WorkerStats,
-    is_token,
+    holds,
     line_id,
     read_line,
+    token_block,
 )
 from supervisor.child import ChildProcess, MAX_WORKER_LINE, RESOURCE_ERRNOS
 from supervisor.job import Job, Sink
@@ -48,7 +52,6 @@ from supervisor.stderr import LastMessage
 
 log = logging.getLogger("lattice.worker")
 
-_TOKEN_LINE_START = b'\n@@lattice {"ev":"gen_token","token":'
 
 # How long cancelled requests may take to end before their worker is killed.
 CANCEL_GRACE = 5.0
@@ -100,7 +103,6 @@ class WorkerSlot:
         command: Callable[[], tuple[list[str], dict[str, str]]],
         restart_policy: RestartPolicy,
         rng,
-        max_batch: int = 1,
     ):
         self.spec = spec
         self.events = events
@@ -108,7 +110,7 @@ class WorkerSlot:
         self.command = command
         self.restart_policy = restart_policy
         self.rng = rng
-        self.max_batch = max_batch
+        self.max_batch = spec.max_batch
         self.sm = StateMachine(self._describe)
         self.queue: collections.deque[Job] = collections.deque()
         self.in_flight: dict[bytes | None, Job] = {}  # by id (None: the id-less request), in dispatch order
@@ -123,7 +125,9 @@ class WorkerSlot:
         self.stats: WorkerStats | None = None
         self.stderr_tail = LastMessage()
         self.reading_paused = False
-        self._whole: Sink | None = None  # where a block of token lines may go whole
+        self._sink: Sink | None = None  # the one sink of every in-flight request, if they share one
+        self._silent: list[Job] = []  # in-flight requests that have emitted nothing yet
+        self._unsent: list[Generate] = []  # dispatched in this turn of the event loop
         self._stats_waiters: list[asyncio.Future] = []
         self._restart_timer: asyncio.TimerHandle | None = None
         self._kill_reason: str | None = None
@@ -234,28 +238,37 @@ class WorkerSlot:
             self._idle_since = None
             if self.state == State.READY:
                 self.sm.to(State.BUSY, f"request {job.label}")
-            if not self.child.send(job.generate):
-                log.warning("%s: request pipe closed while dispatching %s", self._describe(), job.label)
+            self._unsent.append(job.generate)
+            if len(self._unsent) == 1:
+                asyncio.get_running_loop().call_soon(self._send_unsent)
+
+    def _send_unsent(self) -> None:
+        # Requests that reach a worker in one write start together (their
+        # prompts read in the same forwards: docs/engine.md), so those
+        # dispatched in one turn of the loop, e.g. for the lines of one
+        # chunk of stdin, go out in one write at its end.
+        unsent, self._unsent = self._unsent, []
+        if unsent and not (self.child is not None and self.child.send(*unsent)):
+            log.warning("%s: request pipe closed while dispatching %s", self._describe(), ", ".join(str(g.rid) for g in unsent))
+
+    def _send(self, msg: ToWorker) -> bool:
+        """Any other message, after the requests dispatched before it."""
+        self._send_unsent()
+        return self.child is not None and self.child.send(msg)
 
     def _in_flight_changed(self) -> None:
-        self._whole = self._whole_sink()
-        if self.in_flight:
+        jobs = list(self.in_flight.values())
+        sink = jobs[0].sink if jobs else None
+        self._sink = sink if all(job.sink is sink for job in jobs) else None
+        self._silent = [job for job in jobs if not job.emitted]
+        if jobs:
             self._drained.clear()
         else:
             self._drained.set()
 
-    def _whole_sink(self) -> Sink | None:
-        """The sink a block of token lines may be relayed to whole, without
-        reading it line by line: the in-flight requests' one sink, once every
-        one of them has emitted (a request's first line must be seen, as it
-        decides whether a crash may retry it) or when only one is in flight."""
-        jobs = list(self.in_flight.values())
-        if not jobs:
-            return None
-        sink = jobs[0].sink
-        if any(job.sink is not sink for job in jobs) or (len(jobs) > 1 and not all(job.emitted for job in jobs)):
-            return None
-        return sink
+    def _emitted(self, job: Job) -> None:
+        job.emitted = True
+        self._silent.remove(job)
 
     def cancel(self, id_json: str) -> bool:
         """Cancels a queued or in-flight request with this id."""
@@ -266,7 +279,7 @@ class WorkerSlot:
                 return True
         job = self.in_flight.get(id_json.encode())
         if job is not None and self.child is not None:
-            self.child.send(Cancel(rid=job.rid))
+            self._send(Cancel(rid=job.rid))
             return True
         return False
 
@@ -297,17 +310,22 @@ class WorkerSlot:
         if self._kill_reason is not None:
             return  # being killed as broken: nothing it writes counts any more
         self.last_heard = time.monotonic()
-        # Fast path: a block in which every line starts as a token line and
-        # none is final goes whole to the requests' one sink. The searches
-        # run in C, so a flood costs no Python per line; anything else (a
-        # stray line included) goes line by line.
-        sink = self._whole
-        if sink is not None and is_token(block) and block.count(_TOKEN_LINE_START) == block.count(b"\n") - 1:
-            for job in self.in_flight.values():
-                job.emitted = True
-            self._idle_since = None
-            sink.write(block)
-            return
+        # Fast path: a block of token lines goes whole to the in-flight
+        # requests' one sink. A request's first line must be seen (whether a
+        # crash may retry it depends on it), so a block holding one goes line
+        # by line, as does anything else (a stray line included).
+        sink = self._sink
+        lines = token_block(block) if sink is not None else 0
+        if lines:
+            if len(self.in_flight) == 1:
+                if self._silent:
+                    self._emitted(self._silent[0])
+            elif any(holds(block, job.key, lines) for job in self._silent):
+                sink = None
+            if sink is not None:
+                self._idle_since = None
+                sink.write(block)
+                return
         for line in block.splitlines(keepends=True):
             self._on_line(line)
             if self._kill_reason is not None:
@@ -325,8 +343,7 @@ class WorkerSlot:
                 log.warning("%s: token line of no request in flight dropped: %r", self._describe(), line[-80:])
                 return
             if not job.emitted:
-                job.emitted = True
-                self._whole = self._whole_sink()
+                self._emitted(job)
             self._idle_since = None
             job.sink.write(line)
             return
@@ -404,8 +421,7 @@ class WorkerSlot:
     # -- stats -------------------------------------------------------------------
 
     def request_stats_nowait(self) -> None:
-        if self.child is not None:
-            self.child.send(Stats())
+        self._send(Stats())
 
     async def fresh_stats(self, timeout: float = 2.0) -> WorkerStats | None:
         """The worker's measured figures now, or the last ones it reported
@@ -414,7 +430,7 @@ class WorkerSlot:
             return self.stats
         future = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(future)
-        if not self.child.send(Stats()):
+        if not self._send(Stats()):
             self._stats_waiters.remove(future)
             return self.stats
         try:
@@ -424,6 +440,10 @@ class WorkerSlot:
 
     def _got_stats(self, stats: WorkerStats) -> None:
         self.stats = stats
+        if stats.max_batch:
+            # A worker whose architecture cannot batch runs one at a time;
+            # the rest then wait here, where a cancel stays local.
+            self.max_batch = min(self.spec.max_batch, stats.max_batch)
         waiters, self._stats_waiters = self._stats_waiters, []
         for future in waiters:
             if not future.done():
@@ -434,7 +454,7 @@ class WorkerSlot:
     def set_adapter(self, path: str | None) -> bool:
         if self.child is None or self.state not in LIVE:
             return False
-        return self.child.send(SetAdapter(path=path))
+        return self._send(SetAdapter(path=path))
 
     # -- faults ------------------------------------------------------------------
 
@@ -485,6 +505,7 @@ class WorkerSlot:
         jobs = list(self.in_flight.values())
         self.in_flight.clear()
         self._in_flight_changed()
+        self._unsent.clear()
         retry = []
         for job in jobs:
             if not job.emitted and job.attempts == 0:
@@ -551,7 +572,7 @@ class WorkerSlot:
         child = self.child
         if self.in_flight and child is not None and not child.exited.is_set():
             for job in self.in_flight.values():
-                child.send(Cancel(rid=job.rid))
+                self._send(Cancel(rid=job.rid))
             try:
                 await asyncio.wait_for(self._drained.wait(), CANCEL_GRACE)
             except asyncio.TimeoutError:

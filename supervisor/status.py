@@ -38,6 +38,13 @@ class StatusRow(msgspec.Struct):
     tokens: int
     restarts: int
     uptime_s: float
+    # Continuous batching: the pool sends at most max_batch requests to the
+    # worker (in_flight); of those, the worker decodes active_rows and holds
+    # waiting_rows back (its memory guard), their caches taking rows_cache_bytes.
+    max_batch: int = 0
+    active_rows: int = 0
+    waiting_rows: int = 0
+    rows_cache_bytes: int = 0
     processor: str | None = None  # cpu, metal or cuda, as the worker reports
     # Seconds until keep_alive unloads the worker (the full keep_alive while
     # requests run or wait: the countdown starts when it goes idle); null
@@ -89,6 +96,10 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         tokens=slot.tokens,
         restarts=slot.restarts,
         uptime_s=round(slot.uptime(), 1),
+        max_batch=slot.max_batch,
+        active_rows=s.active_rows,
+        waiting_rows=s.waiting_rows,
+        rows_cache_bytes=s.rows_cache_bytes,
         processor=s.processor,
         expires_in_s=expires_in(slot),
     )

@@ -36,6 +36,11 @@ Knobs (all optional):
     bad_final         end requests with a final line of the wrong shape
     request_stderr    bytes of log lines written to stderr per request
     exit_after_ready  exit with this code right after `ready`
+    together          serve requests together, as a batching worker does:
+                      each round writes this many token lines of every
+                      running request, in one write; with it, `tokens`,
+                      `token` and `token_interval` (between rounds) apply,
+                      and `crash_after` counts rounds
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ class FakeWorker:
             msg = decode_payload(payload)
             if isinstance(msg, Cancel):
                 with self.lock:
-                    if self.current == msg.rid:
+                    if self.current == msg.rid and not self.knobs.get("together"):
                         self.cancel.set()
                     else:
                         self.cancelled.add(msg.rid)
@@ -163,6 +168,38 @@ class FakeWorker:
                 self.generate(msg)
                 with self.lock:
                     self.current = None
+
+    def serve_together(self, block: int) -> None:
+        running: dict[int, list] = {}  # rid -> [request, tokens sent, start]
+        token = self.knobs.get("token", "tok")
+        rounds = 0
+        while True:
+            if rounds == self.knobs.get("crash_after"):
+                die(self.knobs)
+            rounds += 1
+            time.sleep(self.knobs.get("token_interval") or 0)
+            while not running or not self.jobs.empty():
+                msg = self.jobs.get()
+                if isinstance(msg, Shutdown):
+                    return
+                running[msg.rid] = [msg, 0, time.monotonic()]
+            with self.lock:
+                self.current = next(iter(running))
+                gone = self.cancelled & running.keys()
+                self.cancelled -= gone
+            out = []
+            for rid, (req, sent, t0) in list(running.items()):
+                n = 0 if rid in gone else min(block, self.knobs.get("tokens", req.max_tokens) - sent)
+                out.append(encode_token(token, req.id_json) * n)
+                running[rid][1] = sent = sent + n
+                if rid in gone or sent == self.knobs.get("tokens", req.max_tokens):
+                    finish = "cancelled" if rid in gone else "length"
+                    total_ms = int((time.monotonic() - t0) * 1000)
+                    out.append(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json))
+                    del running[rid]
+            self.out.write(b"".join(out))
+            with self.lock:
+                self.current = None if not running else self.current
 
     def generate(self, req: Generate) -> None:
         k = self.knobs
@@ -275,7 +312,10 @@ def main() -> int:
         return knobs["exit_after_ready"]
     if not knobs.get("stop_reading"):
         threading.Thread(target=worker.read_loop, daemon=True).start()
-    worker.serve()
+    if knobs.get("together"):
+        worker.serve_together(knobs["together"])
+    else:
+        worker.serve()
     return 0
 
 

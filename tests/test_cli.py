@@ -5,7 +5,10 @@ import re
 import subprocess
 import sys
 
+import jsonschema
+
 from harness.procs import ROOT, child_env
+from tests.schemas import PET
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -117,6 +120,35 @@ def test_a_missing_model_dir_is_one_line_at_start(tmp_path):
 def test_version():
     out = cli("--version")
     assert out.returncode == 0 and re.fullmatch(rb"lattice-pool \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
+
+
+def test_run_json_schema_constrains_text_and_json_output(tiny_model, tmp_path):
+    schema = tmp_path / "pet.json"
+    schema.write_text(json.dumps(PET))
+    prompt = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    args = ("run", "--model-dir", str(tiny_model), "--prompt", prompt, "--json-schema", str(schema), "--temperature", "1", "--seed", "5", "--max-tokens", "160")
+    plain = cli(*args)
+    assert plain.returncode == 0, plain.stderr
+    jsonschema.validate(json.loads(plain.stdout), PET)
+    evs = events(cli(*args, "--json").stdout)
+    assert "".join(e["token"] for e in evs if e["ev"] == "gen_token") + "\n" == plain.stdout.decode()
+    assert [e["finish_reason"] for e in evs if e.get("done")] == ["stop"]
+
+
+def test_json_schema_usage_errors_exit_2(tiny_model, tmp_path):
+    not_json, array = tmp_path / "schema.txt", tmp_path / "array.json"
+    not_json.write_text("{type: object}")
+    array.write_text("[1]")
+    cases = [
+        ((str(tmp_path / "missing.json"),), b"cannot read --json-schema"),
+        ((str(tmp_path),), b"Is a directory"),
+        ((str(not_json),), b"is not JSON"),
+        ((str(array),), b"must hold a JSON object"),
+        ((str(array), "--json", "--serve"), b"with --serve, give each request a response_format"),
+    ]
+    for args, message in cases:
+        out = cli("run", "--model-dir", str(tiny_model), "--prompt", "x", "--json-schema", *args)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_demo_model_command_help():

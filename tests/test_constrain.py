@@ -1,14 +1,10 @@
-"""Structured output in-process on the real demo model: worker.constrain's
-masks over the model's real logits, sampled by the worker's Sampler.
-
-The demo model has random weights and writes no JSON when left alone; every
-reply below is valid only because of the mask.
-"""
+"""worker.constrain in-process on the demo tokenizer: what the grammar
+allows, when a row is done, the masks and their bounds; and the request
+side's checks of response_format. The engine's use of it, through a real
+worker: tests/test_structured_output.py."""
 
 import json
-import re
 
-import jsonschema
 import mlx.core as mx
 import msgspec
 import numpy as np
@@ -17,102 +13,27 @@ import pytest
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
-from tests.constrained_decode import Row, Sampler, decode
 from tests.schemas import PET
-from worker.constrain import BatchMasks, ConstraintError, ConstraintViolation, Constraints
-from worker.streamer import ThinkBudget
+from worker.constrain import BatchMasks, ConstraintViolation, Constraints
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
-SEEDS = range(20)
-
 PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
-
-DATE = r"[A-Z][a-z]{1,6} (19|20)[0-9]{2}-(0[1-9]|1[0-2])"
-ARITHMETIC = r"""
-start: expr
-expr: term (OP term)~0..2
-term: NUMBER | "(" inner ")"
-inner: NUMBER (OP NUMBER)~1..2
-OP: "+" | "-" | "*"
-NUMBER: /[1-9][0-9]?/
-"""
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_model):
-    from worker.loader import load
+def kit(tiny_model):
     from worker.text import TextCodec
 
-    loaded = load(tiny_model)
-    codec = TextCodec(tiny_model, loaded.config)
-    vocab = loaded.config["text_config"]["vocab_size"]
-    return loaded.model, codec, Constraints.for_codec(codec, vocab), BatchMasks(vocab, codec.eos_ids)
+    config = json.loads((tiny_model / "config.json").read_text())
+    codec = TextCodec(tiny_model, config)
+    vocab = config["text_config"]["vocab_size"]
+    return codec, Constraints.for_codec(codec, vocab), BatchMasks(vocab, codec.eos_ids)
 
 
-def sampler(vocab, seed):
-    # chat_metal's defaults except a temperature of 1.0
-    return Sampler(vocab_size=vocab, temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=seed)
-
-
-def run(lm, response_format, *, prompt=CHAT, seeds=SEEDS, max_tokens=160, budget=None, keep_logits=False):
-    model, codec, constraints, masks = lm
-    ids = codec.encode(prompt)
-    rows = [
-        Row(
-            sampler(constraints.vocab_size, seed),
-            constraints.row(response_format, ids) if response_format else None,
-            ThinkBudget(codec.think_start, codec.think_end, budget, ids) if budget is not None else None,
-        )
-        for seed in seeds
-    ]
-    return decode(model, ids, rows, masks, max_tokens=max_tokens, eos=codec.eos_ids, think_end=codec.think_end, keep_logits=keep_logits)
-
-
-def texts(lm, decoded):
-    return [lm[1].decode(r.ids) for r in decoded.rows]
-
-
-def test_json_schema_replies_validate_for_20_seeds(lm):
-    decoded = run(lm, PET_FORMAT)
-    replies = texts(lm, decoded)
-    assert [r.finish for r in decoded.rows] == ["stop"] * 20
-    for reply in replies:
-        jsonschema.validate(json.loads(reply), PET)
-    assert len(set(replies)) > 10, "seeded rows should differ"
-
-
-def test_unconstrained_model_writes_no_json(lm):
-    # The premise of every test here: without the mask there is no JSON.
-    for reply in texts(lm, run(lm, None, seeds=range(5), max_tokens=40)):
-        with pytest.raises(ValueError):
-            json.loads(reply)
-
-
-def test_json_object_replies_parse(lm):
-    # Free-form keys and strings are unbounded and a random model rarely
-    # closes a string (about 1 reply in 20 within 200 tokens here), so most
-    # replies run into max_tokens: those must be a prefix the grammar
-    # accepted and say `length` (the client can tell).
-    _, codec, constraints, _ = lm
-    fmt = '{"type":"json_object"}'
-    decoded = run(lm, fmt, max_tokens=120)
-    for r in decoded.rows:
-        reply = codec.decode(r.ids)
-        assert reply.startswith("{")
-        if r.finish == "stop":
-            assert isinstance(json.loads(reply), dict)
-        else:
-            assert r.finish == "length" and len(r.ids) == 120
-            replay = constraints.row(fmt, [])
-            for token in r.ids:
-                replay.advance(token)
-            assert not replay.accepting
-
-
-def test_json_object_accepts_objects_and_nothing_else(lm):
+def test_json_object_accepts_objects_and_nothing_else(kit):
     # llguidance writes strings canonically: \u escapes only for control
     # characters, so é comes out raw.
-    _, codec, constraints, masks = lm
+    codec, constraints, masks = kit
     fmt = '{"type":"json_object"}'
     value = {"a": [1, -2.5e3, True, None, {"b": 'x \\ " é\n'}], "": {}, "c": []}
     row = constraints.row(fmt, [])
@@ -129,77 +50,19 @@ def test_json_object_accepts_objects_and_nothing_else(lm):
                 raise ConstraintViolation("incomplete")
 
 
-def test_regex_replies_match(lm):
-    replies = texts(lm, run(lm, json.dumps({"type": "regex", "pattern": DATE}), max_tokens=40))
-    for reply in replies:
-        assert re.fullmatch(DATE, reply), reply
-
-
-def test_lark_grammar_replies_parse(lm):
-    decoded = run(lm, json.dumps({"type": "grammar", "grammar": ARITHMETIC}), max_tokens=60)
-    assert {r.finish for r in decoded.rows} == {"stop"}
-    for reply in texts(lm, decoded):
-        assert re.fullmatch(r"[0-9+\-*()]+", reply), reply
-        assert isinstance(eval(reply, {"__builtins__": {}}), int)  # only digits, operators and parentheses
-
-
-def test_think_then_json(lm):
-    _, codec, _, _ = lm
-    decoded = run(lm, PET_FORMAT, prompt=CHAT + "<think>\n", budget=6, max_tokens=200)
-    for r in decoded.rows:
-        assert r.finish == "stop"
-        at = r.ids.index(codec.think_end)
-        assert at == 5, "the budget forces </think> after 6 thinking tokens, the prompt's newline included"
-        thinking = codec.decode(r.ids[:at])
-        assert not thinking.lstrip().startswith("{")
-        jsonschema.validate(json.loads(codec.decode(r.ids[at + 1 :])), PET)
-
-
-def test_a_closed_think_block_constrains_at_once(lm):
-    _, codec, constraints, _ = lm
+def test_a_closed_think_block_constrains_at_once(kit):
+    codec, constraints, _ = kit
     closed = codec.encode(CHAT + "<think>\n\n</think>\n\n")
     assert constraints.row(PET_FORMAT, closed).active
     assert not constraints.row(PET_FORMAT, codec.encode(CHAT + "<think>\n")).active
 
 
-def test_waiting_row_may_not_end_before_think_closes(lm):
-    _, codec, constraints, masks = lm
+def test_waiting_row_may_not_end_before_think_closes(kit):
+    codec, constraints, masks = kit
     waiting = constraints.row(PET_FORMAT, codec.encode(CHAT + "<think>\n"))
     allowed = allowed_ids(masks, masks.fill([waiting])[0])
     assert not allowed & codec.eos_ids
     assert len(allowed) == masks.vocab_size - len(codec.eos_ids)
-
-
-def test_constrained_and_free_rows_in_one_batch(lm):
-    decoded = run(lm, None, seeds=[3, 4], max_tokens=80, keep_logits=True)
-    assert decoded.masked_logits[0] is decoded.raw_logits[0], "no constrained row: logits untouched"
-    model, codec, constraints, masks = lm
-    ids = codec.encode(CHAT)
-    rows = [Row(sampler(masks.vocab_size, 3), constraints.row(PET_FORMAT, ids)), Row(sampler(masks.vocab_size, 4))]
-    mixed = decode(model, ids, rows, masks, max_tokens=80, eos=codec.eos_ids, keep_logits=True)
-    for raw, masked in zip(mixed.raw_logits, mixed.masked_logits):
-        assert raw.shape[0] == 2
-        assert np.array_equal(np.array(masked[1]), np.array(raw[1])), "the free row is bit-identical"
-    row0 = np.array(mixed.masked_logits[0][0])
-    assert np.isinf(row0).sum() > masks.vocab_size - 5, "the first step of the constrained row allows only '{'"
-    jsonschema.validate(json.loads(codec.decode(rows[0].ids)), PET)
-    with pytest.raises(ValueError):
-        json.loads(codec.decode(rows[1].ids))
-
-
-def test_max_tokens_cut_is_a_prefix_reported_as_length(lm):
-    _, codec, constraints, _ = lm
-    decoded = run(lm, PET_FORMAT, seeds=range(4), max_tokens=12)
-    for r in decoded.rows:
-        assert r.finish == "length" and len(r.ids) == 12
-        reply = codec.decode(r.ids)
-        assert reply.startswith('{"name":"')
-        replay = constraints.row(PET_FORMAT, [])
-        for token in r.ids:
-            replay.advance(token)
-        assert not replay.accepting
-        with pytest.raises(ValueError):
-            json.loads(reply)
 
 
 def allowed_ids(masks, row_bits) -> set[int]:
@@ -207,8 +70,8 @@ def allowed_ids(masks, row_bits) -> set[int]:
     return set(np.nonzero(bits)[0].tolist())
 
 
-def test_eos_is_allowed_only_when_the_grammar_accepts(lm):
-    _, codec, constraints, masks = lm
+def test_eos_is_allowed_only_when_the_grammar_accepts(kit):
+    codec, constraints, masks = kit
     row = constraints.row(json.dumps({"type": "regex", "pattern": "ab+"}), [])
     steps = []
     for token in codec.encode("abb"):
@@ -219,8 +82,8 @@ def test_eos_is_allowed_only_when_the_grammar_accepts(lm):
     assert row.accepting and not row.done
 
 
-def test_a_complete_grammar_is_done(lm):
-    _, codec, constraints, _ = lm
+def test_a_complete_grammar_is_done(kit):
+    codec, constraints, _ = kit
     row = constraints.row(json.dumps({"type": "regex", "pattern": "yes|no"}), [])
     for token in codec.encode("no"):
         assert not row.done
@@ -228,36 +91,15 @@ def test_a_complete_grammar_is_done(lm):
     assert row.done
 
 
-def test_a_forced_token_that_breaks_the_grammar_raises(lm):
-    _, codec, constraints, _ = lm
+def test_a_forced_token_that_breaks_the_grammar_raises(kit):
+    codec, constraints, _ = kit
     row = constraints.row(PET_FORMAT, [])
     with pytest.raises(ConstraintViolation):
         row.advance(codec.encode("x")[0])
 
 
-@pytest.mark.parametrize(
-    "response_format, message",
-    [
-        ({"type": "xml"}, "unknown response_format type 'xml'; expected one of json_object, json_schema, regex, grammar"),
-        ({"type": "json_schema", "json_schema": {"name": "x"}}, "missing required field `schema`"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}, "invalid JSON schema in response_format: Invalid type: objekt"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1}}}, "minimum (5) is greater than maximum (1)"),
-        ({"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"$ref": "#/$defs/gone"}}}}}, "'/$defs/gone' does not exist"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "[a-"}}}, "unclosed character class"),
-        ({"type": "regex", "pattern": "([a-z"}, "invalid regex in response_format"),
-        ({"type": "regex", "pattern": 7}, "invalid response_format field 'pattern': Expected `str`, got `int`"),
-        ({"type": "grammar", "grammar": "start: undefined_rule"}, 'unknown name: "undefined_rule"'),
-    ],
-)
-def test_bad_formats_are_rejected_before_any_token(lm, response_format, message):
-    _, _, constraints, _ = lm
-    with pytest.raises(ConstraintError) as err:
-        constraints.row(json.dumps(response_format), [])
-    assert message in str(err.value)
-
-
-def test_compiled_grammars_are_cached_and_bounded(lm):
-    _, codec, constraints, _ = lm
+def test_compiled_grammars_are_cached_and_bounded(kit):
+    codec, constraints, _ = kit
     small = Constraints(codec.tokenizer.to_str(), constraints.vocab_size, codec.eos_ids, cache_size=2)
     formats = [json.dumps({"type": "regex", "pattern": p}) for p in ("a+", "b+", "c+")]
     first = small.compile(formats[0])
@@ -308,8 +150,8 @@ def test_oversized_response_format_is_rejected():
         parse_line(msgspec.json.encode({"prompt": "hi", "response_format": {"type": "regex", "pattern": pattern}}))
 
 
-def test_masks_apply_to_mlx_logits_of_any_dtype(lm):
-    _, codec, constraints, masks = lm
+def test_masks_apply_to_mlx_logits_of_any_dtype(kit):
+    codec, constraints, masks = kit
     row = constraints.row(json.dumps({"type": "regex", "pattern": "ab"}), [])
     logits = mx.zeros((2, masks.vocab_size), dtype=mx.bfloat16)
     out = masks(logits, [None, row])
@@ -319,8 +161,8 @@ def test_masks_apply_to_mlx_logits_of_any_dtype(lm):
     assert np.isfinite(np.array(out[0].astype(mx.float32))).all()
 
 
-def test_masks_filled_on_the_side_thread_equal_the_direct_ones(lm):
-    _, codec, constraints, masks = lm
+def test_masks_filled_on_the_side_thread_equal_the_direct_ones(kit):
+    codec, constraints, masks = kit
     rows = [constraints.row(PET_FORMAT, []), None, constraints.row(PET_FORMAT, codec.encode(CHAT + "<think>\n")), constraints.row(PET_FORMAT, [])]
     for token in codec.encode('{"name":"'):
         rows[0].advance(token)

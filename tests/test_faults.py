@@ -464,3 +464,75 @@ class TestClientBackpressure:
         finally:
             pool.kill()
         assert pool.out.count(b'"code":"bad_request"') == total
+
+
+class TestBatching:
+    """max_batch requests in flight at a worker (this fake serves them one
+    after another, or `together` as a batching worker does)."""
+
+    @staticmethod
+    def send_together(pool, requests: list[dict]) -> None:
+        # One write: the pool reads them at once and sends the worker as
+        # many as max_batch allows before it reads anything back.
+        pool.send(b"".join(pool.line(r) for r in requests))
+        pool.sent_ids += [r["id"] for r in requests]
+
+    def test_a_crash_mid_batch_retries_only_what_emitted_nothing(self, fakes, fake_pool):
+        """r1 streams, r2 and r3 are in flight behind it, r4 waits in the
+        pool; the worker dies after 2 tokens of r1. r1 ends worker_crashed;
+        r2 and r3 are retried invisibly; r4 waits for the restart."""
+        fakes.add("a", [{"crash_after": 2}, {}])
+        pool = fake_pool("max_batch = 3")
+        pool.wait_ev("ready", model="a")
+        self.send_together(pool, [{"model": "a", "id": i, "prompt": "x", "max_tokens": 4} for i in range(1, 5)])
+        assert pool.terminal(1)["code"] == "worker_crashed" and len(tokens_of(pool, 1)) == 2
+        for i in (2, 3, 4):
+            assert pool.terminal(i)["gen_tokens"] == 4 and len(tokens_of(pool, i)) == 4
+        assert pool.stderr.count(b"will be retried after the restart") == 2
+        assert len(fakes.starts("a")) == 2
+        assert pool.close() == 0
+
+    def test_the_watchdog_kills_a_hung_worker_with_many_in_flight(self, fakes, fake_pool):
+        fakes.add("a", [{"hang_after": 2}, {}])
+        pool = fake_pool("stall_timeout = 2\nmax_batch = 3")
+        pool.wait_ev("ready", model="a")
+        self.send_together(pool, [{"model": "a", "id": i, "prompt": "x", "max_tokens": 3} for i in range(1, 4)])
+        err = pool.terminal(1, timeout=60)
+        assert err["code"] == "worker_crashed" and "no event or heartbeat" in err["msg"]
+        assert [pool.terminal(i)["gen_tokens"] for i in (2, 3)] == [3, 3]
+        assert pool.close() == 0
+
+    def test_interleaved_floods_reach_their_requests_byte_for_byte(self, fakes, fake_pool):
+        """Blocks that mix the lines of three requests go to each request by
+        the id at each line's tail; the fourth waits for a free row."""
+        fakes.add("a", {"together": 50, "tokens": 20_000, "token": "fl\u00f6 \\"})
+        pool = fake_pool("max_batch = 3")
+        pool.wait_ev("ready", model="a")
+        ids = ["f1", "f2", "f3", "f4"]
+        self.send_together(pool, [{"model": "a", "id": i, "prompt": "x", "max_tokens": 1} for i in ids])
+        for i in ids:
+            assert pool.terminal(i)["gen_tokens"] == 20_000
+            lines = {e["_line"] for e in tokens_of(pool, i)}
+            assert lines == {f'@@lattice {{"ev":"gen_token","token":"fl\u00f6 \\\\","done":false,"id":"{i}"}}\n'.encode()}
+            assert len(tokens_of(pool, i)) == 20_000
+        order = [e["id"] for e in pool.events if e["ev"] == "gen_token"]
+        assert order.index("f2") < len(order) - 1 - order[::-1].index("f1"), "their lines interleave"
+        assert set(order[order.index("f4") :]) == {"f4"}, "the fourth started once a row was free"
+        assert pool.close() == 0
+
+    def test_a_request_whose_first_line_shares_a_block_is_not_retried(self, fakes, fake_pool):
+        """r2 joins while r1 streams; its first line comes in a block of r1's
+        lines, so that block is read line by line and r2 counts as emitted:
+        when the worker then dies, r2 ends with worker_crashed after exactly
+        the tokens it showed (a retry would repeat them)."""
+        fakes.add("a", [{"together": 2, "tokens": 10_000, "token_interval": 0.01, "crash_after": 60}, {}])
+        pool = fake_pool("max_batch = 3")
+        pool.wait_ev("ready", model="a")
+        pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 1})
+        pool.wait_for(lambda e: e.get("id") == "r1")
+        pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 1})
+        for i in ("r1", "r2"):
+            err = pool.terminal(i)
+            assert err["code"] == "worker_crashed" and 0 < len(tokens_of(pool, i)) < 10_000
+        assert b"will be retried" not in pool.stderr
+        assert pool.close() == 0

@@ -55,8 +55,9 @@ def wait_terminals(pool, n: int) -> None:
 
 def test_sigkill_of_a_busy_worker(real_pool):
     """Its request ends with worker_crashed, the request queued behind it
-    runs on the restarted worker, and the other model never notices."""
-    pool = real_pool("heartbeat_interval = 0.5")
+    (max_batch 1: waiting in the pool) runs on the restarted worker, and the
+    other model never notices. tests/test_serve_batching.py kills one mid-batch."""
+    pool = real_pool("heartbeat_interval = 0.5\nmax_batch = 1")
     before = pids(pool)
     pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100_000})
     pool.send({"model": "a", "id": "queued", "prompt": CHAT, "max_tokens": 5})
@@ -127,6 +128,9 @@ def test_chaos_random_kills_across_two_models(real_pool):
             victim = rng.choice(sorted(live))
             os.kill(live[victim], signal.SIGKILL)
             kills[victim] += 1
+            # Its death seen before the next status: until then the pool
+            # still reports the dead pid, and a second kill of it is no kill.
+            pool.wait_ev("restarting", model=victim)
     outcomes = [pool.terminal(i) for i in range(total)]
     # Greedy decoding: every whole request of one model and length has one text.
     texts: dict[tuple[str, int], set[str]] = collections.defaultdict(set)

@@ -389,9 +389,14 @@ def test_ps_stop_and_unload_reach_a_chat_through_its_config_socket(tiny_model, t
     try:
         chat.stdin.write(b"Hello\n")
         chat.stdin.flush()
-        wait_for(lambda: cli("ps", "--config", config).stdout.count(b"\n") == 2, 60, message="chat's model in ps")
+        # The row shows once the model loads; the chat's message, once answered.
+        def served() -> bool:
+            out = cli("ps", "--config", config)
+            return out.returncode == 0 and ps_table(out.stdout).get("tiny", {}).get("REQUESTS") == "1"
+
+        wait_for(served, 60, message="chat's request in ps")
         shown = ps_table(cli("ps", "--config", config).stdout)["tiny"]
-        assert shown["STATE"] in ("ready", "busy") and shown["PROCESSOR"] == processor_shown()
+        assert shown["STATE"] == "ready" and shown["PROCESSOR"] == processor_shown()
         assert re.fullmatch(r"[45] minutes from now", shown["UNTIL"]), shown
         for found in (cli("ps", "--control-socket", str(path)), cli("ps", env={"LATTICE_CONTROL_SOCKET": str(path)})):
             assert found.returncode == 0 and "tiny" in ps_table(found.stdout), found.stderr

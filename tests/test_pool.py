@@ -70,20 +70,13 @@ def test_idless_requests_never_interleave(config_file, spawn_pool):
         pool.send(r)
     for _ in requests:
         pool.wait_for(lambda e: is_terminal(e) and "id" not in e)
-    texts, current = [], []
-    for e in pool.events[start:]:
-        if e["ev"] == "gen_token":
-            if e["done"]:
-                texts.append("".join(current))
-                current = []
-            else:
-                current.append(e["token"])
-    assert texts == expected
+    assert pool.idless_texts(start) == expected
     assert pool.close() == 0
 
 
 def test_cancel_queued_and_running(config_file, spawn_pool):
-    pool = spawn_pool("--config", config_file())
+    """With max_batch 1 the second request waits in the pool's queue."""
+    pool = spawn_pool("--config", config_file("max_batch = 1"))
     pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
     pool.send({"model": "a", "id": "queued", "prompt": CHAT, "max_tokens": 5})
     pool.wait_for(lambda e: e.get("id") == "long" and e["ev"] == "gen_token")
@@ -100,15 +93,19 @@ def test_cancel_queued_and_running(config_file, spawn_pool):
 
 
 def test_unload_frees_the_process_and_load_brings_it_back(config_file, spawn_pool):
-    pool = spawn_pool("--config", config_file())
+    """Every request in flight (max_batch 2: two) ends cancelled, the one
+    waiting in the pool with `unloaded`."""
+    pool = spawn_pool("--config", config_file("max_batch = 2"))
     pool.wait_ev("ready", model="a")
     pid = status(pool)["a"]["pid"]
     assert pid_alive(pid)
-    pool.send({"model": "a", "id": "running", "prompt": CHAT, "max_tokens": 100000})
+    for request_id in ("running", "also running"):
+        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 100000})
     pool.send({"model": "a", "id": "waiting", "prompt": CHAT, "max_tokens": 5})
-    pool.wait_for(lambda e: e.get("id") == "running" and e["ev"] == "gen_token")
+    for request_id in ("running", "also running"):
+        pool.wait_for(lambda e, i=request_id: e.get("id") == i and e["ev"] == "gen_token")
     pool.send({"op": "unload", "model": "a"})
-    assert pool.terminal("running")["finish_reason"] == "cancelled"
+    assert pool.terminal("running")["finish_reason"] == pool.terminal("also running")["finish_reason"] == "cancelled"
     waiting = pool.terminal("waiting")
     assert waiting["ev"] == "error" and waiting["code"] == "unloaded"
     pool.wait_ev("unloaded", model="a")
@@ -249,14 +246,16 @@ def test_config_errors_name_key_and_file(tmp_path, tiny_model, spawn_pool):
 
 
 def test_sigterm_cancels_running_and_fails_queued(config_file, spawn_pool):
-    pool = spawn_pool("--config", config_file("shutdown_grace = 0"))
-    pool.send({"model": "a", "id": "run", "prompt": CHAT, "max_tokens": 100000})
+    pool = spawn_pool("--config", config_file("shutdown_grace = 0\nmax_batch = 2"))
+    for request_id in ("run", "run too"):
+        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 100000})
     pool.send({"model": "a", "id": "queue", "prompt": CHAT})
-    pool.wait_for(lambda e: e.get("id") == "run" and e["ev"] == "gen_token")
+    for request_id in ("run", "run too"):
+        pool.wait_for(lambda e, i=request_id: e.get("id") == i and e["ev"] == "gen_token")
     pids = [r["pid"] for r in status(pool).values()]
     pool.proc.send_signal(signal.SIGTERM)
     assert pool.close() == 0
-    assert pool.terminal("run")["finish_reason"] == "cancelled"
+    assert pool.terminal("run")["finish_reason"] == pool.terminal("run too")["finish_reason"] == "cancelled"
     assert pool.terminal("queue")["code"] == "shutting_down"
     assert not any(pid_alive(p) for p in pids)
 

@@ -16,9 +16,11 @@ from ipc.worker_events import (
     Ready,
     WorkerStats,
     event_name,
+    holds,
     is_token,
     line_id,
     read_line,
+    token_block,
 )
 
 
@@ -70,3 +72,18 @@ def test_the_id_is_read_from_the_tail():
     assert line_id(encode_done(tok_s=0, ttft_ms=0, prompt_tokens=0, gen_tokens=0, total_ms=0)) is None
     block = encode_token("a", "1") + encode_token("b", "1")
     assert is_token(block) and not is_token(block + encode_cancelled_done("1"))
+
+
+def test_a_block_of_token_lines_is_counted():
+    block = encode_token("a", "1") + encode_token("b\n", '"x"') + encode_token("c")
+    assert token_block(block) == 3
+    assert token_block(block + encode_cancelled_done("1")) == 0
+    assert token_block(block + encode_event("heartbeat", busy=True)) == 0
+    assert token_block(encode_event("heartbeat", busy=True) + block) == 0
+
+
+def test_a_block_says_whose_lines_it_holds():
+    block = encode_token("a", "11") + encode_token("b", '"1"')
+    assert holds(block, b"11", 2) and holds(block, b'"1"', 2)
+    assert not holds(block, b"1", 2) and not holds(block, b'"11"', 2) and not holds(block, None, 2)
+    assert holds(block + encode_token("c"), None, 3)

@@ -6,16 +6,17 @@ token-level parser, the bitmask of allowed tokens. This module holds what is
 the pool's own: one tokenizer view per worker, a bounded cache of compiled
 grammars, the think-then-answer rule, and masks applied per row of a batch.
 
-How a decode step drives it (docs/structured-output.md has the whole seam):
+How the engine drives it (worker.scheduler, worker.generator;
+docs/structured-output.md has the whole step):
 
-    row = constraints.row(req.response_format, prompt_ids)   # before any token; ConstraintError -> bad_request
+    row = constraints.row(req.response_format, prompt_ids)   # at submit; ConstraintError -> bad_request
     ...
+    logits = model(y, cache)                                 # step t -> t+1, lazy
     row.advance(token)                                       # every token the row commits, forced ones too
-    if row.done: finish = "stop"                             # the grammar cannot go on
-    logits = model(...)                                      # step t+1
     pending = masks.fill_async(rows)                         # masks on a side thread...
-    mx.eval(logits)                                          # ...while the forward pass runs
+    mx.async_eval(logits)                                    # ...while the forward pass runs
     nxt = sampler(masks.apply(logits, pending.result()), y)  # logits untouched when no row is constrained
+    if row.done: finish = "stop"                             # the grammar cannot go on
 """
 
 from __future__ import annotations
@@ -105,10 +106,15 @@ class Constraints:
         return cls(codec.tokenizer.to_str(), vocab_size, codec.eos_ids, codec.think_start, codec.think_end)
 
     def prepare(self) -> llguidance.LLTokenizer:
+        """The tokenizer view; ConstraintError when llguidance cannot read
+        this tokenizer (then structured output is unavailable here)."""
         with self._lock:
             if self._tokenizer is None:
                 # EOS ids are the tokens the mask allows once the grammar accepts.
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                except ValueError as exc:
+                    raise ConstraintError(f"response_format is unavailable for this model's tokenizer: {exc}") from exc
             return self._tokenizer
 
     def compile(self, text: str) -> llguidance.LLMatcher:
@@ -179,7 +185,8 @@ class RowConstraint:
                 self.start_after = None
             return
         if not self.matcher.consume_token(token):
-            raise ConstraintViolation(f"token {token} breaks the response_format: {self.matcher.get_error()}")
+            # The first line says what broke; the rest is a dump of the parser and the grammar.
+            raise ConstraintViolation(f"token {token} breaks the response_format: {self.matcher.get_error().partition(chr(10))[0]}")
 
 
 class BatchMasks:
@@ -240,6 +247,13 @@ class BatchMasks:
 
     def __call__(self, logits: mx.array, rows: Sequence[RowConstraint | None]) -> mx.array:
         return self.apply(logits, self.fill(rows))
+
+    def warm_up(self, logits: mx.array, max_rows: int) -> None:
+        """Compiles the mask kernel for every batch size up to max_rows
+        (`logits`: one (1, V) row of the model's), so that a worker's first
+        constrained request pays no compilation."""
+        for rows in range(1, max_rows + 1):
+            mx.eval(self.apply(mx.repeat(logits, rows, axis=0), np.full((rows, self.words), -1, dtype=np.int32)))
 
 
 _shared: list[llguidance.LLExecutor] = []

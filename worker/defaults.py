@@ -1,9 +1,8 @@
 """The worker's tunable defaults, importable before MLX loads (the command
 line reads them first; worker/__main__.py says why MLX must come later)."""
 
-# Requests decoded together. Measured on a 2-core CPU: docs/performance.md,
-# "Continuous batching".
-MAX_BATCH = 8
+# Shared with the pool, which sends a worker at most max_batch requests.
+from ipc.messages import DEFAULT_MAX_BATCH as MAX_BATCH, MAX_WAITING  # noqa: F401
 
 # Prompt tokens a request reads per prefill chunk: running requests wait at
 # most one chunk per token. On a CPU prefill throughput is within 4% from 128
@@ -15,10 +14,6 @@ PREFILL_STEP_GPU = 512
 
 # Memory for reusable prompt state of earlier requests (worker.prefix_cache).
 PREFIX_CACHE_BYTES = 512 * 1024 * 1024
-
-# The bound of a worker's waiting line: a request beyond it is refused with
-# `overloaded` (the supervisor keeps its own queue and sends a few at a time).
-MAX_WAITING = 1024
 
 # LoRA adapters a worker keeps in memory; beyond them the least recently
 # used one that no request runs with is dropped (worker.lora.manager).

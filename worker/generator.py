@@ -22,9 +22,10 @@ in the model's stacked adapters (worker.lora.layers), routed before every
 forward, and `Row.adapter` the adapter's content key, which the prefix
 cache keys snapshots by.
 
-Seam for later work: a per-row logits constraint (a token mask) would be
-applied to the rows that have one between the model's logits and
-`BatchSampler`, and `force()` already replaces one row's pending token.
+Structured output: a row may carry a RowConstraint (worker.constrain). A
+decode step in which some row has one commits this step's tokens to the
+constraints and masks the logits before sampling, the masks filled while
+the forward pass runs; a step in which none has one runs the plain path.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.batch_cache import BatchCache, batchable
+from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.gated_delta import CHUNK
 from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
 from worker.sampling import BatchSampler, RowSampling
@@ -62,6 +64,8 @@ class Row:
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
     fresh: bool = True  # its decode input is still its last prompt token
+    constraint: RowConstraint | None = None  # its response_format, if any
+    broken: ConstraintViolation | None = None  # a committed token broke its constraint
 
 
 class BatchFailed(Exception):
@@ -79,7 +83,14 @@ Route = Callable[[list[int | None]], None]
 
 class TokenGenerator:
     def __init__(
-        self, model, vocab_size: int, prefix_cache: PrefixCache, prefill_step: int, chat_marker: int | None, route: Route = lambda slots: None
+        self,
+        model,
+        vocab_size: int,
+        prefix_cache: PrefixCache,
+        prefill_step: int,
+        chat_marker: int | None,
+        route: Route = lambda slots: None,
+        masks: BatchMasks | None = None,
     ):
         self.model = model
         # Tells the LoRA layers each row's adapter slot before a forward.
@@ -89,6 +100,8 @@ class TokenGenerator:
         self.chat_marker = chat_marker
         self.can_batch = batchable(make_prompt_cache(model))
         self.sampler = BatchSampler(vocab_size)
+        self.masks = masks
+        self.on_gpu = mx.default_device() == mx.gpu
         self.decoding: list[Row] = []
         self._cache: BatchCache | None = None
         self._next: mx.array | None = None  # (B,) the decode batch's next inputs
@@ -232,9 +245,41 @@ class TokenGenerator:
             self._forced.clear()
         self._route([row.slot for row in self.decoding])
         logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
-        self._next = self.sampler(logits, inputs)
+        if not any(row.constraint for row in self.decoding):
+            self._next = self.sampler(logits, inputs)
+            mx.async_eval(self._next)
+            return inputs.tolist()
+        # A mask depends on the token just committed, so the next tokens are
+        # drawn only after this step's are read; the masks are filled while
+        # the forward pass runs. On a GPU mx.async_eval returns at once; on
+        # mlx's CPU backend it returns only once most of the pass is computed
+        # (releasing the GIL meanwhile), so there the masks are started on
+        # their side thread before it.
+        if self.on_gpu:
+            mx.async_eval(logits)
+        tokens = inputs.tolist()
+        pending = self.masks.fill_async(self._commit(tokens))
+        if not self.on_gpu:
+            mx.async_eval(logits)
+        self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
-        return inputs.tolist()
+        return tokens
+
+    def _commit(self, tokens: list[int]) -> list[RowConstraint | None]:
+        """Advances each decode row's constraint by its token of this step
+        (a forced one included) and returns the constraints to mask the
+        next tokens with. A row whose token breaks its constraint is marked
+        `broken` and drawn unmasked; the caller ends it."""
+        out: list[RowConstraint | None] = []
+        for row, token in zip(self.decoding, tokens):
+            constraint = row.constraint
+            if constraint is not None and not row.fresh and row.broken is None:
+                try:
+                    constraint.advance(token)
+                except ConstraintViolation as exc:
+                    row.broken = exc
+            out.append(None if row.broken else constraint)
+        return out
 
     def _prefill_chunk(self) -> None:
         rows = self.prefilling

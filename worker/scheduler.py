@@ -16,11 +16,12 @@ adapter start only without an adapter, so the rows that pin the resident
 ones run out. Each row keeps the adapter version it started with.
 
 Every request ends with exactly one terminal line. A request the model cannot
-serve (no prompt, too long, a failing chat template) gets an error with its
-id before any token; an adapter that cannot be loaded ends the requests
-waiting for it with `adapter_error`; an exception while streaming one row
-ends that row alone; a failed batched step ends every active row with an error, and the
-worker goes on with the waiting ones.
+serve (no prompt, too long, a failing chat template, a response_format that
+does not compile) gets an error with its id before any token; an adapter
+that cannot be loaded ends the requests waiting for it with `adapter_error`;
+a constrained row whose grammar is complete ends `stop`; an exception while
+streaming one row ends that row alone; a failed batched step ends every
+active row with an error, and the worker goes on with the waiting ones.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import msgspec
 
-from ipc.events import ADAPTER_ERROR, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
+from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from worker import defaults
 from worker.batch_cache import row_bytes
+from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
@@ -55,6 +57,7 @@ class Waiting:
     ids: list[int]
     arrived: float
     adapter_clock: int  # its place among adapter messages
+    constraint: RowConstraint | None
 
 
 class Scheduler:
@@ -81,6 +84,10 @@ class Scheduler:
         self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
         self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
+        # The tokenizer view for llguidance is built on the first
+        # response_format (0.6-1.7 s and 88 MB for a 151k vocabulary).
+        self._constraints: Constraints | None = None
+        self.masks = BatchMasks(self.vocab_size, codec.eos_ids)
         if prefill_step is None:
             prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU
         self.prefill_step = prefill_step
@@ -110,7 +117,19 @@ class Scheduler:
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
         marker = self.codec.tokenizer.token_to_id("<|im_start|>")
-        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route)
+        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks)
+
+    def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
+        """The request's compiled response_format (RequestError when it
+        does not compile)."""
+        if req.response_format is None:
+            return None
+        if self._constraints is None:
+            self._constraints = Constraints.for_codec(self.codec, self.vocab_size)
+        try:
+            return self._constraints.row(req.response_format, ids)
+        except ConstraintError as exc:
+            raise RequestError(BAD_REQUEST, str(exc)) from exc
 
     # -- requests in --------------------------------------------------------
 
@@ -120,11 +139,12 @@ class Scheduler:
             return
         try:
             ids = self.prompts.ids(req)
+            constraint = self._constraint(req, ids)
         except RequestError as exc:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
             self._write(encode_error(exc.msg, exc.code, req.id_json))
             return
-        self.waiting.append(Waiting(req, ids, arrived, self.adapters.arrival()))
+        self.waiting.append(Waiting(req, ids, arrived, self.adapters.arrival(), constraint))
         self._stalled = False
 
     def adapter_message(self, msg: AdapterMessage) -> None:
@@ -253,7 +273,7 @@ class Scheduler:
         rows = []
         for w, version in start:
             params = SamplingParams.of(w.req)
-            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids))
+            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint)
             if version is not None:
                 row.adapter, row.slot = version.key, version.slot
                 self.adapters.acquire(version)
@@ -281,7 +301,11 @@ class Scheduler:
         for row, token in out:
             stream = self.streams[row]
             try:
+                if row.broken is not None:
+                    raise row.broken
                 reason = None if token is None else stream.feed(token)
+                if token is not None and row.constraint is not None and row.constraint.done:
+                    reason = "stop"  # the grammar is complete, max_tokens or not
                 if reason is not None:
                     ended.append((row, reason))
                 elif stream.must_close_think():
@@ -335,7 +359,8 @@ class Scheduler:
         through a generator of its own, so kernels compile before `ready`:
         a lone row, then a full batch of prompts of different lengths
         (padded prefill, mixed samplers) that shrinks one row per step, so
-        every batch size up to max_batch has run once."""
+        every batch size up to max_batch has run once; then the token mask
+        of structured output at each batch size."""
         generator = self._generator(PrefixCache(self.loaded.model, 0))
         default = SamplingParams.of(Generate(rid=0))
         greedy = replace(default, temperature=0.0)
@@ -362,4 +387,6 @@ class Scheduler:
         while rows:
             generator.step()
             generator.remove([rows.pop()])
+        self.adapters.route([slot])
+        self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
         mx.clear_cache()

@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-from ipc.events import encode_error, encode_event
+from ipc.events import BAD_REQUEST, encode_error, encode_event
 from ipc.framing import FrameTooLarge, decode_payload, read_payload
 from ipc.messages import Cancel, Generate, Shutdown, Stats
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
@@ -72,7 +72,7 @@ class WorkerServer:
             try:
                 payload = read_payload(self.request_fd)
             except FrameTooLarge as exc:
-                self.channel.write(encode_error(f"malformed frame: {exc}", "bad_request"))
+                self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
                 continue
             except OSError:
                 payload = None
@@ -84,7 +84,7 @@ class WorkerServer:
                 msg = decode_payload(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("malformed frame: %s", exc)
-                self.channel.write(encode_error(f"malformed frame: {exc}", "bad_request"))
+                self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
                 continue
             if isinstance(msg, Generate):
                 self._inbox.put((msg, time.perf_counter()))

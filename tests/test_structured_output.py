@@ -1,0 +1,244 @@
+"""Structured output (SPEC §11) through a real worker process: the batched
+engine masks each constrained row with its response_format and leaves the
+others alone.
+
+The demo model has random weights and writes no JSON when left alone; every
+reply below is valid only because of the mask.
+"""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from harness.worker import terminal, text_of
+from ipc.messages import Cancel, Generate
+from tests.conftest import shared_worker
+from tests.schemas import PET
+from tests.test_generator import LOGIT_TOLERANCE, ends_by_id, scheduler_for
+
+CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
+FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
+
+PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
+JSON_OBJECT = '{"type":"json_object"}'
+DATE = r"[A-Z][a-z]{1,6} (19|20)[0-9]{2}-(0[1-9]|1[0-2])"
+ARITHMETIC = r"""
+start: expr
+expr: term (OP term)~0..2
+term: NUMBER | "(" inner ")"
+inner: NUMBER (OP NUMBER)~1..2
+OP: "+" | "-" | "*"
+NUMBER: /[1-9][0-9]?/
+"""
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model):
+    yield from shared_worker(tiny_model, "--max-batch", "8")
+
+
+@pytest.fixture(scope="module")
+def grammar(tiny_model):
+    """The worker's own compiler in this process, to replay a reply."""
+    from worker.constrain import Constraints
+    from worker.text import TextCodec
+
+    codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
+    constraints = Constraints.for_codec(codec, json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"])
+
+    def accepts_prefix(response_format: str, text: str) -> bool:
+        """True when `text` is a prefix of a reply the format allows and
+        not a complete one (ConstraintViolation when it is no prefix)."""
+        row = constraints.row(response_format, [])
+        for token in codec.encode(text):
+            row.advance(token)
+        return not row.accepting
+
+    return accepts_prefix
+
+
+_rid = iter(range(1, 1_000_000))
+
+
+def request(**kw) -> Generate:
+    rid = next(_rid)
+    kw.setdefault("prompt", CHAT)
+    kw.setdefault("temperature", 1.0)  # the other settings: chat_metal's defaults
+    return Generate(rid=rid, id_json=str(rid), **kw)
+
+
+def seeded(n: int, response_format: str | None, **kw) -> list[Generate]:
+    return [request(seed=seed, response_format=response_format, **kw) for seed in range(n)]
+
+
+def test_json_schema_replies_validate_for_20_seeds(worker):
+    reqs = seeded(20, PET_FORMAT, max_tokens=160)
+    events = worker.send_together(reqs)
+    replies = [text_of(events[r.rid]) for r in reqs]
+    assert [terminal(events[r.rid])["finish_reason"] for r in reqs] == ["stop"] * 20
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), PET)
+    assert len(set(replies)) > 10, "seeded rows should differ"
+
+
+def test_constrained_and_free_rows_in_one_batch(worker, greedy_margins):
+    free = request(prompt=FREE, temperature=0.0, max_tokens=40)
+    alone = text_of(worker.send_together([free])[free.rid])
+    with pytest.raises(ValueError):
+        json.loads(alone)  # the premise: left alone, the model writes no JSON
+    again = request(prompt=FREE, temperature=0.0, max_tokens=40)
+    # One constrained row on the free row's prompt: it resumes from the
+    # prefix cache's snapshot of it, which a constraint never touches.
+    constrained = seeded(3, PET_FORMAT, max_tokens=160) + [request(prompt=FREE, seed=9, response_format=PET_FORMAT, max_tokens=160)]
+    events = worker.send_together(constrained[:2] + [again] + constrained[2:])
+    assert text_of(events[again.rid]) == alone
+    assert terminal(events[again.rid])["cached_tokens"] > 0 and terminal(events[constrained[-1].rid])["cached_tokens"] > 0
+    for r in constrained:
+        assert terminal(events[r.rid])["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text_of(events[r.rid])), PET)
+    # Text equality is safe on any CPU: batching moves logits by float
+    # noise, and every greedy choice of this prompt wins by far more.
+    assert min(greedy_margins([FREE], 40)) > 10 * LOGIT_TOLERANCE
+
+
+def test_json_object_replies_parse_and_cut_ones_are_prefixes(worker, grammar):
+    # Free-form keys and strings are unbounded and a random model rarely
+    # closes a string (about 1 reply in 20 within 120 tokens), so most
+    # json_object replies run into max_tokens: those, and schema replies
+    # cut at 12 tokens, must be a prefix the grammar accepts and say
+    # `length` (the client can tell).
+    objects = seeded(10, JSON_OBJECT, max_tokens=120)
+    cut = seeded(4, PET_FORMAT, max_tokens=12)
+    events = worker.send_together(objects + cut)
+    for r in objects + cut:
+        reply, done = text_of(events[r.rid]), terminal(events[r.rid])
+        if done["finish_reason"] == "stop":
+            assert r in objects and isinstance(json.loads(reply), dict)
+        else:
+            assert done["finish_reason"] == "length" and done["gen_tokens"] == r.max_tokens
+            assert reply.startswith("{") and grammar(r.response_format, reply), reply
+    assert all(text_of(events[r.rid]).startswith('{"name":"') for r in cut)
+
+
+def test_regex_and_lark_grammar_replies_match(worker):
+    dates = seeded(6, json.dumps({"type": "regex", "pattern": DATE}), max_tokens=40)
+    sums = seeded(6, json.dumps({"type": "grammar", "grammar": ARITHMETIC}), max_tokens=60)
+    # A reply that completes its grammar with its last allowed token is
+    # complete: `stop`, not `length`.
+    digits = seeded(2, json.dumps({"type": "regex", "pattern": "[0-9]"}), max_tokens=1)
+    events = worker.send_together(dates + sums + digits)
+    for r in dates + sums + digits:
+        assert terminal(events[r.rid])["finish_reason"] == "stop"
+    for r in dates:
+        assert re.fullmatch(DATE, text_of(events[r.rid]))
+    for r in sums:
+        reply = text_of(events[r.rid])
+        assert re.fullmatch(r"[0-9+\-*()]+", reply), reply
+        assert isinstance(eval(reply, {"__builtins__": {}}), int)  # only digits, operators and parentheses
+    for r in digits:
+        assert re.fullmatch("[0-9]", text_of(events[r.rid]))
+
+
+def test_think_then_json(worker, greedy_margins):
+    think = CHAT + "<think>\n"
+    reqs = seeded(3, PET_FORMAT, prompt=think, reasoning_budget=6, max_tokens=200)
+    greedy = request(prompt=think, temperature=0.0, reasoning_budget=6, response_format=PET_FORMAT, max_tokens=200)
+    free = request(prompt=think, temperature=0.0, reasoning_budget=6, max_tokens=20)
+    events = worker.send_together(reqs + [greedy, free])
+    for r in reqs + [greedy]:
+        assert terminal(events[r.rid])["finish_reason"] == "stop"
+        thinking, end, answer = text_of(events[r.rid]).partition("</think>")
+        assert end and not thinking.lstrip().startswith("{")
+        jsonschema.validate(json.loads(answer), PET)
+    # The thinking is free (only an end-of-sequence token is masked) and the
+    # budget closes it: greedy, it is the unconstrained row's thinking.
+    free_thinking, end, _ = text_of(events[free.rid]).partition("</think>")
+    assert end and text_of(events[greedy.rid]).startswith(free_thinking + "</think>")
+    assert min(greedy_margins([think], 5)) > 10 * LOGIT_TOLERANCE
+
+
+def test_cancel_mid_constraint(worker, grammar):
+    long, other = request(seed=1, response_format=JSON_OBJECT, max_tokens=2000), request(seed=2, response_format=PET_FORMAT, max_tokens=160)
+    worker.send(long)
+    seen = [worker.next_event() for _ in range(5)]
+    worker.send(other)
+    worker.send(Cancel(rid=long.rid))
+    events = worker.collect_by_id([long.rid, other.rid])
+    done = terminal(events[long.rid])
+    assert done["finish_reason"] == "cancelled" and done["gen_tokens"] < 2000
+    assert grammar(JSON_OBJECT, text_of(seen + events[long.rid]))
+    assert terminal(events[other.rid])["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text_of(events[other.rid])), PET)
+
+
+BAD_FORMATS = [
+    ({"type": "xml"}, "unknown response_format type 'xml'; expected one of json_object, json_schema, regex, grammar"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "missing required field `schema`"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}, "invalid JSON schema in response_format: Invalid type: objekt"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1}}}, "minimum (5) is greater than maximum (1)"),
+    ({"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"$ref": "#/$defs/gone"}}}}}, "'/$defs/gone' does not exist"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "[a-"}}}, "unclosed character class"),
+    ({"type": "regex", "pattern": "([a-z"}, "invalid regex in response_format"),
+    ({"type": "regex", "pattern": 7}, "invalid response_format field 'pattern': Expected `str`, got `int`"),
+    ({"type": "grammar", "grammar": "start: undefined_rule"}, 'unknown name: "undefined_rule"'),
+]
+
+
+def test_bad_formats_are_rejected_before_any_token(worker):
+    # Sent straight to the worker: the supervisor would refuse the malformed
+    # shapes itself; the worker's compiler must refuse all of them anyway.
+    bad = [request(response_format=json.dumps(fmt)) for fmt, _ in BAD_FORMATS]
+    good = request(seed=3, response_format=PET_FORMAT, max_tokens=160)
+    events = worker.send_together(bad[:4] + [good] + bad[4:])
+    for r, (_, message) in zip(bad, BAD_FORMATS):
+        [error] = events[r.rid]
+        assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
+    jsonschema.validate(json.loads(text_of(events[good.rid])), PET)
+
+
+def test_free_steps_never_touch_the_masks_and_a_broken_row_ends_alone(tiny_model):
+    """In-process, on the real engine: a step with no constrained row fills
+    no mask; a forced token the grammar rejects (sampling, being masked,
+    cannot) ends that row alone with an error."""
+    from worker.loader import load
+
+    s, lines = scheduler_for(load(tiny_model))
+    filled = []
+    fill_async = s.masks.fill_async
+    s.masks.fill_async = lambda rows: filled.append(rows) or fill_async(rows)
+    free = [request(temperature=0.0, max_tokens=8) for _ in range(2)]
+    for r in free:
+        s.submit(r, 0.0)
+    s.drain()
+    assert not filled
+    victim, kept = (request(seed=seed, response_format=PET_FORMAT, max_tokens=160) for seed in (1, 2))
+    bystander = request(temperature=0.0, max_tokens=8)
+    for r in (victim, kept, bystander):
+        s.submit(r, 0.0)
+    while len(s.generator.decoding) < 3:
+        s.step()
+    s.step()
+    s.generator.force(next(row for row in s.streams if row.rid == victim.rid), s.codec.encode("x")[0])
+    s.drain()
+    ends = ends_by_id(lines)
+    assert ends[victim.rid][0]["code"] == "worker_crashed"
+    assert """breaks the response_format: Parser Error: token "x" doesn't satisfy the grammar;""" in ends[victim.rid][0]["msg"]
+    assert ends[kept.rid][0]["finish_reason"] == "stop" and ends[bystander.rid][0]["gen_tokens"] == 8
+    assert filled and all(len(rows) <= 3 and any(r is None for r in rows) for rows in filled[:3])
+    assert all(len(v) == 1 for v in ends.values())
+
+
+def test_response_format_through_serve(tiny_model, spawn_pool):
+    pool = spawn_pool("--model-dir", str(tiny_model))
+    pool.send({"id": "pet", "prompt": CHAT, "temperature": 1.0, "seed": 4, "max_tokens": 160, "response_format": json.loads(PET_FORMAT)})
+    pool.send({"id": "shape", "prompt": CHAT, "response_format": {"type": "json_schema"}})
+    pool.send({"id": "schema", "prompt": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}})
+    assert pool.terminal("pet")["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(pool.text("pet")), PET)
+    for request_id, message in (("shape", "missing required field `json_schema`"), ("schema", "Invalid type: objekt")):
+        pool.terminal(request_id)
+        [error] = pool.of(request_id)
+        assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
+    assert pool.close() == 0
