@@ -92,8 +92,18 @@ class Chat:
     def served(self) -> int:
         return sum(row.served for row in query_status(self.socket).models)
 
+    def until(self, predicate, message: str) -> None:
+        """Waits for predicate() while reading the terminal, so that a reply
+        being written never fills it and blocks the chat."""
+
+        def check() -> bool:
+            self._read()
+            return predicate()
+
+        wait_for(check, 60, message=message)
+
     def wait_served(self, n: int) -> None:
-        wait_for(lambda: self.served() == n, 60, message=f"{n} requests served")
+        self.until(lambda: self.served() == n, f"{n} requests served")
 
     def close(self) -> int:
         deadline = time.monotonic() + 60
@@ -212,7 +222,7 @@ def test_chat_repl_on_a_terminal(tiny_model, start_chat):
     chat.wait("max_tokens set to 100000")
     chat.prompt()
     chat.line("Tell me everything")
-    wait_for(lambda: any(row.in_flight for row in query_status(chat.socket).models), 60, message="the reply to start")
+    chat.until(lambda: any(row.in_flight for row in query_status(chat.socket).models), "the reply to start")
     chat.send("\x03")
     chat.prompt()
     chat.wait_served(5)
