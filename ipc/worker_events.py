@@ -80,6 +80,7 @@ class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
     """The worker's measured memory and batch figures (docs/monitoring.md)."""
 
     format: str | None = None
+    processor: str | None = None  # cpu, metal or cuda
     weights_bytes: int = 0
     adapter_bytes: int = 0
     rss_bytes: int = 0

@@ -1,9 +1,11 @@
-"""`lattice-pool`: serve, run, chat, ps, demo-model."""
+"""`lattice-pool`: serve, run, chat, ps, list, pull, stop, unload, demo-model."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,17 @@ from pathlib import Path
 import msgspec
 
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
-from supervisor import ps, stderr
+from supervisor import local_models, ps, stderr
+from supervisor.chat import chat
 from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, validate
 from supervisor.control import socket_path
+from supervisor.control_client import ControlConnection, NoPool
 from supervisor.demo import DEMO_NAME, ensure_demo_model
 from supervisor.lifecycle import serve
 from supervisor.requests import BadRequest, parse_line
-from supervisor.resolve import Resolver, UnknownModel, expand
-from supervisor.terminal import chat, run_once
+from supervisor.resolve import Resolver, UnknownModel, expand, model_cache_dir
+from supervisor.terminal import run_once
 
 
 class UsageError(Exception):
@@ -39,7 +43,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
     p.add_argument("--max-batch", type=int, help="requests one worker decodes together; more wait in the pool (default 8)")
-    p.add_argument("--log-level", help="stderr log level: DEBUG, INFO (default), WARNING, ERROR")
+    p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
 
 
 def add_monitor_flags(p: argparse.ArgumentParser) -> None:
@@ -70,6 +74,9 @@ def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora:
     """Makes the model named on the command line the default (and preloaded) one."""
     if model_dir is not None:
         path, name = expand(str(model_dir)), model_dir.name
+        if not path.is_dir():
+            # Said once, at start, rather than by a worker that cannot start.
+            raise UsageError(f"--model-dir {model_dir}: {'not a directory' if path.exists() else 'no such directory'}")
     elif ref is not None:
         if ref in {m.name for m in config.models}:
             config.default_model = ref
@@ -161,17 +168,86 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return asyncio.run(chat(config, args))
 
 
-def cmd_ps(args: argparse.Namespace) -> int:
-    config = base_config(args)
-    path = socket_path(config)
+def control_path(args: argparse.Namespace) -> Path:
+    """The socket `serve` would open with the same --config and flag."""
+    path = socket_path(base_config(args))
     if path is None:
         raise UsageError("the control socket is switched off; give --control-socket PATH")
+    return path
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    path = control_path(args)
     try:
         status = ps.query_status(path)
-    except ps.NoPool as exc:
+    except NoPool as exc:
         print(f"lattice-pool ps: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write(ps.as_json(status) if args.json else ps.table(status))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """The `shutdown` op; returns once the pool has closed the connection,
+    which it does as it exits (after its grace period)."""
+    path = control_path(args)
+    try:
+        with ControlConnection(path, args.timeout) as conn:
+            conn.send({"op": "shutdown"})
+            for event, _ in conn.events():
+                if event.get("ev") == "error":
+                    raise NoPool(f"the pool refused: {event.get('msg')}")
+    except NoPool as exc:
+        print(f"lattice-pool stop: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    path = control_path(args)
+    op = {"op": "unload", "model": args.name, **({"lora": args.lora} if args.lora else {})}
+    try:
+        with ControlConnection(path, args.timeout) as conn:
+            conn.send(op)
+            for event, _ in conn.events():
+                if event.get("ev") == "error":
+                    raise NoPool(event.get("msg"))
+                if event.get("ev") == "unloaded" and event.get("model") == args.name:
+                    if event.get("reason") == "not loaded":
+                        raise NoPool(f"{args.name} is not loaded")
+                    return 0
+            raise NoPool(f"the pool at {path} closed the connection")
+    except NoPool as exc:
+        print(f"lattice-pool unload: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    config = base_config(args)
+    cache = model_cache_dir(config)
+    configured = (local_models.dir_model(m.name, expand(m.path)) for m in config.models)
+    found = [m for m in configured if m is not None] + local_models.cache_models(cache) + local_models.hub_models()
+    if args.json:
+        print(json.dumps([{"name": m.name, "format": m.format, "size_bytes": m.size, "path": str(m.where)} for m in found], indent=2))
+        return 0
+    rows = [("NAME", "FORMAT", "SIZE", "WHERE")] + [(m.name, m.format, ps.human_bytes(m.size), local_models.short_path(m.where)) for m in found]
+    sys.stdout.write(ps.columns(rows))
+    if not found:
+        hub = local_models.hub_cache_dir()
+        print(f"no models in {cache} or the Hugging Face cache ({hub}); `lattice-pool pull ORG/NAME` downloads one", file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    try:
+        path = local_models.pull(args.repo, args.revision)
+    except local_models.PullError as exc:
+        print(f"lattice-pool pull: cannot download {args.repo}: {exc}", file=sys.stderr)
+        return 1
+    if not local_models.is_model_dir(path):
+        print(f"lattice-pool pull: {args.repo} has no config.json with model*.safetensors: not a model lattice-pool can run (look for an MLX conversion)", file=sys.stderr)
+        return 1
+    print(f"{args.repo} ({local_models.model_format(path)}) is in {local_models.short_path(path)}; chat with it: lattice-pool chat --model {args.repo}")
     return 0
 
 
@@ -184,7 +260,7 @@ def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="configured name, dir name under the model cache, or path (default: the demo model)")
+    p.add_argument("--model", help="configured name, dir name under the model cache, Hugging Face id in its cache (ORG/NAME), or path (default: the demo model)")
     p.add_argument("--model-dir", type=Path, help="model directory (chat_metal's flag)")
     p.add_argument("--lora", help="LoRA adapter file or directory")
     p.add_argument("--tokenizer-dir", type=Path, help="directory holding tokenizer.json (default: the model dir)")
@@ -201,8 +277,21 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("lattice-pool")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def add_socket_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="read control_socket from this config file, as serve does")
+    p.add_argument("--control-socket", help="the pool's control socket (default: as serve's; see docs/monitoring.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lattice-pool", description="A pool of warm MLX model workers behind one stdin endpoint.")
+    parser.add_argument("--version", action="version", version=f"lattice-pool {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="the stdin endpoint: NDJSON requests in, @@lattice events out")
@@ -221,27 +310,57 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print @@lattice event lines instead of text")
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
     run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema)")
+    run.add_argument("--verbose", action="store_true", help="show the pool's and the worker's logs (--log-level INFO)")
     run.set_defaults(func=cmd_run)
 
-    chat = sub.add_parser("chat", help="interactive chat that streams tokens and keeps the history")
+    chat = sub.add_parser("chat", help="interactive chat (a REPL: /help lists its commands)")
     add_pool_flags(chat)
+    add_monitor_flags(chat)
     add_model_flags(chat)
+    add_sampling_flags(chat)
     chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-tokens", type=int)
-    chat.add_argument("--temperature", type=float)
-    chat.add_argument("--seed", type=int)
-    chat.add_argument("--verbose", action="store_true", help="print a stats line after each reply")
+    chat.add_argument("--verbose", action="store_true", help="show logs (--log-level INFO) and a stats line after each reply")
     chat.set_defaults(func=cmd_chat)
 
-    ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, pid, uptime, requests")
-    ps_cmd.add_argument("--config", type=Path, help="read control_socket from this config file")
-    ps_cmd.add_argument("--control-socket", help="the pool's control socket (default: see docs/monitoring.md)")
+    ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, processor, pid, uptime, keep_alive, requests")
+    add_socket_flags(ps_cmd)
     ps_cmd.add_argument("--json", action="store_true", help="print the status event as JSON")
     ps_cmd.set_defaults(func=cmd_ps)
+
+    list_cmd = sub.add_parser("list", help="models on this machine: the model cache and the Hugging Face cache")
+    list_cmd.add_argument("--config", type=Path, help="also list the models this config file names")
+    list_cmd.add_argument("--model-cache", help="directory of model dirs (default $LATTICE_MODEL_CACHE or ~/.lattice/models)")
+    list_cmd.add_argument("--json", action="store_true", help="print JSON")
+    list_cmd.set_defaults(func=cmd_list)
+
+    pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, e.g. mlx-community/Qwen3-0.6B-4bit")
+    pull.add_argument("repo", metavar="ORG/NAME")
+    pull.add_argument("--revision", help="branch, tag or commit (default main)")
+    pull.set_defaults(func=cmd_pull)
+
+    stop = sub.add_parser("stop", help="stop the running pool (the shutdown op over its control socket)")
+    add_socket_flags(stop)
+    stop.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the pool to exit (default %(default)s)")
+    stop.set_defaults(func=cmd_stop)
+
+    unload = sub.add_parser("unload", help="unload a model of the running pool (the unload op over its control socket)")
+    unload.add_argument("name", metavar="NAME", help="the model's name, as `lattice-pool ps` shows it")
+    unload.add_argument("--lora", help="the adapter of the worker to unload, as `ps` shows it")
+    add_socket_flags(unload)
+    unload.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the worker to stop (default %(default)s)")
+    unload.set_defaults(func=cmd_unload)
 
     demo = sub.add_parser("demo-model", help="write a tiny real-architecture Qwen3.5 demo model", add_help=False)
     demo.set_defaults(func=cmd_demo_model, passthrough=True)
     return parser
+
+
+def log_level(args: argparse.Namespace) -> tuple[str | None, str, bool]:
+    """(the level asked for, the command's default, a terminal front end?):
+    a person at `run` or `chat` sees no INFO lines unless --verbose."""
+    terminal = args.command in ("run", "chat") and not getattr(args, "serve", False)
+    asked = getattr(args, "log_level", None) or ("INFO" if getattr(args, "verbose", False) else None)
+    return asked, "WARNING" if terminal else "INFO", terminal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    stderr.setup(getattr(args, "log_level", None))
+    asked, default, terminal = log_level(args)
+    try:
+        stderr.setup(asked, default, terminal=terminal)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         return args.func(args)
     except (ConfigError, UsageError) as exc:

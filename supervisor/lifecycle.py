@@ -144,11 +144,20 @@ async def serve(config: Config, *, eof_grace: float | None, settle_first: bool =
         grace = 0
     log.info("shutting down (%s); grace %s", why, "unlimited" if grace is None else f"{grace:g}s")
     stopping.set()
+    # Answers nobody can read are not worth waiting for: stdout gone during
+    # the grace period (Ctrl-C on `serve | grep x`) ends it at once.
+    hurry_when_gone = asyncio.ensure_future(_set_when(output.closed, pool.hurry))
     await pool.shutdown(grace)
+    hurry_when_gone.cancel()
     for task in waits:
         task.cancel()
     await running.close()
     return rc
+
+
+async def _set_when(cause: asyncio.Event, effect: asyncio.Event) -> None:
+    await cause.wait()
+    effect.set()
 
 
 async def _serve_after(pool: Pool, slots: list[WorkerSlot]) -> None:

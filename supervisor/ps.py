@@ -4,67 +4,32 @@ its control socket with a `status` op (so every figure is measured now)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import stat
 from pathlib import Path
 
 import msgspec
 
-from ipc.events import PREFIX
-from ipc.worker_events import event_body, parse_event
+from supervisor.control_client import ControlConnection, NoPool
+from supervisor.local_models import short_path
 from supervisor.status import Status, StatusRow, read_status
 
-COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PID", "UPTIME", "REQUESTS")
+COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PROCESSOR", "PID", "UPTIME", "UNTIL", "REQUESTS")
 # status_fields may wait 2 s for each worker's stats reply, in parallel.
 TIMEOUT = 15.0
+# The worker's `processor` as `ollama ps` names it.
+PROCESSORS = {"cpu": "CPU", "metal": "Metal", "cuda": "GPU"}
 
-
-class NoPool(Exception):
-    """The pool cannot be asked; the message says why, for a person."""
+__all__ = ["NoPool", "query_status", "table", "as_json"]
 
 
 def query_status(path: Path, timeout: float = TIMEOUT) -> Status:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(path))
-        except FileNotFoundError:
-            raise NoPool(f"no lattice-pool is running (no control socket at {path})") from None
-        except ConnectionRefusedError:
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                raise NoPool(f"{path} is not a socket") from None
-            raise NoPool(f"no lattice-pool is running ({path} was left by a pool that has ended)") from None
-        except PermissionError:
-            raise NoPool(f"cannot connect to {path}: permission denied (a pool of another user?)") from None
-        except OSError as exc:
-            raise NoPool(f"cannot connect to {path}: {exc.strerror or exc}") from None
-        sock.sendall(b'{"op":"status"}\n')
-        sock.shutdown(socket.SHUT_WR)
-        return _read_status(sock, path)
-    except socket.timeout:
-        raise NoPool(f"the pool at {path} did not answer within {timeout:g}s") from None
-    finally:
-        sock.close()
-
-
-def _read_status(sock: socket.socket, path: Path) -> Status:
-    buf = b""
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise NoPool(f"the pool at {path} closed the connection without a status reply")
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if not line.startswith(PREFIX):
-                continue
-            event = parse_event(line)
+    with ControlConnection(path, timeout) as conn:
+        conn.send({"op": "status"}, last=True)
+        for event, body in conn.events():
             if event.get("ev") == "status":
-                return read_status(event_body(line))
+                return read_status(body)
             if event.get("ev") == "error":
                 raise NoPool(f"the pool refused the status op: {event.get('msg')}")
+    raise NoPool(f"the pool at {path} closed the connection without a status reply")
 
 
 def human_bytes(n: int) -> str:
@@ -92,11 +57,24 @@ def human_duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def until(row: StatusRow) -> str:
+    """When keep_alive unloads it, as `ollama ps` says it."""
+    if row.state == "stopping":
+        return "Stopping..."
+    if row.expires_in_s is None:
+        return "Forever"
+    s = int(row.expires_in_s)
+    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):
+        if s >= size:
+            break
+    else:
+        size, unit = 1, "second"
+    n = s // size
+    return f"{n} {unit}{'' if n == 1 else 's'} from now"
+
+
 def _adapter(lora: str | None) -> str:
-    if not lora:
-        return "-"
-    home = str(Path.home())
-    return "~" + lora[len(home) :] if lora.startswith(home + "/") else lora
+    return short_path(Path(lora)) if lora else "-"
 
 
 def _requests(row: StatusRow) -> str:
@@ -122,8 +100,10 @@ def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
         row.format or "-",
         row.state,
         memory,
+        PROCESSORS.get(row.processor or "", row.processor or "-") if running else "-",
         str(row.pid) if running else "-",
         human_duration(row.uptime_s) if running else "-",
+        until(row),
         _requests(row),
     )
 
@@ -136,10 +116,14 @@ def by_worker(models: list[StatusRow]) -> list[list[StatusRow]]:
     return sorted(groups.values(), key=lambda g: (g[0].model, g[0].lora or ""))
 
 
-def table(status: Status) -> str:
-    rows = [COLUMNS] + [cells(r, under=i > 0) for group in by_worker(status.models) for i, r in enumerate(group)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+def columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows (a header first) as aligned columns, as `ollama ps` prints them."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+
+
+def table(status: Status) -> str:
+    return columns([COLUMNS] + [cells(r, under=i > 0) for group in by_worker(status.models) for i, r in enumerate(group)])
 
 
 def as_json(status: Status) -> str:

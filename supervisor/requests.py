@@ -8,7 +8,9 @@ never reach a worker.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
 import re
 from typing import Annotated, Any
 
@@ -17,6 +19,8 @@ from msgspec import Meta
 
 from ipc.events import json_str
 from ipc.messages import Message, decode_response_format, utf8_len
+
+log = logging.getLogger("lattice.requests")
 
 OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown"})
 
@@ -27,8 +31,10 @@ StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
 
 class ClientLine(msgspec.Struct, dict=True):
-    """Every field a client line may carry; unknown fields are ignored so that
-    newer clients keep working with this pool."""
+    """Every field a client line may carry (SPEC §3: chat_metal's fields, the
+    routing ones, `lora`, `response_format`). Unknown fields are ignored, so
+    newer clients keep working with this pool, and warned about once per
+    name on stderr, so a misspelt one (`max_tokns`) does not go unnoticed."""
 
     op: str | None = None
     id: str | int | float | None = None
@@ -67,7 +73,20 @@ class BadRequest(Exception):
         self.id_json = id_json
 
 
+class _StrictLine(ClientLine, forbid_unknown_fields=True):
+    """A ClientLine that refuses unknown fields: how a line carrying one is
+    noticed at no cost to the others (it is then decoded as a ClientLine)."""
+
+
+KNOWN_FIELDS = frozenset(ClientLine.__struct_fields__)
+# Field names warned about; past this many, no more (a client sending a new
+# name on every line must not grow our memory or flood stderr).
+MAX_WARNED_FIELDS = 256
+_warned_fields: set[str] = set()
+
 _decoder = msgspec.json.Decoder(ClientLine)
+_strict = msgspec.json.Decoder(_StrictLine)
+_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _probe = msgspec.json.Decoder(_IdProbe)
 _float_encoder = msgspec.json.Encoder()
 
@@ -144,10 +163,38 @@ def _friendly(exc: msgspec.ValidationError) -> str:
     return text
 
 
+def _decode(line: bytes) -> ClientLine:
+    try:
+        return _strict.decode(line)
+    except msgspec.ValidationError as exc:
+        # Only a top-level unknown field (messages' entries are not strict).
+        if not str(exc).startswith("Object contains unknown field") or " - at `$" in str(exc):
+            raise
+    _warn_unknown_fields(line)
+    return _decoder.decode(line)
+
+
+def _warn_unknown_fields(line: bytes) -> None:
+    try:
+        names = _keys.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return
+    for name in names:
+        if name in KNOWN_FIELDS or name in _warned_fields or len(_warned_fields) >= MAX_WARNED_FIELDS:
+            continue
+        _warned_fields.add(name)
+        close = difflib.get_close_matches(name, KNOWN_FIELDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        log.warning(
+            "request field %s is unknown and ignored%s (known: %s; said once per field name)",
+            repr(name)[:100], hint, ", ".join(sorted(KNOWN_FIELDS)),
+        )
+
+
 def parse_line(line: bytes) -> ClientLine:
     """Raises BadRequest (with the id when readable) for anything invalid."""
     try:
-        msg = _decoder.decode(line)
+        msg = _decode(line)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"malformed request: {_friendly(exc)}", _probe_id(line)) from exc
     except msgspec.DecodeError as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
 from supervisor.config import Config, ModelEntry, parse_duration
+from supervisor.local_models import hub_snapshot, is_hub_id
 
 
 class UnknownModel(Exception):
@@ -56,6 +57,10 @@ class Resolver:
         # stays the same one when a path on disk later breaks (a symlink
         # turned into a loop), and goes on with what it has loaded.
         self._configured: dict[str, ModelSpec] = {}
+        # Hub ids found in the HF cache, by id: each request for one costs
+        # no look-up, and it keeps its snapshot (and worker) when a later
+        # `pull` moves refs/main. Bounded by what the cache holds.
+        self._hub: dict[str, Path] = {}
 
     def _from_entry(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
         if lora is not None:
@@ -86,7 +91,8 @@ class Resolver:
         return None
 
     def resolve(self, ref: str | None, lora: str | None = None) -> ModelSpec:
-        """A configured name, a directory under the model cache, or a path."""
+        """A configured name, a directory under the model cache, a Hugging
+        Face id in the local HF cache, or a path."""
         try:
             return self._resolve(ref, lora)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -110,8 +116,20 @@ class Resolver:
             cached = self.cache / ref
             if cached.is_dir():
                 return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+        snapshot = self._hub_snapshot(ref)
+        if snapshot is not None:
+            return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         candidate = expand(ref)
         if ("/" in ref or ref.startswith("~")) and candidate.is_dir():
             return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         known = ", ".join(sorted(self.by_name)) or "none configured"
-        raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}, not a model path")
+        hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
+        raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}{hub}, not a model path")
+
+    def _hub_snapshot(self, ref: str) -> Path | None:
+        path = self._hub.get(ref)
+        if path is None and is_hub_id(ref):
+            path = hub_snapshot(ref)
+            if path is not None:
+                path = self._hub[ref] = path.resolve()
+        return path

@@ -151,6 +151,7 @@ class WorkerSlot:
         self._stopped = asyncio.Event()
         self._retired = False  # stopped for good: a slot is never reused
         self.settled = asyncio.Event()  # set once the first start ended: ready or failed
+        self.failure: str | None = None  # why it failed, for requests that come later
 
     # -- identity and state --------------------------------------------------
 
@@ -251,7 +252,7 @@ class WorkerSlot:
 
     def submit(self, job: Job) -> None:
         if self.state == State.FAILED:
-            self.end_with_error(job, MODEL_FAILED, f"model {job.spec.name!r} has failed; send a load op to retry")
+            self.end_with_error(job, MODEL_FAILED, f"model {job.spec.name!r} has failed and waits for a load op to retry: {self.failure}")
             return
         self.queue.append(job)
         self.touch()
@@ -675,6 +676,7 @@ class WorkerSlot:
             self.events.spawn(self.start("restart after crash"))
 
     def _give_up(self, reason: str, code: str) -> None:
+        self.failure = reason
         self.sm.to(State.FAILED, reason)
         self.settled.set()
         self._emit("failed", reason=reason)

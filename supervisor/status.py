@@ -11,6 +11,8 @@ worker's figures repeat in the row of each of its names, except
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import psutil
 
@@ -51,6 +53,11 @@ class StatusRow(msgspec.Struct):
     # the rows of all its names, and the adapters it may keep in memory.
     worker: int = 0
     max_adapters: int = 0
+    processor: str | None = None  # cpu, metal or cuda, as the worker reports
+    # Seconds until keep_alive unloads the worker (the full keep_alive while
+    # requests run or wait: the countdown starts when it goes idle); null
+    # when it is never unloaded for idling.
+    expires_in_s: float | None = None
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -83,7 +90,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
     if pid is None:
         # Figures a dead or never-started worker reported earlier describe
         # memory that is no longer in use.
-        s = WorkerStats(format=s.format)
+        s = WorkerStats(format=s.format, processor=s.processor)
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
     queued, in_flight = slot.waiting(name.spec)
@@ -112,7 +119,18 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         rows_cache_bytes=s.rows_cache_bytes,
         worker=slot.number,
         max_adapters=s.max_adapters or slot.spec.max_adapters,
+        processor=s.processor,
+        expires_in_s=expires_in(slot),
     )
+
+
+def expires_in(slot: WorkerSlot) -> float | None:
+    keep = slot.spec.keep_alive
+    if keep is None:
+        return None
+    if not slot.idle:
+        return keep
+    return round(max(0.0, keep - (time.monotonic() - slot.last_used)), 1)
 
 
 def status(rows: list[StatusRow], requests: dict[str, SurfaceRequests]) -> Status:

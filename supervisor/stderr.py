@@ -7,12 +7,14 @@ pool; past the bound, lines are dropped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import re
 import threading
 import time
+from typing import Callable
 
 _MAX_QUEUED = 10_000
 # Worker stderr arrives in chunks of up to 256 KiB, so the count alone would
@@ -27,6 +29,12 @@ class _StderrSink:
         self._lock = threading.Lock()
         self._queued_bytes = 0
         self.dropped = 0
+        # Where the lines go: fd 2 itself, or a terminal front end that keeps
+        # them off its progress bar, its prompt and a half-written reply.
+        self.writer: Callable[[bytes], None] = self._write
+        # Workers' stderr too: off in run and chat unless verbose (their last
+        # message reaches the person anyway, quoted by the failed line).
+        self.relay_workers = True
         threading.Thread(target=self._drain, name="stderr", daemon=True).start()
 
     def put(self, data: bytes) -> None:
@@ -50,13 +58,16 @@ class _StderrSink:
             if dropped:
                 data = f"[lattice-pool: {dropped} stderr writes dropped]\n".encode() + data
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view) :]
-            except OSError:
+                self.writer(data)
+            except Exception:
                 pass
             finally:
                 self._queue.task_done()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def flush(self, timeout: float = 2.0) -> None:
         """Waits (bounded) until queued lines are written: used at exit."""
@@ -83,7 +94,24 @@ class _Handler(logging.Handler):
             self.handleError(record)
 
 
-def setup(level: str | None = None) -> None:
+LEVEL_VAR = "LATTICE_LOG_LEVEL"
+# Loggers of what a worker slot goes through (start, crash, state): in run
+# and chat the person sees those happenings once, as the pool's events.
+SLOT_LOGGERS = ("lattice.worker", "lattice.state", "lattice.process")
+
+
+def setup(level: str | None = None, default: str = "INFO", *, terminal: bool = False) -> str:
+    """Log records of at least `level` (else $LATTICE_LOG_LEVEL, else
+    `default`) go to stderr, for the pool and, through the environment they
+    inherit, its workers. terminal: a person's terminal (`run`, `chat`)
+    below INFO: workers' stderr and the slots' records stay off it.
+    Returns the level."""
+    level = (level or os.environ.get(LEVEL_VAR) or default).upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    # Workers read it at start (worker/__main__.py): the level reaches them
+    # before any line they write.
+    os.environ[LEVEL_VAR] = level
     handler = _Handler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s lattice-pool: %(message)s"))
     # asyncio's own reports too: through the bounded sink, never a blocking
@@ -92,11 +120,31 @@ def setup(level: str | None = None) -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False
-    logging.getLogger("lattice").setLevel((level or os.environ.get("LATTICE_LOG_LEVEL", "INFO")).upper())
+    logging.getLogger("lattice").setLevel(level)
+    quiet = terminal and logging.getLevelName(level) > logging.INFO
+    for name in SLOT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1 if quiet else logging.NOTSET)
+    sink().relay_workers = not quiet
+    return level
+
+
+@contextlib.contextmanager
+def routed(writer: Callable[[bytes], None]):
+    """Meanwhile, log records and relayed stderr go to `writer` (called from
+    the stderr thread) instead of fd 2."""
+    out = sink()
+    out.writer = writer
+    try:
+        yield
+    finally:
+        out.flush()
+        out.writer = out._write
 
 
 def relay_worker_stderr(data: bytes) -> None:
-    sink().put(data)
+    out = sink()
+    if out.relay_workers:
+        out.put(data)
 
 
 # Lines that begin a message on a worker's stderr: a log record, a traceback,

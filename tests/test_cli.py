@@ -48,6 +48,8 @@ def test_run_plain_text_matches_json_and_prints_stats(tiny_model, models_dir):
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.decode() == text + "\n"
     assert re.search(rb"\[\d+ prompt tokens, 15 generated in \d+ ms, [\d.]+ tok/s", plain.stderr)
+    # Quiet by default: progress and stats, no log records.
+    assert b"INFO" not in plain.stderr and b"tiny ready" in plain.stderr
 
 
 def test_run_json_serve_is_chat_metal_compatible(tiny_model):
@@ -70,11 +72,14 @@ def test_run_json_serve_is_chat_metal_compatible(tiny_model):
 
 
 def test_chat_keeps_the_history(tiny_model):
-    out = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "6", "--seed", "1", "--verbose", input=b"Hello there\nAnd again\n/bye\n")
+    # Not a terminal: one message per line, for scripts; /commands still the REPL's.
+    script = b"Hello there\n/help\n/set temperature 0.3\nAnd again\n/bye\nnever read\n"
+    out = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "6", "--seed", "1", "--verbose", "--no-control-socket", input=script)
     assert out.returncode == 0, out.stderr
     prompts = [int(n) for n in re.findall(rb"\[(\d+) prompt tokens", out.stderr)]
     assert len(prompts) == 2 and prompts[1] > prompts[0] + 6
     assert out.stdout.count(b"\n") >= 2
+    assert b"temperature set to 0.3" in out.stderr and b"/unload" in out.stderr
 
 
 def test_usage_errors_exit_2(tiny_model):
@@ -83,6 +88,38 @@ def test_usage_errors_exit_2(tiny_model):
     assert bad.returncode == 2 and b"temperature" in bad.stderr
     unknown = cli("run", "--model", "no-such-model", "--prompt", "x", env={"LATTICE_MODEL_CACHE": "/nonexistent"})
     assert unknown.returncode == 2 and b"unknown model" in unknown.stderr
+
+
+def test_run_and_chat_honour_the_log_level(tiny_model):
+    args = ("run", "--model-dir", str(tiny_model), "--prompt", CHAT, "--max-tokens", "3")
+    quiet = cli(*args, "--log-level", "ERROR")
+    assert quiet.returncode == 0, quiet.stderr
+    assert not re.search(rb"INFO|WARNING", quiet.stderr), quiet.stderr
+    # --verbose brings back the pool's records and the worker's: the level
+    # reaches the worker process.
+    loud = cli(*args, "--verbose")
+    assert loud.returncode == 0, loud.stderr
+    assert re.search(rb"INFO lattice-pool: model=tiny pid=\d+ state loading -> ready", loud.stderr)
+    assert re.search(rb"INFO worker model=tiny pid=\d+: ready: format=bf16", loud.stderr)
+    chat = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "3", "--no-control-socket", input=b"Hi\n")
+    assert chat.returncode == 0 and b"INFO" not in chat.stderr, chat.stderr
+
+
+def test_a_missing_model_dir_is_one_line_at_start(tmp_path):
+    for command in (("run", "--prompt", "x"), ("serve",), ("chat",)):
+        out = cli(*command, "--model-dir", "/nope", input=b"")
+        assert out.returncode == 2, (command, out.stderr)
+        assert out.stderr == b"lattice-pool: error: --model-dir /nope: no such directory\n", (command, out.stderr)
+    # A directory the worker cannot load: its cause, said once.
+    (tmp_path / "empty").mkdir()
+    out = cli("run", "--model-dir", str(tmp_path / "empty"), "--prompt", "x")
+    assert out.returncode == 1
+    assert out.stderr.decode().splitlines() == [f"error (load_failed): model 'empty' failed: bad model dir: {tmp_path / 'empty'} has no config.json"]
+
+
+def test_version():
+    out = cli("--version")
+    assert out.returncode == 0 and re.fullmatch(rb"lattice-pool \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
 
 
 def test_run_json_schema_constrains_text_and_json_output(tiny_model, tmp_path):

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.procs import ROOT, child_env, pid_alive, wait_for
+from supervisor.screen import Screen
 from supervisor.terminal import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
 from tests.test_cli import cli
@@ -217,6 +218,15 @@ def ps_table(stdout: bytes) -> dict:
     return {row["NAME"]: row for row in table}
 
 
+def processor_shown() -> str:
+    """What `ps` says computes here, from MLX in this process."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "CPU"
+    return "Metal" if mx.metal.is_available() else "GPU"
+
+
 def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
     path = tmp_path / "ctl.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -248,12 +258,15 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
 
         table = cli("ps", "--control-socket", str(path))
         assert table.returncode == 0, table.stderr
-        assert table.stdout.split(b"\n", 1)[0].split() == [b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PID", b"UPTIME", b"REQUESTS"]
+        assert table.stdout.split(b"\n", 1)[0].split() == [
+            b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PROCESSOR", b"PID", b"UPTIME", b"UNTIL", b"REQUESTS"
+        ]
         shown = ps_table(table.stdout)
         assert set(shown) == {"a", "b"}
         assert shown["a"]["ADAPTER"] == "-" and shown["b"]["ADAPTER"] == str(lora)
         for m in ("a", "b"):
             assert shown[m]["FORMAT"] == "bf16" and shown[m]["STATE"] == "ready" and shown[m]["REQUESTS"] == "0"
+            assert shown[m]["PROCESSOR"] == processor_shown() and shown[m]["UNTIL"] == "Forever"
             assert shown[m]["PID"] == str(rows[m]["pid"]) and re.fullmatch(r"[\d.]+ MB", shown[m]["MEMORY"])
 
         as_json = cli("ps", "--json", "--control-socket", str(path))
@@ -335,7 +348,8 @@ class _Terminal(io.StringIO):
 
 def test_progress_bar_on_a_terminal():
     stream = _Terminal()
-    progress = LoadProgress(stream)
+    screen = Screen(out=_Terminal(), err=stream)
+    progress = LoadProgress(screen)
     progress.update({"ev": "loading", "model": "m", "lora": None})  # the supervisor's: no byte counts
     for done in (500, 1500, 2000):
         progress.update({"ev": "loading", "model": "m", "bytes_loaded": done, "bytes_total": 2000})
@@ -344,3 +358,66 @@ def test_progress_bar_on_a_terminal():
     assert [re.search(r"(\d+)% of", f).group(1) for f in frames[:3]] == ["25", "75", "100"]
     assert [f.count("#") for f in frames[:3]] == [7, 22, 30]
     assert frames[3] == "\033[Km ready (q4, loaded in 1.5s)\n"
+
+
+def test_a_log_record_never_lands_on_the_progress_bar():
+    stream = _Terminal()
+    screen = Screen(out=_Terminal(), err=stream)
+    screen.bar("loading m [###...] 10% of 4.2 MB")
+    screen.log(b"2026-12-03 02:18:57,680 INFO worker model=m: hello\n")
+    # Cleared, written on a line of its own, the bar drawn again below it.
+    assert stream.getvalue() == "\rloading m [###...] 10% of 4.2 MB\r\033[K2026-12-03 02:18:57,680 INFO worker model=m: hello\n\rloading m [###...] 10% of 4.2 MB"
+    # Half a reply on the same terminal: the record waits for its newline.
+    screen.end_bar()
+    before = stream.getvalue()
+    screen.reply("half a rep")
+    screen.log(b"2026-12-03 02:18:58,000 INFO lattice-pool: later\n")
+    assert stream.getvalue() == before
+    screen.reply("ly\n")
+    assert stream.getvalue() == before + "2026-12-03 02:18:58,000 INFO lattice-pool: later\n"
+
+
+def test_ps_stop_and_unload_reach_a_chat_through_its_config_socket(tiny_model, tmp_path):
+    """`chat` opens the control socket as `serve` does; ps, unload and stop
+    find it by the same resolution: the config file, the flag, the variable."""
+    path = tmp_path / "cfg.sock"
+    config = write_config(tmp_path, {"tiny": (tiny_model, None)}, f'control_socket = "{path}"\nkeep_alive = "5m"')
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "chat", "--config", config, "--max-tokens", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT,
+    )
+    try:
+        chat.stdin.write(b"Hello\n")
+        chat.stdin.flush()
+        # The row shows once the model loads; the chat's message, once answered.
+        def served() -> bool:
+            out = cli("ps", "--config", config)
+            return out.returncode == 0 and ps_table(out.stdout).get("tiny", {}).get("REQUESTS") == "1"
+
+        wait_for(served, 60, message="chat's request in ps")
+        shown = ps_table(cli("ps", "--config", config).stdout)["tiny"]
+        assert shown["STATE"] == "ready" and shown["PROCESSOR"] == processor_shown()
+        assert re.fullmatch(r"[45] minutes from now", shown["UNTIL"]), shown
+        for found in (cli("ps", "--control-socket", str(path)), cli("ps", env={"LATTICE_CONTROL_SOCKET": str(path)})):
+            assert found.returncode == 0 and "tiny" in ps_table(found.stdout), found.stderr
+
+        unloaded = cli("unload", "tiny", "--config", config)
+        assert unloaded.returncode == 0, unloaded.stderr
+        assert ps_table(cli("ps", "--config", config).stdout) == {}
+        again = cli("unload", "tiny", "--config", config)
+        assert again.returncode == 1 and again.stderr == b"lattice-pool unload: tiny is not loaded\n"
+
+        stopped = cli("stop", "--config", config)
+        assert stopped.returncode == 0, stopped.stderr
+        assert chat.wait(timeout=30) == 0  # stop returns as the pool goes
+        err = chat.stderr.read()
+        assert b"model 'tiny' unloaded (unloaded on request)" in err and b"asked to stop" in err
+        assert not path.exists()
+        gone = cli("stop", "--config", config)
+        assert gone.returncode == 1 and b"no lattice-pool is running" in gone.stderr
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+            chat.wait()
+        for stream in (chat.stdin, chat.stdout, chat.stderr):
+            stream.close()

@@ -367,3 +367,39 @@ def test_a_hard_file_limit_below_what_mlx_lm_sets_fails_at_once_with_its_cause(t
     assert "code 78" in failed["reason"] and "RLIMIT_NOFILE" in failed["reason"] and "1024" in failed["reason"]
     assert pool.close() == 0
     assert not [e for e in pool.events if e["ev"] == "restarting"]
+
+
+def test_stdout_gone_during_the_grace_period_ends_the_pool_at_once(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file("shutdown_grace = 600"))
+    pool.wait_ev("ready", model="a")
+    pids = [r["pid"] for r in status(pool).values()]
+    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 100000})
+    pool.wait_for(lambda e: e.get("id") == "x")
+    # Ctrl-C on `lattice-pool serve | grep x`: the pool starts its grace
+    # period with "x" still running, then grep's end closes the pipe.
+    pool.proc.send_signal(signal.SIGINT)
+    wait_for(lambda: b"shutting down (signal); grace 600s" in pool.stderr, 30, message="the grace period to begin")
+    pool.proc.stdout.close()
+    assert pool.proc.wait(timeout=2) == 0  # a deadline: the grace period is 600 s
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10)
+    pool.proc.stdin.close()
+    pool.proc.stderr.close()
+
+
+def test_unknown_request_fields_are_warned_once_per_name(config_file, spawn_pool):
+    pool = spawn_pool("--config", config_file())
+    # Every field SPEC §3 names (null is absent), on a generation line and an op.
+    known = {"model": "a", "lora": None, "prompt": CHAT, "max_tokens": 2, "temperature": 0.7, "top_k": 50, "top_p": 0.9,
+             "repetition_penalty": 1.1, "seed": 1, "reasoning_budget": None, "stop": None, "response_format": None}
+    pool.send({"id": "known", **known})
+    pool.send({"op": "status", "id": "st", "model": None})
+    pool.wait_ev("status")
+    for n in range(3):
+        pool.send({"id": f"typo{n}", "model": "a", "prompt": CHAT, "max_tokns": 3, "max_tokens": 2, "x_trace": n})
+    for rid in ("known", "typo0", "typo1", "typo2"):
+        assert pool.terminal(rid)["gen_tokens"] == 2
+    assert pool.close() == 0
+    warnings = [line for line in pool.stderr.decode().splitlines() if "WARNING" in line]
+    assert len(warnings) == 2, warnings
+    assert "'max_tokns' is unknown and ignored; did you mean 'max_tokens'?" in warnings[0]
+    assert "'x_trace' is unknown and ignored" in warnings[1]

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.loader import ModelDirError, load
     from worker.lora.formats import AdapterReader
     from worker.lora.manager import AdapterManager
-    from worker.memory import device_memory, release_free_memory
+    from worker.memory import device_memory, processor, release_free_memory
     from worker.scheduler import Scheduler
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     server.scheduler = scheduler
     server.format = loaded.format
     server.weights_bytes = loaded.weights_bytes
+    server.processor = processor()
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
         "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d",
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             load_ms=load_ms,
             weights_bytes=loaded.weights_bytes,
             opens_think=chat_opens_think(codec),
+            processor=server.processor,
         )
     )
 

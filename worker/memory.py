@@ -24,6 +24,13 @@ def memory_figures() -> dict[str, int]:
     }
 
 
+def processor() -> str:
+    """What computes: `metal` (Apple silicon), `cuda` (an NVIDIA GPU) or `cpu`."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
 def device_memory() -> int:
     """Memory of the device MLX computes on: the GPU's, else the machine's RAM."""
     size = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None

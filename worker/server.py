@@ -42,6 +42,7 @@ class WorkerServer:
         self.scheduler: Scheduler | None = None
         self.format = "unknown"
         self.weights_bytes = 0
+        self.processor: str | None = None  # set once the model is loaded
         # Emptied at every step; what it feeds is bounded by the scheduler's
         # waiting line (MAX_WAITING, beyond which requests are refused).
         self._inbox: queue.Queue = queue.Queue()
@@ -101,6 +102,7 @@ class WorkerServer:
             WORKER_STATS,
             model=self.name,
             format=self.format,
+            processor=self.processor,
             weights_bytes=self.weights_bytes,
             adapter_bytes=batch.pop("adapter_bytes", 0),
             **figures,

@@ -1,0 +1,439 @@
+"""`lattice-pool chat`: a REPL on the serve lifecycle, as `ollama run` and
+`mlx_lm.chat` have taught people to expect.
+
+On a terminal the input is prompt_toolkit's (line editing, history kept in
+~/.lattice/chat_history, bracketed paste: a pasted block is one message);
+otherwise each stdin line is one message, for scripts. Both understand the
+/commands (HELP) and `\"\"\"` multi-line messages. Ctrl-C stops a reply or
+clears the line and never quits; Ctrl-D (or /bye) quits. Each turn sends the
+whole history as `messages`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import msgspec
+
+from ipc.messages import Message
+from supervisor import stderr
+from supervisor.config import Config
+from supervisor.lifecycle import RunningPool, first_set
+from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.resolve import UnknownModel
+from supervisor.screen import Screen
+from supervisor.terminal import EventSink, LoadProgress, cause, error_line, stats_line
+
+# Sampling settings `/set` changes, as request fields (the same validation).
+KNOBS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "seed", "reasoning_budget")
+# chat_metal's defaults (SPEC §3), shown by `/set` for a knob left unset.
+DEFAULTS = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512, "seed": None, "reasoning_budget": None}
+HISTORY_LIMIT = 1000
+MULTILINE = '"""'
+
+HELP = f"""\
+  /help, /?              this help
+  /bye, /exit, /quit     quit (Ctrl-D too)
+  /clear                 forget the conversation (the system prompt stays)
+  /load [NAME]           load the model again (after a failure: retry); with NAME, switch to it
+  /model [NAME]          switch to model NAME (the conversation stays); alone: which model
+  /unload                unload the model; the next message loads it again
+  /set                   show the sampling settings
+  /set KNOB VALUE        {", ".join(KNOBS)}; VALUE `default` resets it
+  /set system [TEXT]     set (or, alone, remove) the system prompt
+  {MULTILINE} ... {MULTILINE}          a message of several lines (pasting several lines works too)
+  Ctrl-C stops a reply or clears the line; it never quits."""
+
+
+def history_path() -> Path:
+    return Path.home() / ".lattice" / "chat_history"
+
+
+def make_history(path: Path, limit: int = HISTORY_LIMIT):
+    """prompt_toolkit's history in a file of one JSON string a line, mode
+    0600 (a chat is private), the last `limit` entries kept: the file is
+    rewritten once it holds twice that. A file that cannot be read or
+    written leaves the session with its own history only."""
+    from prompt_toolkit.history import History
+
+    class ChatHistory(History):
+        def load_history_strings(self):
+            try:
+                lines = path.read_text("utf-8").splitlines()
+            except OSError:
+                return []
+            entries = []
+            for line in lines[-limit:]:
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:
+                    continue
+            return [e for e in reversed(entries) if isinstance(e, str)]
+
+        def store_string(self, string: str) -> None:
+            try:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(string) + "\n")
+                lines = path.read_text("utf-8").splitlines()
+                if len(lines) > 2 * limit:
+                    tmp = path.with_name(path.name + ".tmp")
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        f.write("\n".join(lines[-limit:]) + "\n")
+                    os.replace(tmp, path)
+            except OSError:
+                pass
+
+    return ChatHistory()
+
+
+class Cleared(Exception):
+    """Ctrl-C at the prompt: the line (or the multi-line message) is dropped."""
+
+
+class PromptInput:
+    """A terminal: prompt_toolkit, whose raw mode makes Ctrl-C a key."""
+
+    def __init__(self, screen: Screen):
+        from prompt_toolkit import PromptSession
+
+        self.screen = screen
+        self.session = PromptSession(history=make_history(history_path()))
+
+    async def read(self, prompt: str) -> str | None:
+        self.screen.prompting(asyncio.get_running_loop())
+        try:
+            # Our own SIGINT handler stays: it stops replies (no raw mode then).
+            return await self.session.prompt_async(prompt, handle_sigint=False)
+        except KeyboardInterrupt:
+            raise Cleared() from None
+        except EOFError:
+            return None
+        finally:
+            self.screen.prompting(None)
+
+
+class LineInput:
+    """Anything else: one line at a time from a reader thread (a blocking
+    read must not hold the event loop); no prompt unless stdin is a terminal."""
+
+    def __init__(self, screen: Screen):
+        self.screen = screen
+        self.show_prompt = sys.stdin.isatty()
+        self.lines: asyncio.Queue[str | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def read_lines() -> None:
+            for text in sys.stdin:
+                loop.call_soon_threadsafe(self.lines.put_nowait, text.rstrip("\n"))
+            loop.call_soon_threadsafe(self.lines.put_nowait, None)
+
+        threading.Thread(target=read_lines, name="chat-input", daemon=True).start()
+
+    async def read(self, prompt: str) -> str | None:
+        if self.show_prompt:
+            self.screen.reply(prompt)
+        return await self.lines.get()
+
+
+async def read_message(source) -> str | None:
+    """One message or command; None at end of input. A message between
+    triple quotes may span lines, as in `ollama run`."""
+    line = await source.read(">>> ")
+    if line is None or not line.lstrip().startswith(MULTILINE):
+        return line
+    rest = line.lstrip()[len(MULTILINE) :]
+    parts = []
+    while not rest.rstrip().endswith(MULTILINE):
+        parts.append(rest)
+        rest = await source.read("... ")
+        if rest is None:
+            break
+    else:
+        parts.append(rest.rstrip()[: -len(MULTILINE)])
+    return "\n".join(parts).strip()
+
+
+class Chat:
+    def __init__(self, config: Config, args: argparse.Namespace, screen: Screen):
+        self.args = args
+        self.screen = screen
+        self.progress = LoadProgress(screen)
+        self.model: str | None = config.default_model
+        self.knobs = {k: getattr(args, k, None) for k in KNOBS}
+        self.stop = getattr(args, "stop", None)
+        self.system = args.system
+        self.history: list[Message] = []
+        self.ids = itertools.count(1)
+        self.reply: list[str] = []
+        self.current: ClientLine | None = None  # the request being answered
+        self.turn_done = asyncio.Event()
+        # A wait for one of `events` of model `name` (a load, an unload).
+        self.awaited: tuple[str, frozenset[str]] | None = None
+        self.awaited_event = asyncio.Event()
+        self.outcome: str | None = None  # the event that ended it
+        self.interrupted = asyncio.Event()
+        self.quit = asyncio.Event()
+        self.quitting = False
+        self.sink = EventSink(self.on_event)
+        self.pool = None
+
+    # -- the pool's lines ------------------------------------------------------------
+
+    def on_event(self, event: dict, line: bytes) -> None:
+        ev = event["ev"]
+        if ev in ("loading", "ready", "failed"):
+            self.progress.update(event)
+        if ev == "gen_token" and self.answers(event):
+            self.on_token(event)
+        elif ev == "error":
+            self.on_error(event)
+        elif ev in ("failed", "restarting", "unloaded") and not self.quitting:
+            self.on_model_change(event)
+        if self.awaited is not None and event.get("model") == self.awaited[0] and ev in self.awaited[1]:
+            self.end_wait(ev)
+
+    def on_token(self, event: dict) -> None:
+        if event["done"]:
+            self.screen.reply("\n")
+            if self.args.verbose:
+                self.screen.note(stats_line(event))
+            self.turn_done.set()
+        else:
+            self.reply.append(event["token"])
+            self.screen.reply(event["token"])
+
+    def on_error(self, event: dict) -> None:
+        if event.get("id") is None:
+            # A load that cannot be done (insufficient_memory, say).
+            self.screen.note(error_line(event))
+            self.end_wait("error")
+        elif self.answers(event):
+            hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed") else ""
+            self.screen.note(error_line(event) + hint)
+            self.turn_done.set()
+
+    def on_model_change(self, event: dict) -> None:
+        name, ev = event.get("model"), event["ev"]
+        if ev == "failed":
+            self.screen.note(f"model {name!r} failed: {cause(event.get('reason', ''))}")
+            self.screen.note("  /load retries, /model NAME switches to another model, /bye quits")
+        elif ev == "restarting":
+            self.screen.note(f"model {name!r} restarting: {cause(event.get('reason', ''))}")
+        elif event.get("reason") != "not loaded":
+            self.screen.note(f"model {name!r} unloaded ({event.get('reason')})")
+
+    def answers(self, event: dict) -> bool:
+        return self.current is not None and event.get("id") == self.current.id
+
+    def expect(self, name: str, events: set[str]) -> None:
+        """Sets up a wait for the next of `events` of model `name`, before
+        the action that leads to it (its event may come at once)."""
+        self.awaited = (name, frozenset(events))
+        self.awaited_event.clear()
+        self.interrupted.clear()
+        self.outcome = None
+
+    def end_wait(self, outcome: str) -> None:
+        if self.awaited is not None:
+            self.awaited = None
+            self.outcome = outcome
+            self.awaited_event.set()
+
+    async def expected(self) -> str | None:
+        """The event that ended the wait, or None when Ctrl-C (or a quit)
+        ended it first."""
+        await first_set(self.awaited_event, self.interrupted, self.quit, self.pool.shutdown_requested)
+        self.awaited = None
+        return self.outcome
+
+    # -- signals -----------------------------------------------------------------------
+
+    def on_interrupt(self) -> None:
+        """SIGINT, which comes only while no prompt is shown (prompt_toolkit's
+        raw mode turns Ctrl-C into a key): stop the reply or the wait."""
+        if self.current is not None:
+            self.pool.cancel(self.current.id_json)
+        else:
+            self.interrupted.set()
+
+    # -- models ------------------------------------------------------------------------
+
+    async def load(self, ref: str | None) -> bool:
+        """Loads `ref` (a failed model is started again) and waits for ready
+        or failed, showing progress; Ctrl-C stops waiting, not the load."""
+        try:
+            spec = self.pool.resolver.resolve(ref)
+        except UnknownModel as exc:
+            self.screen.note(str(exc))
+            return False
+        slot = self.pool.slots.get(spec.key)
+        name = slot.name if slot is not None else spec.name
+        self.expect(name, {"ready", "failed"})
+        self.pool.load(spec)
+        outcome = await self.expected()
+        if outcome is None and self.interrupted.is_set():
+            self.screen.end_bar()
+            self.screen.note(f"still loading {name} in the background")
+        return outcome == "ready"
+
+    async def unload(self) -> None:
+        """Unloads the model and waits until its worker has stopped."""
+        try:
+            spec = self.pool.resolver.resolve(self.model)
+        except UnknownModel as exc:
+            self.screen.note(str(exc))
+            return
+        slot = self.pool.slots.get(spec.key)
+        if slot is None:
+            self.screen.note(f"{spec.name} is not loaded")
+            return
+        self.expect(slot.name, {"unloaded"})
+        self.pool.unload(spec, "unloaded from chat")
+        await self.expected()
+
+    async def switch(self, ref: str) -> None:
+        """Makes `ref` the model of the next messages once it resolves (a
+        model that fails to load stays chosen, for /load to retry)."""
+        try:
+            self.pool.resolver.resolve(ref)
+        except UnknownModel as exc:
+            self.screen.note(str(exc))
+            return
+        self.model = ref
+        await self.load(ref)
+
+    # -- commands ----------------------------------------------------------------------
+
+    async def command(self, text: str) -> bool:
+        """Runs a /command; False to quit."""
+        name, _, arg = text.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/bye", "/exit", "/quit"):
+            return False
+        if name in ("/help", "/?"):
+            self.screen.note(HELP)
+        elif name == "/clear":
+            self.history.clear()
+            self.screen.note("conversation cleared")
+        elif name == "/load":
+            if arg:
+                await self.switch(arg)
+            else:
+                await self.load(self.model)
+        elif name == "/model":
+            if arg:
+                await self.switch(arg)
+            else:
+                self.screen.note(f"model: {self.model or '(default)'}")
+        elif name == "/unload":
+            await self.unload()
+        elif name == "/set":
+            self.set(arg)
+        else:
+            self.screen.note(f"unknown command {name}; /help lists them")
+        return True
+
+    def set(self, arg: str) -> None:
+        knob, _, value = arg.partition(" ")
+        value = value.strip()
+        if not knob:
+            shown = []
+            for k in KNOBS:
+                value = self.knobs[k] if self.knobs[k] is not None else DEFAULTS[k]
+                shown.append(f"  {k} {'none' if value is None else value}" + (" (default)" if self.knobs[k] is None else ""))
+            self.screen.note("\n".join(shown + [f"  system {self.system!r}" if self.system else "  system (none)"]))
+        elif knob == "system":
+            self.system = value or None
+            self.screen.note("system prompt set" if value else "system prompt removed")
+        elif knob not in KNOBS:
+            self.screen.note(f"cannot set {knob!r}; settings: {', '.join(KNOBS)}, system")
+        elif value in ("", "default"):
+            self.knobs[knob] = None
+            self.screen.note(f"{knob} back to its default")
+        else:
+            try:
+                number = msgspec.json.decode(value)
+                # A request's own validation, so the limits are the pool's.
+                parse_line(msgspec.json.encode({"prompt": "", knob: number}))
+            except (msgspec.DecodeError, BadRequest) as exc:
+                self.screen.note(f"{knob} {value}: {getattr(exc, 'msg', None) or 'not a number'}")
+                return
+            self.knobs[knob] = number
+            self.screen.note(f"{knob} set to {number}")
+
+    # -- one turn ----------------------------------------------------------------------
+
+    async def turn(self, text: str) -> None:
+        messages = ([Message("system", self.system)] if self.system else []) + self.history + [Message("user", text)]
+        request = ClientLine(
+            id=f"chat-{next(self.ids)}", model=self.model, messages=messages, stop=self.stop, **{k: v for k, v in self.knobs.items() if v is not None}
+        )
+        self.reply.clear()
+        self.turn_done.clear()
+        self.current = request
+        self.pool.submit(request, self.sink)
+        await first_set(self.turn_done, self.sink.closed, self.quit)
+        self.current = None
+        if self.turn_done.is_set() and self.reply:
+            self.history += [Message("user", text), Message("assistant", "".join(self.reply))]
+
+    async def next_input(self, source) -> str | None:
+        """The next message or command, or None to quit (end of input, a
+        signal, a `shutdown` op from `lattice-pool stop`)."""
+        reading = asyncio.ensure_future(read_message(source))
+        stopping = asyncio.ensure_future(first_set(self.quit, self.pool.shutdown_requested, self.sink.closed))
+        await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            return None
+        return reading.result()
+
+    async def run(self, config: Config) -> int:
+        running = await RunningPool.start(config, self.sink, monitor=True)
+        self.pool = running.pool
+        running.on_signals(self.on_interrupt, (signal.SIGINT,))
+        running.on_signals(self.quit.set, (signal.SIGTERM, signal.SIGHUP))
+        self.pool.preload()
+        await self.load(self.model)
+        interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        source = PromptInput(self.screen) if interactive else LineInput(self.screen)
+        try:
+            while True:
+                try:
+                    text = await self.next_input(source)
+                except Cleared:
+                    continue
+                if text is None:
+                    break
+                if text.strip().startswith("/"):
+                    if not await self.command(text):
+                        break
+                elif text.strip():
+                    await self.turn(text)
+                if self.quit.is_set() or self.sink.closed.is_set():
+                    break
+        finally:
+            self.quitting = True
+            if self.pool.shutdown_requested.is_set():
+                self.screen.note("the pool was asked to stop (shutdown op); bye")
+            await running.stop(0)
+        return 0
+
+
+async def chat(config: Config, args: argparse.Namespace) -> int:
+    screen = Screen()
+    with stderr.routed(screen.log):
+        return await Chat(config, args, screen).run(config)
