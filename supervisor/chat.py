@@ -192,13 +192,13 @@ class Chat:
 
     def on_event(self, event: dict, line: bytes) -> None:
         ev = event["ev"]
-        if ev in ("loading", "ready", "failed"):
+        if ev in ("loading", "ready", "failed", "adapter_error"):
             self.progress.update(event)
         if ev == "gen_token" and self.answers(event):
             self.on_token(event)
         elif ev == "error":
             self.on_error(event)
-        elif ev in ("failed", "restarting", "unloaded") and not self.quitting:
+        elif ev in ("failed", "restarting", "unloaded", "adapter_error") and not self.quitting:
             self.on_model_change(event)
         if self.awaited is not None and event.get("model") == self.awaited[0] and ev in self.awaited[1]:
             self.end_wait(ev)
@@ -219,7 +219,7 @@ class Chat:
             self.screen.note(error_line(event))
             self.end_wait("error")
         elif self.answers(event):
-            hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed") else ""
+            hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed", "adapter_error") else ""
             self.screen.note(error_line(event) + hint)
             self.turn_done.set()
 
@@ -228,6 +228,12 @@ class Chat:
         if ev == "failed":
             self.screen.note(f"model {name!r} failed: {cause(event.get('reason', ''))}")
             self.screen.note("  /load retries, /model NAME switches to another model, /bye quits")
+        elif ev == "adapter_error":
+            # The base model runs; the name's adapter could not be read (at
+            # its load, or a later change of its file, which keeps the old one).
+            self.screen.note(f"model {name!r}: bad adapter: {event.get('msg', '')}")
+            if self.awaited is not None and self.awaited[0] == name:
+                self.screen.note("  /load retries, /model NAME switches to another model, /bye quits")
         elif ev == "restarting":
             self.screen.note(f"model {name!r} restarting: {cause(event.get('reason', ''))}")
         elif event.get("reason") != "not loaded":
@@ -279,7 +285,7 @@ class Chat:
             return False
         slot = self.pool.slots.get(spec.key)
         name = slot.name if slot is not None else spec.name
-        self.expect(name, {"ready", "failed"})
+        self.expect(name, {"ready", "failed", "adapter_error"})
         self.pool.load(spec)
         outcome = await self.expected()
         if outcome is None and self.interrupted.is_set():

@@ -80,7 +80,7 @@ class LoadProgress:
         elif event["ev"] == "ready":
             self.screen.end_bar()
             self.screen.note(f"{name} ready ({event.get('format')}, loaded in {event.get('load_ms', 0) / 1000:.1f}s)")
-        elif event["ev"] == "failed":
+        elif event["ev"] in ("failed", "adapter_error"):
             self.screen.end_bar()
 
 

@@ -236,9 +236,9 @@ def test_chat_repl_on_a_terminal(tiny_model, start_chat):
 
 
 def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, second_model, tmp_path, start_chat):
-    lora = tmp_path / "style.safetensors"  # not there yet: the worker cannot start
+    lora = tmp_path / "style.safetensors"  # not there yet: the base runs, the name's adapter cannot load
     chat = start_chat("--model-dir", str(tiny_model), "--lora", str(lora), "--max-tokens", "3")
-    chat.wait("model 'tiny' failed: bad adapter")
+    chat.wait("model 'tiny': bad adapter")
     chat.wait("/load retries")
     chat.prompt()
     # The cause is said once, not as the worker's stderr, a log and an event.
@@ -246,7 +246,7 @@ def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, second_m
 
     # A message to the failed model gets the cause again, and the way out.
     chat.line("Hello")
-    chat.wait(r"error \(model_failed\): model 'tiny' has failed .*bad adapter.*/load to retry")
+    chat.wait(r"error \(adapter_error\): adapter .*style.safetensors.*/load to retry")
     chat.prompt()
 
     write_mlx(lora, lora_pairs(targets_of(tiny_model), rank=4, seed=3), alpha=8.0)
@@ -255,7 +255,7 @@ def test_chat_failed_model_shows_its_cause_and_load_retries(tiny_model, second_m
     chat.prompt()
     chat.line("Hello")
     chat.prompt()
-    chat.wait_served(1)
+    chat.wait_served(2)  # the refused one counts: `served` counts requests ended
 
     # /unload stops the worker; /model switches (any form --model takes).
     chat.line("/unload")

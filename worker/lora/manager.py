@@ -470,7 +470,9 @@ class AdapterManager:
         )
 
     def _error(self, path: str, msg: str) -> None:
-        log.warning("%s", msg)
+        # The adapter_error event carries the cause to the client; a
+        # warning as well would say it twice on a terminal (`chat`).
+        log.info("%s", msg)
         self.emit(encode_event("adapter_error", model=self.name, lora=path, code=ADAPTER_ERROR, msg=msg))
 
     def figures(self) -> dict:
