@@ -63,8 +63,25 @@ class Heartbeat(msgspec.Struct, tag_field="ev", tag=HEARTBEAT):
     busy: bool = False
 
 
+class RankFigures(msgspec.Struct):
+    """One process of a model split over several (docs/scaling.md): where it
+    runs and its own measured memory."""
+
+    rank: int
+    host: str
+    pid: int | None = None
+    rss_bytes: int = 0
+    uss_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    weights_bytes: int = 0
+
+
 class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
-    """The worker's measured memory and batch figures (docs/monitoring.md)."""
+    """The worker's measured memory and batch figures (docs/monitoring.md).
+    A model split over several processes reports each one in `ranks`, and
+    the sums of their figures in the fields above it."""
 
     format: str | None = None
     weights_bytes: int = 0
@@ -78,6 +95,7 @@ class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
     max_batch: int = 0
+    ranks: list[RankFigures] | None = None
 
 
 class AdapterLoaded(msgspec.Struct, tag_field="ev", tag="adapter_loaded"):

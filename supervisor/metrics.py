@@ -58,6 +58,16 @@ MODEL_GAUGES = {
     "rows_cache_bytes": ("lattice_model_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
 }
 
+# A model split over processes: RankFigures field -> (metric name, help),
+# one series per rank, labelled by its rank, host and pid.
+RANK_LABELS = (*LABELS, "rank", "host", "pid")
+RANK_GAUGES = {
+    "rss_bytes": ("lattice_rank_rss_bytes", "Resident set size of one rank of a model split over processes"),
+    "uss_bytes": ("lattice_rank_uss_bytes", "Unique set size of one rank of a model split over processes"),
+    "mlx_active_bytes": ("lattice_rank_mlx_active_bytes", "MLX active memory in one rank"),
+    "weights_bytes": ("lattice_rank_weights_bytes", "Bytes of model weights one rank holds"),
+}
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
 
@@ -79,14 +89,20 @@ class _MeasuredGauges(Collector):
         families = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in MODEL_GAUGES.items()}
         state = GaugeMetricFamily("lattice_model_state", "1 for the worker's current state, 0 for the others", labels=(*LABELS, "state"))
         info = GaugeMetricFamily("lattice_model_info", "Always 1; the format label says how the weights are stored", labels=(*LABELS, "format"))
+        ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
         for row in status.models:
             key = [row.model, row.lora or ""]
             for field, family in families.items():
                 family.add_metric(key, getattr(row, field))
+            for rank in row.ranks or ():
+                rank_key = [*key, str(rank.rank), rank.host, str(rank.pid) if rank.pid is not None else ""]
+                for field, family in ranks.items():
+                    family.add_metric(rank_key, getattr(rank, field))
             for s in State:
                 state.add_metric([*key, s.value], 1.0 if row.state == s.value else 0.0)
             info.add_metric([*key, row.format or "unknown"], 1.0)
         yield from families.values()
+        yield from (family for family in ranks.values() if family.samples)
         yield state
         yield info
         yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status.rss_bytes)

@@ -120,8 +120,17 @@ def cells(row: StatusRow) -> tuple[str, ...]:
     )
 
 
+def rank_cells(row: StatusRow) -> list[tuple[str, ...]]:
+    """One line under a model split over processes for each of its ranks:
+    where it runs, its memory and pid."""
+    return [
+        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(r.rss_bytes), str(r.pid) if r.pid is not None else "-", "", "")
+        for r in (row.ranks if row.pid is not None and row.ranks else ())
+    ]
+
+
 def table(status: Status) -> str:
-    rows = [COLUMNS] + [cells(r) for r in sorted(status.models, key=lambda r: (r.model, r.lora or ""))]
+    rows = [COLUMNS] + [line for r in sorted(status.models, key=lambda r: (r.model, r.lora or "")) for line in (cells(r), *rank_cells(r))]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
 

@@ -6,12 +6,31 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.group import HostSpec
 from ipc.messages import DEFAULT_MAX_BATCH
 from supervisor.config import Config, ModelEntry, parse_duration
 
 
 class UnknownModel(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A model run as one MLX distributed group of `ranks` processes."""
+
+    ranks: int
+    hosts: tuple[HostSpec, ...] | None
+    parallel: str | None
+    backend: str
+    port: int | None
+
+    @classmethod
+    def of(cls, entry: ModelEntry) -> "GroupSpec | None":
+        if entry.ranks == 1:
+            return None
+        hosts = None if entry.hosts is None else tuple(h if isinstance(h, HostSpec) else HostSpec(ssh=h) for h in entry.hosts)
+        return cls(entry.ranks, hosts, entry.parallel, entry.backend, entry.port)
 
 
 @dataclass(frozen=True)
@@ -24,6 +43,7 @@ class ModelSpec:
     tokenizer_dir: Path | None = None
     keep_alive: float | None = None
     max_batch: int = DEFAULT_MAX_BATCH
+    group: GroupSpec | None = None
 
     @property
     def key(self) -> tuple[Path, Path | None]:
@@ -68,6 +88,7 @@ class Resolver:
             tokenizer_dir=expand(entry.tokenizer_dir) if entry.tokenizer_dir else None,
             keep_alive=keep,
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
+            group=GroupSpec.of(entry),
         )
 
     def default_ref(self) -> str | None:

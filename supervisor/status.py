@@ -12,7 +12,7 @@ import msgspec
 import psutil
 
 from ipc.events import encode_event
-from ipc.worker_events import WorkerStats, rss_uss
+from ipc.worker_events import RankFigures, WorkerStats, rss_uss
 from supervisor.slot import WorkerSlot
 from supervisor.states import State
 
@@ -43,6 +43,10 @@ class StatusRow(msgspec.Struct):
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
+    # A model split over processes (docs/scaling.md): each rank's pid, host
+    # and memory; the memory fields above are their sums. None for a
+    # single process.
+    ranks: list[RankFigures] | None = None
 
 
 class Status(msgspec.Struct):
@@ -93,6 +97,7 @@ def status_row(slot: WorkerSlot, stats: WorkerStats | None, state: State, waitin
         active_rows=s.active_rows,
         waiting_rows=s.waiting_rows,
         rows_cache_bytes=s.rows_cache_bytes,
+        ranks=s.ranks,
     )
 
 
