@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,7 +20,9 @@ from harness.pool import PoolProc
 from harness.procs import pid_alive, wait_for
 from tests.conftest import keep_alive_across_tests, release
 from tests.test_batching import MIXED, PROMPTS
+from tests.test_cli import cli
 from tests.test_generator import LOGIT_TOLERANCE
+from tests.test_monitoring import metrics_port, ps_table, scrape
 
 TOKENS = 12
 _ids = itertools.count(1)
@@ -47,7 +50,8 @@ def pool(tiny_model, tmp_path_factory):
         + group_config(tensor, "tensor", parallel='"tensor"', preload="true")
         + f'[[models]]\nname = "one"\npath = "{single}"\npreload = true\n'
     )
-    p = PoolProc("--config", str(config))
+    p = PoolProc("--config", str(config), "--metrics-port", "0", "--control-socket", str(root / "ctl.sock"))
+    p.socket = root / "ctl.sock"
     keep_alive_across_tests(p.proc.pid)
     try:
         for name in ("two", "tensor", "one"):
@@ -135,27 +139,55 @@ def test_status_reports_every_rank_and_the_sums(pool):
     assert max(r["weights_bytes"] for r in ranks) < 0.8 * one["weights_bytes"]
     assert one["ranks"] is None
 
+    samples = scrape(metrics_port(pool))
+    for r in ranks:
+        labels = {"model": "two", "adapter": "", "rank": str(r["rank"]), "host": "127.0.0.1", "pid": str(r["pid"])}
+        assert samples[("lattice_rank_weights_bytes", tuple(sorted(labels.items())))] == r["weights_bytes"]
+        assert samples[("lattice_rank_rss_bytes", tuple(sorted(labels.items())))] > 0
+    assert samples[("lattice_model_weights_bytes", (("adapter", ""), ("model", "two")))] == row["weights_bytes"]
 
-def test_a_killed_rank_restarts_the_group_and_unload_stops_every_rank(spawn_pool, tiny_model, tmp_path):
+    shown = cli("ps", "--control-socket", str(pool.socket))
+    assert shown.returncode == 0, shown.stderr
+    table = ps_table(shown.stdout)
+    assert table["two"]["PID"] == str(pids[0]) and table["two"]["STATE"] == "ready"
+    for r in ranks:
+        line = table[f"rank {r['rank']} 127.0.0.1"]
+        assert line["PID"] == str(r["pid"]) and re.fullmatch(r"[\d.]+ MB", line["MEMORY"])
+    assert "rank 0 127.0.0.1" in shown.stdout.decode().split("two", 1)[1]  # under its model
+
+
+def lose_rank_1(pool: PoolProc, pids: list[int], sig: int) -> dict:
+    """Sends `sig` to rank 1 while a request streams; returns that request's
+    one terminal event once the group is back."""
+    rid = f"r{next(_ids)}"
+    pool.send(request("two", id=rid, max_tokens=4000))
+    pool.wait_for(lambda e: e.get("id") == rid)
+    os.kill(pids[1], sig)
+    end = pool.terminal(rid)
+    assert end["ev"] == "error" and end["code"] == "worker_crashed", end
+    assert "exit code 75" in pool.wait_ev("restarting", model="two")["reason"]
+    pool.wait_ev("ready", model="two")
+    assert texts(pool, [request("two", max_tokens=3)])
+    return end
+
+
+def test_a_killed_or_stalled_rank_restarts_the_group_and_unload_stops_every_rank(spawn_pool, tiny_model, tmp_path):
     config = tmp_path / "pool.toml"
-    config.write_text(group_config(tiny_model, preload="true"))
+    config.write_text("stall_timeout = 5\nheartbeat_interval = 0.5\n" + group_config(tiny_model, preload="true"))
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="two")
     first = rank_pids(pool, "two")
-    pool.send(request("two", id="long", max_tokens=4000))
-    pool.wait_for(lambda e: e.get("id") == "long")
-    os.kill(first[1], signal.SIGKILL)
-    end = pool.terminal("long")
-    assert end["ev"] == "error" and end["code"] == "worker_crashed" and "rank 1" in end["msg"], end
-    restarting = pool.wait_ev("restarting", model="two")
-    assert "exit code 75" in restarting["reason"]
-    pool.wait_ev("ready", model="two")
-    assert texts(pool, [request("two", max_tokens=3)])
+    assert "rank 1 on 127.0.0.1" in lose_rank_1(pool, first, signal.SIGKILL)["msg"]
     second = rank_pids(pool, "two")
     assert not set(first) & set(second) and not any(pid_alive(p) for p in first)
+    # A stopped rank is alive but silent, and rank 0 waits for it in vain.
+    end = lose_rank_1(pool, second, signal.SIGSTOP)
+    assert "has been silent" in end["msg"] or "waited" in end["msg"], end
+    third = rank_pids(pool, "two")
+    assert not any(pid_alive(p) for p in second)
     pool.send({"op": "unload", "model": "two"})
     pool.wait_ev("unloaded", model="two")
-    wait_for(lambda: not any(pid_alive(p) for p in second), 10, message="every rank to exit")
+    wait_for(lambda: not any(pid_alive(p) for p in third), 10, message="every rank to exit")
     assert pool.close() == 0
 
 
