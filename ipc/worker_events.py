@@ -76,8 +76,25 @@ class AdapterFigures(msgspec.Struct):
     default: bool = False
 
 
+class RankFigures(msgspec.Struct):
+    """One process of a model split over several (docs/scaling.md): where it
+    runs and its own measured memory."""
+
+    rank: int
+    host: str
+    pid: int | None = None
+    rss_bytes: int = 0
+    uss_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    weights_bytes: int = 0
+
+
 class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
-    """The worker's measured memory and batch figures (docs/monitoring.md)."""
+    """The worker's measured memory and batch figures (docs/monitoring.md).
+    A model split over several processes reports each one in `ranks`, and
+    the sums of their figures in the fields above it."""
 
     format: str | None = None
     processor: str | None = None  # cpu, metal or cuda
@@ -96,6 +113,7 @@ class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
     # adapter_bytes; each resident adapter on its own: adapters.
     adapters: list[AdapterFigures] = []
     max_adapters: int = 0
+    ranks: list[RankFigures] | None = None
 
 
 # The adapter events name the adapter by its path, as the pool sent it.

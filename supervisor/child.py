@@ -27,7 +27,7 @@ from typing import Callable
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
 from supervisor.config import Config, parse_size
-from supervisor.resolve import ModelSpec
+from supervisor.resolve import GroupSpec, ModelSpec
 
 log = logging.getLogger("lattice.process")
 
@@ -81,9 +81,25 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
     args += ["--max-prompt-bytes", str(parse_size(config.max_prompt_bytes)), "--max-adapter-bytes", str(parse_size(config.max_adapter_bytes))]
     if adapter_copies is not None:
         args += ["--adapter-copies", str(adapter_copies)]
+    if spec.group is not None:
+        args += group_args(spec.group, config)
     module = os.environ.get(WORKER_MODULE_VAR) or "worker"
     # The worker's lifeline watches this pid (worker.lifeline).
     return python_module(module, *args), child_env(LATTICE_SUPERVISOR_PID=str(os.getpid()))
+
+
+def group_args(group: GroupSpec, config: Config) -> list[str]:
+    """The worker's flags for a model split over processes: it starts the
+    other ranks itself (worker.launch) and ends them all when it exits; a
+    rank silent, or a step waiting on the group, for stall_timeout ends it."""
+    args = ["--ranks", str(group.ranks), "--backend", group.backend, "--rank-timeout", str(config.stall_timeout)]
+    if group.hosts is not None:
+        args += ["--hosts", group.hosts]
+    if group.parallel is not None:
+        args += ["--parallel", group.parallel]
+    if group.port is not None:
+        args += ["--port", str(group.port)]
+    return args
 
 
 class _Protocol(asyncio.SubprocessProtocol):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
+from ipc.group import HostSpec
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH, DEFAULT_MAX_PROMPT_BYTES, MAX_ADAPTERS_LIMIT, MAX_WAITING
 
 Duration = str | int | float
@@ -49,6 +50,23 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     keep_alive: Duration | None = None
     max_batch: MaxBatch | None = None
     max_adapters: MaxAdapters | None = None
+    # One model over several processes or machines (docs/scaling.md).
+    ranks: Annotated[int, Meta(ge=1, le=256)] = 1
+    hosts: list[str | HostSpec] | None = None
+    parallel: Literal["pipeline", "tensor"] | None = None
+    backend: Literal["ring", "jaccl", "jaccl-ring", "nccl"] = "ring"
+    port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks == 1:
+            given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None] + (["backend"] if self.backend != "ring" else [])
+            if given:
+                raise ValueError(f"model {self.name!r}: {', '.join(given)} set with ranks = 1; they apply to ranks > 1 only")
+            return
+        if self.lora is not None:
+            raise ValueError(f"model {self.name!r}: a model split over ranks takes no lora")
+        if self.hosts is not None and len(self.hosts) != self.ranks:
+            raise ValueError(f"model {self.name!r}: {len(self.hosts)} hosts for ranks = {self.ranks}; give one host per rank")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):

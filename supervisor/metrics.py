@@ -59,6 +59,16 @@ MODEL_GAUGES = {
     "max_adapters": ("lattice_model_max_adapters", "Adapters the worker may keep in memory"),
 }
 
+# A model split over processes: RankFigures field -> (metric name, help),
+# one series per rank, labelled by its rank, host and pid.
+RANK_LABELS = (*LABELS, "rank", "host", "pid")
+RANK_GAUGES = {
+    "rss_bytes": ("lattice_rank_rss_bytes", "Resident set size of one rank of a model split over processes"),
+    "uss_bytes": ("lattice_rank_uss_bytes", "Unique set size of one rank of a model split over processes"),
+    "mlx_active_bytes": ("lattice_rank_mlx_active_bytes", "MLX active memory in one rank"),
+    "weights_bytes": ("lattice_rank_weights_bytes", "Bytes of model weights one rank holds"),
+}
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
 
@@ -84,14 +94,20 @@ class _MeasuredGauges(Collector):
             "Always 1; format: how the weights are stored; worker: the worker serving this name (names on one base model share it)",
             labels=(*LABELS, "format", "worker"),
         )
+        ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
         for row in status.models:
             key = [row.model, row.lora or ""]
             for field, family in families.items():
                 family.add_metric(key, getattr(row, field))
+            for rank in row.ranks or ():
+                rank_key = [*key, str(rank.rank), rank.host, str(rank.pid) if rank.pid is not None else ""]
+                for field, family in ranks.items():
+                    family.add_metric(rank_key, getattr(rank, field))
             for s in State:
                 state.add_metric([*key, s.value], 1.0 if row.state == s.value else 0.0)
             info.add_metric([*key, row.format or "unknown", str(row.worker)], 1.0)
         yield from families.values()
+        yield from (family for family in ranks.values() if family.samples)
         yield state
         yield info
         yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status.rss_bytes)

@@ -108,6 +108,15 @@ def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
     )
 
 
+def rank_cells(row: StatusRow) -> list[tuple[str, ...]]:
+    """One line under a model split over processes for each of its ranks:
+    where it runs, its memory and pid."""
+    return [
+        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(r.rss_bytes), "", str(r.pid) if r.pid is not None else "-", "", "", "")
+        for r in (row.ranks if row.pid is not None and row.ranks else ())
+    ]
+
+
 def by_worker(models: list[StatusRow]) -> list[list[StatusRow]]:
     """The rows of each worker, its names without adapter first."""
     groups: dict[int, list[StatusRow]] = {}
@@ -123,7 +132,11 @@ def columns(rows: list[tuple[str, ...]]) -> str:
 
 
 def table(status: Status) -> str:
-    return columns([COLUMNS] + [cells(r, under=i > 0) for group in by_worker(status.models) for i, r in enumerate(group)])
+    lines = [COLUMNS]
+    for group in by_worker(status.models):
+        for i, row in enumerate(group):
+            lines += [cells(row, under=i > 0), *rank_cells(row)]
+    return columns(lines)
 
 
 def as_json(status: Status) -> str:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.group import HostSpec, encode_hosts
 from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
 from supervisor.config import Config, ModelEntry, parse_duration
 from supervisor.local_models import hub_snapshot, is_hub_id
@@ -13,6 +14,26 @@ from supervisor.local_models import hub_snapshot, is_hub_id
 
 class UnknownModel(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A model run as one MLX distributed group of `ranks` processes."""
+
+    ranks: int
+    # The worker's --hosts (JSON): a string, so that the spec stays hashable
+    # (it is part of the worker's key).
+    hosts: str | None
+    parallel: str | None
+    backend: str
+    port: int | None
+
+    @classmethod
+    def of(cls, entry: ModelEntry) -> "GroupSpec | None":
+        if entry.ranks == 1:
+            return None
+        hosts = None if entry.hosts is None else encode_hosts([h if isinstance(h, HostSpec) else HostSpec(ssh=h) for h in entry.hosts])
+        return cls(entry.ranks, hosts, entry.parallel, entry.backend, entry.port)
 
 
 @dataclass(frozen=True)
@@ -27,11 +48,12 @@ class ModelSpec:
     keep_alive: float | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     max_adapters: int = DEFAULT_MAX_ADAPTERS
+    group: GroupSpec | None = None
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters)
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group)
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
@@ -81,6 +103,7 @@ class Resolver:
             keep_alive=keep,
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
             max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
+            group=GroupSpec.of(entry),
         )
 
     def default_ref(self) -> str | None:

@@ -17,7 +17,7 @@ import msgspec
 import psutil
 
 from ipc.events import encode_event
-from ipc.worker_events import WorkerStats, rss_uss
+from ipc.worker_events import RankFigures, WorkerStats, rss_uss
 from supervisor.names import Name
 from supervisor.slot import WorkerSlot
 from supervisor.states import State
@@ -58,6 +58,10 @@ class StatusRow(msgspec.Struct):
     # requests run or wait: the countdown starts when it goes idle); null
     # when it is never unloaded for idling.
     expires_in_s: float | None = None
+    # A model split over processes (docs/scaling.md): each rank's pid, host
+    # and memory; the memory fields above are their sums. None for a
+    # single process.
+    ranks: list[RankFigures] | None = None
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -121,6 +125,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         max_adapters=s.max_adapters or slot.spec.max_adapters,
         processor=s.processor,
         expires_in_s=expires_in(slot),
+        ranks=s.ranks,
     )
 
 

@@ -158,7 +158,7 @@ def no_leaked_processes():
     yield
 
     def leaked():
-        return [p for p in tagged_processes(TAG) if p.pid not in _long_lived and _root_pid(p) not in _long_lived]
+        return [p for p in tagged_processes(TAG) if p.pid not in _long_lived and not _ancestors(p) & _long_lived]
 
     try:
         wait_for(lambda: not leaked(), timeout=15, message="test processes to exit")
@@ -180,12 +180,13 @@ def _describe(proc) -> str:
         return str(proc.pid)
 
 
-def _root_pid(proc) -> int:
+def _ancestors(proc) -> set[int]:
+    """Its parent's pid, the grandparent's, ...: a worker of a long-lived
+    pool, or a rank such a worker started (docs/scaling.md), lives as long."""
     try:
-        parent = proc.parent()
-        return parent.pid if parent else -1
+        return {p.pid for p in proc.parents()}
     except Exception:
-        return -1
+        return set()
 
 
 def pytest_sessionfinish(session, exitstatus):

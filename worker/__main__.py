@@ -26,11 +26,11 @@ from worker import defaults
 MLX_LM_NOFILE = 4096
 
 
-def fatal(cause: str) -> int:
+def fatal(cause: str, code: int = EX_CONFIG) -> int:
     """A start-up failure a restart cannot fix: its cause as one line on
-    stderr (the pool quotes the last one), and exit code 78."""
+    stderr (the pool quotes the last one), and exit code 78 (or `code`)."""
     print("lattice-pool worker: " + re.sub(r"\s*\n\s*", " ", cause.strip()), file=sys.stderr, flush=True)
-    return EX_CONFIG
+    return code
 
 
 def nofile_problem() -> str | None:
@@ -41,6 +41,11 @@ def nofile_problem() -> str | None:
             f"that mlx-lm sets when it is imported; raise it (ulimit -Hn {MLX_LM_NOFILE}) where the pool starts"
         )
     return None
+
+
+def rank_tag(args: argparse.Namespace) -> str:
+    """Which rank of a group this process is, for its log lines."""
+    return f" rank={os.environ.get('MLX_RANK') or 0}" if args.ranks > 1 else ""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,6 +91,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="private directory for copies of the adapters loaded, used when an adapter file is gone or broken at a restart",
     )
+    g = p.add_argument_group("one model over several processes (docs/scaling.md)")
+    g.add_argument("--ranks", type=int, default=1, help="processes the model is split over; this one is rank 0 (default 1)")
+    g.add_argument("--hosts", help='JSON list, one host per rank: [{"ssh": "mac-b", "ip": "10.0.0.2"}, ...] (default: this machine for every rank)')
+    g.add_argument("--parallel", choices=("pipeline", "tensor"), help="how the model is split (default: pipeline where mlx-lm has it, else tensor)")
+    g.add_argument("--backend", default="ring", help="MLX distributed backend (default ring)")
+    g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
+    g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
     return p.parse_args(argv)
 
 
@@ -97,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or model_dir.name
     logging.basicConfig(
         level=os.environ.get("LATTICE_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s %(levelname)s worker model={name} pid={os.getpid()}: %(message)s",
+        format=f"%(asctime)s %(levelname)s worker model={name}{rank_tag(args)} pid={os.getpid()}: %(message)s",
         stream=sys.stderr,
     )
     log = logging.getLogger("worker")
@@ -120,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import ADAPTER_ERROR, encode_event
-    from worker.loader import ModelDirError, load
+    from worker.group_plan import EX_TEMPFAIL, GroupError
+    from worker.loader import ModelDirError, materialise, open_lazy
     from worker.lora.formats import AdapterReader
     from worker.lora.manager import AdapterManager
     from worker.memory import device_memory, processor, release_free_memory
@@ -128,7 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
 
-    server = WorkerServer(name, channel)
+    group = None
+    if args.ranks > 1:
+        if args.lora:
+            return fatal("a model split over several processes (ranks > 1) takes no LoRA adapters")
+        from worker.group_server import GroupRole
+
+        try:
+            group = GroupRole(args, sys.argv[1:] if argv is None else argv)
+        except GroupError as exc:
+            return fatal(str(exc))
+        server = group.make_server(name, channel)
+    else:
+        server = WorkerServer(name, channel)
     server.start_heartbeat(args.heartbeat)
     server.start_reader()
 
@@ -136,15 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         channel.write(encode_event("loading", model=name, bytes_loaded=done, bytes_total=total))
 
     try:
-        loaded = load(model_dir, progress, cpu_float32=args.cpu_dtype == "float32")
+        lazy = open_lazy(model_dir)
+        if group is not None:
+            group.form(lazy)
+        loaded = materialise(lazy, progress, cpu_float32=args.cpu_dtype == "float32")
         codec = TextCodec((args.tokenizer_dir or model_dir).expanduser().resolve(), loaded.config)
     except (ModelDirError, TokenizerError) as exc:
         return fatal(f"bad model dir: {exc}")
     except RecursionError:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
+    except GroupError as exc:
+        return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
-    scheduler = Scheduler(
+    scheduler = (Scheduler if group is None else group.scheduler)(
         loaded,
         codec,
         channel.write,
@@ -173,11 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     server.format = loaded.format
     server.weights_bytes = loaded.weights_bytes
     server.processor = processor()
+    # A group's ready says when every rank is, with the whole model's bytes.
+    weights = loaded.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
         "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d",
-        loaded.format, loaded.weights_bytes, load_ms, scheduler.max_batch, scheduler.batch_memory,
+        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.batch_memory,
     )
+    if group is not None:
+        progress(weights, weights)
     channel.write(
         encode_event(
             "ready",
@@ -185,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             format=loaded.format,
             lora=args.lora,
             load_ms=load_ms,
-            weights_bytes=loaded.weights_bytes,
+            weights_bytes=weights,
             opens_think=chat_opens_think(codec),
             processor=server.processor,
         )

@@ -62,29 +62,53 @@ def model_format(config: dict, model: nn.Module) -> str:
     return max(counts, key=counts.get) if counts else "unknown"
 
 
-def load(path: Path, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:
-    """Loads the weights lazily, then materialises them in slices so that
-    `progress(bytes_loaded, bytes_total)` can report as the file is read.
-    On CPU the weights become float32 (worker.cpu_backend says why)."""
-    from mlx_lm.utils import load_model
+@dataclass
+class LazyModel:
+    """A model dir read as far as its structure: weights not yet in memory."""
 
-    from worker import gated_delta
-    from worker.cpu_backend import use_float32
+    model: nn.Module
+    config: dict
+    path: Path
+    format: str
+
+
+def open_lazy(path: Path) -> LazyModel:
+    """The model built from its dir, weights mapped but not read, so it can
+    still be split over processes (worker.group) before they are."""
+    from mlx_lm.utils import load_model
 
     read_config(path)
     try:
         # Any failure here (unknown architecture, torn safetensors, shape
         # mismatch) is a property of the directory: retrying cannot help.
         model, config = load_model(path, lazy=True)
-        fmt = model_format(config, model)
+        return LazyModel(model, config, path, model_format(config, model))
+    except Exception as exc:
+        raise ModelDirError(f"cannot load {path}: {exc}") from exc
+
+
+def materialise(lazy: LazyModel, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:
+    """Reads the weights in slices, so that `progress(bytes_loaded,
+    bytes_total)` can report as the file is read. On CPU the weights become
+    float32 (worker.cpu_backend says why)."""
+    from worker import gated_delta
+    from worker.cpu_backend import use_float32
+
+    model = lazy.model
+    try:
         if cpu_float32:
             use_float32(model)  # still lazy: converted as it is read
         _materialise(model, progress)
     except Exception as exc:
-        raise ModelDirError(f"cannot load {path}: {exc}") from exc
+        raise ModelDirError(f"cannot load {lazy.path}: {exc}") from exc
     gated_delta.install(model)
     total = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    return LoadedModel(model=model, config=config, path=path, format=fmt, weights_bytes=total)
+    return LoadedModel(model=model, config=lazy.config, path=lazy.path, format=lazy.format, weights_bytes=total)
+
+
+def load(path: Path, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:
+    """The model dir loaded: open_lazy, then materialise."""
+    return materialise(open_lazy(path), progress, cpu_float32)
 
 
 def _materialise(model: nn.Module, progress: Progress | None) -> None:

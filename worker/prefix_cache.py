@@ -167,6 +167,7 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 return
         layers, nbytes = _snapshot(cache)
+        nbytes = self._counted(nbytes)
         if nbytes > self.budget:
             return
         if self.trimmable:
@@ -178,6 +179,11 @@ class PrefixCache:
         self._entries[self._next] = _Entry(adapter, want, layers, nbytes)
         self._next += 1
         self.used += nbytes
+
+    def _counted(self, nbytes: int) -> int:
+        """What a snapshot of `nbytes` counts against the budget (a rank of
+        a group counts what every rank agrees on: worker.group)."""
+        return nbytes
 
     @staticmethod
     def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:

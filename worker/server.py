@@ -30,8 +30,8 @@ from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker")
 
-_SHUTDOWN = object()
-_WAKE = object()
+SHUTDOWN = object()
+WAKE = object()
 
 
 class WorkerServer:
@@ -49,7 +49,7 @@ class WorkerServer:
 
     def wake(self) -> None:
         """Called by the adapter reader when a read ends (any thread)."""
-        self._inbox.put(_WAKE)
+        self._inbox.put(WAKE)
 
     # -- side threads -------------------------------------------------------
 
@@ -91,7 +91,7 @@ class WorkerServer:
             elif isinstance(msg, Stats):
                 self.channel.write(self.stats_event())
             elif isinstance(msg, Shutdown):
-                self._inbox.put(_SHUTDOWN)
+                self._inbox.put(SHUTDOWN)
             else:
                 self._inbox.put(msg)
 
@@ -119,20 +119,31 @@ class WorkerServer:
             if stopping and block and not scheduler.busy and not scheduler.adapters.reading:
                 log.info("shutdown requested; exiting")
                 return
-            # What has arrived by now; with nothing to do, wait for one.
-            items = [self._inbox.get()] if block else []
-            for _ in range(self._inbox.qsize()):
-                items.append(self._inbox.get_nowait())
-            for item in items:
-                if item is _SHUTDOWN:
-                    # Everything sent before it still runs to its end.
-                    stopping = True
-                elif item is _WAKE:
-                    pass  # the step below settles the read
-                elif isinstance(item, tuple):
-                    scheduler.submit(*item)
-                elif isinstance(item, Cancel):
-                    scheduler.cancel(item.rid)
-                else:
-                    scheduler.adapter_message(item)
+            stopping = self._apply(self._take(block)) or stopping
             scheduler.step()
+
+    def _take(self, block: bool) -> list:
+        """What has arrived by now; with nothing to do, wait for one.
+        (A rank of a group takes what rank 0 took: worker.group_server.)"""
+        items = [self._inbox.get()] if block else []
+        for _ in range(self._inbox.qsize()):
+            items.append(self._inbox.get_nowait())
+        return items
+
+    def _apply(self, items: list) -> bool:
+        """Hands the items to the scheduler; True when one asks to stop."""
+        scheduler = self.scheduler
+        stopping = False
+        for item in items:
+            if item is SHUTDOWN:
+                # Everything sent before it still runs to its end.
+                stopping = True
+            elif item is WAKE:
+                pass  # the step below settles the read
+            elif isinstance(item, tuple):
+                scheduler.submit(*item)
+            elif isinstance(item, Cancel):
+                scheduler.cancel(item.rid)
+            else:
+                scheduler.adapter_message(item)
+        return stopping

@@ -1,0 +1,224 @@
+"""One model over several processes, as each rank runs it (docs/scaling.md).
+
+Every rank of the group loads its share of the model (mlx-lm's pipeline or
+tensor split), runs the same Scheduler and makes the same model calls in the
+same order with the same shapes: MLX's collectives (the pipeline's send,
+recv and all_gather, the tensor split's all_sum) pair up only then. Rank 0
+decides each step's inputs, the messages it took from its inbox, and hands
+them to the other ranks through the group before the step (StepChannel);
+seeds it draws for unseeded requests travel with them. Every rank ends a
+step with the same logits (the pipeline all_gathers rank 0's hidden state;
+all_sum hands every rank identical bytes), so every rank samples the same
+tokens and its scheduler takes the same decisions.
+
+What a rank measures about itself (cache bytes per row, free memory, which
+cache kinds its layers have, a prefix snapshot's bytes) differs between
+ranks, so where a decision depends on it the ranks agree first
+(GroupScheduler, GroupPrefixCache). A step that fails on a rank may leave
+the ranks disagreeing about what comes next, so it ends the whole group
+(exit 75), and the pool restarts it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from worker.group_plan import CONTENT_PREFIX, EX_TEMPFAIL, GroupError, GroupPlan, write_content_files
+from worker.prefix_cache import PrefixCache
+from worker.scheduler import Scheduler
+
+log = logging.getLogger("worker")
+
+
+
+def abort(cause: str, code: int = EX_TEMPFAIL) -> None:
+    """Ends this rank at once, from any thread, its cause the last line on
+    stderr (the pool quotes it); the other ranks follow (worker.launch)."""
+    print("lattice-pool worker: " + " ".join(cause.split()), file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+# -- splitting the model ---------------------------------------------------------
+
+
+def splits(model: nn.Module) -> list[str]:
+    """How mlx-lm can split this model, the way sharded_load tells."""
+    found = []
+    if hasattr(model, "model") and hasattr(model.model, "pipeline"):
+        found.append("pipeline")
+    if hasattr(model, "shard"):
+        found.append("tensor")
+    return found
+
+
+def choose_split(model: nn.Module, model_type: str, wanted: str | None, ranks: int) -> str:
+    """The split to use: `wanted`, or pipeline where mlx-lm has it (one
+    hand-over per forward, where the tensor split has two all_sums per
+    layer, which costs more over Ethernet or Thunderbolt), else tensor."""
+    can = splits(model)
+    if not can:
+        raise GroupError(f"mlx-lm cannot split model_type {model_type!r} over processes (it has neither a pipeline nor a tensor split)")
+    if wanted is not None and wanted not in can:
+        raise GroupError(f"mlx-lm cannot split model_type {model_type!r} by {wanted} (it can by {' or '.join(can)})")
+    choice = wanted or can[0]
+    if choice == "pipeline":
+        layers = len(model.model.layers)
+        if layers < ranks:
+            raise GroupError(f"a pipeline of {ranks} ranks needs at least {ranks} layers; model_type {model_type!r} has {layers}")
+    return choice
+
+
+def split(model: nn.Module, how: str, group: mx.distributed.Group) -> None:
+    """Keeps this rank's share of the (still lazy) model: its layers of the
+    pipeline, or its slices of every layer."""
+    try:
+        if how == "pipeline":
+            model.model.pipeline(group)
+        else:
+            model.shard(group)
+    except (AssertionError, ValueError) as exc:
+        raise GroupError(f"mlx-lm cannot split this model by {how} over {group.size()} ranks: {exc}") from None
+
+
+# -- joining ---------------------------------------------------------------------
+
+
+def join(plan: GroupPlan, rank: int, rendezvous: Callable[[], None]) -> mx.distributed.Group:
+    """This rank joins the group: its environment (set by worker.launch,
+    as mlx.launch would) names the backend's peers. Blocks until every rank
+    has joined.
+
+    MLX's init holds the GIL while it waits for its peers, so no other
+    thread of this process runs meanwhile (heartbeats, the watch on the
+    other ranks). So the wait happens before it, in `rendezvous`: rank 0
+    waits there until every other rank is about to join (or one died:
+    worker.launch), the others say they are; and each rank first checks
+    that its port is free, the one failure it could not report from inside
+    init."""
+    with tempfile.TemporaryDirectory(prefix="lattice-group-") as files:
+        # MLX reads its hostfile during init only.
+        os.environ.update(write_content_files(dict(os.environ), files))
+        _check_port(plan, rank)
+        rendezvous()
+        try:
+            group = mx.distributed.init(strict=True, backend=plan.backend)
+        except RuntimeError as exc:
+            raise GroupError(f"{plan.describe(rank)} cannot join the {plan.backend} group: {exc}") from None
+    if group.size() != plan.ranks or group.rank() != rank:
+        raise GroupError(f"MLX formed a group of {group.size()} with this process as rank {group.rank()}; expected {plan.ranks} and rank {rank}")
+    return group
+
+
+def _check_port(plan: GroupPlan, rank: int) -> None:
+    """Binds this rank's ring address for a moment, as MLX is about to."""
+    addresses = _ring_addresses()
+    if plan.backend != "ring" or addresses is None:
+        return
+    ip, port = addresses[rank]
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as exc:
+            # A port the pool picked itself may have been taken since: the
+            # next start picks others. A configured one stays taken.
+            ports = [p for _, p in addresses]
+            raise GroupError(f"{plan.describe(rank, ports)}: the port is in use ({exc.strerror}); set another `port` for this model", retry=plan.port is None) from None
+
+
+def _ring_addresses() -> list[tuple[str, int]] | None:
+    """Each rank's (ip, port) in the ring hostfile the launcher handed out."""
+    try:
+        hostfile = json.loads(os.environ.get(CONTENT_PREFIX + "MLX_HOSTFILE", ""))
+        return [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a, *_ in hostfile]
+    except (ValueError, TypeError):
+        return None
+
+
+# -- what every rank must agree on ---------------------------------------------------
+
+
+def gather(group: mx.distributed.Group, values: list[int]) -> list[list[int]]:
+    """Every rank's `values`, in rank order (a collective: every rank calls
+    it at the same point)."""
+    mine = mx.array([values], dtype=mx.int64)
+    return np.array(mx.distributed.all_gather(mine, group=group)).tolist()
+
+
+class StepChannel:
+    """Rank 0's bytes to every rank, through the group's own collectives:
+    an all_sum of the length, then of the bytes (zeros from the others).
+    On the default stream, like the model's collectives, so the two keep
+    one order on every rank."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+
+    def share(self, data: bytes) -> None:
+        self._exchange(data)
+
+    def receive(self) -> bytes:
+        return self._exchange(b"")
+
+    def _exchange(self, data: bytes) -> bytes:
+        n = int(mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item())
+        if n == 0:
+            return b""
+        mine = mx.array(np.frombuffer(data, dtype=np.uint8)) if data else mx.zeros((n,), dtype=mx.uint8)
+        return np.array(mx.distributed.all_sum(mine, group=self.group)).tobytes()
+
+
+class GroupPrefixCache(PrefixCache):
+    """A prefix cache whose decisions are the same on every rank: the cache
+    kinds of all ranks' layers decide how snapshots are taken, and a
+    snapshot counts as the largest rank's share against the budget."""
+
+    def __init__(self, group: mx.distributed.Group, model, budget_bytes: int):
+        super().__init__(model, budget_bytes)
+        self.group = group
+        kinds = gather(group, [int(self.trimmable), int(self.supported)])
+        self.trimmable = all(k[0] for k in kinds)
+        self.supported = all(k[1] for k in kinds)
+
+    def _counted(self, nbytes: int) -> int:
+        return max(r[0] for r in gather(self.group, [nbytes]))
+
+
+class GroupScheduler(Scheduler):
+    """The Scheduler of one rank of a group: its admission reads figures
+    every rank agrees on (the largest rank's cache bytes per row, the
+    smallest rank's memory and batch), and a failed step ends the group."""
+
+    def __init__(self, group: mx.distributed.Group, *args, broken: Callable[[str], None] = abort, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+        self.broken = broken
+        ranks = gather(group, [self.row_fixed_bytes, self.row_token_bytes, self.batch_memory, self.max_batch])
+        self.row_fixed_bytes = max(r[0] for r in ranks)
+        self.row_token_bytes = max(r[1] for r in ranks)
+        self.batch_memory = min(r[2] for r in ranks)
+        self.max_batch = min(r[3] for r in ranks)
+        self.prefix_cache = GroupPrefixCache(group, self.loaded.model, self.prefix_cache.budget)
+        self.generator = self._generator(self.prefix_cache)
+        self.figures = self._figures()
+
+    def step(self) -> None:
+        try:
+            self._step()
+        except Exception as exc:
+            log.exception("a step failed on this rank")
+            self.broken(f"a step failed on rank {self.group.rank()} ({type(exc).__name__}: {exc}); the group restarts")
+        self._flush()
+
+    def _fail(self, row, exc: BaseException) -> None:
+        self.broken(f"request {row.rid} failed on rank {self.group.rank()} ({type(exc).__name__}: {exc}); the group restarts")
