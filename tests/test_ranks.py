@@ -163,6 +163,7 @@ def test_status_reports_every_rank_and_the_sums(pool):
     assert shown.returncode == 0, shown.stderr
     table = ps_table(shown.stdout)
     assert table["two"]["PID"] == str(pids[0]) and table["two"]["STATE"] == "ready"
+    assert table["two"]["PROCESSOR"] == table["one"]["PROCESSOR"] != "-"
     for r in ranks:
         line = table[f"rank {r['rank']} 127.0.0.1"]
         assert line["PID"] == str(r["pid"]) and re.fullmatch(r"[\d.]+ MB", line["MEMORY"])

@@ -120,6 +120,7 @@ class LeaderServer(WorkerServer):
             WORKER_STATS,
             model=self.name,
             format=self.format,
+            processor=self.processor,
             weights_bytes=sums.pop("weights_bytes"),
             adapter_bytes=batch.pop("adapter_bytes", 0),
             **sums,
