@@ -94,16 +94,20 @@ def greedy_steps(model, codec, prompt: str, n: int) -> tuple[list[int], list[flo
     return ids, margins
 
 
-@pytest.fixture(scope="session")
-def greedy_margins(tiny_model):
+def margins_of(model_dir: Path):
     """margins(prompts, n): for each greedy step of each prompt, in this
     process, how far the chosen logit is above the runner-up."""
     from worker.loader import load
     from worker.text import TextCodec
 
-    loaded = load(tiny_model)
-    codec = TextCodec(tiny_model, loaded.config)
+    loaded = load(model_dir)
+    codec = TextCodec(model_dir, loaded.config)
     return lambda prompts, n: [m for prompt in prompts for m in greedy_steps(loaded.model, codec, prompt, n)[1]]
+
+
+@pytest.fixture(scope="session")
+def greedy_margins(tiny_model):
+    return margins_of(tiny_model)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,7 +18,7 @@ import pytest
 
 from harness.pool import PoolProc
 from harness.procs import pid_alive, wait_for
-from tests.conftest import keep_alive_across_tests, release
+from tests.conftest import keep_alive_across_tests, margins_of, release
 from tests.test_batching import MIXED, PROMPTS
 from tests.test_cli import cli
 from tests.test_generator import LOGIT_TOLERANCE
@@ -28,33 +28,38 @@ TOKENS = 12
 _ids = itertools.count(1)
 
 
-def group_config(path, name: str = "two", **keys) -> str:
-    lines = [f'[[models]]\nname = "{name}"\npath = "{path}"\nranks = 2']
+def group_config(path, name: str = "two", ranks: int = 2, **keys) -> str:
+    lines = [f'[[models]]\nname = "{name}"\npath = "{path}"\nranks = {ranks}']
     for key, value in keys.items():
         lines.append(f"{key} = {value}")
     return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model, tmp_path_factory):
+def pool(tiny_model, tiny_q4_model, tmp_path_factory):
     """`two`: the tiny model over 2 ranks (pipeline), `tensor`: the same by
-    tensor parallelism, `one`: a copy of it in one process. No prefix cache,
-    so a prompt computes the same way every time."""
+    tensor parallelism, `one`: a copy of it in one process; `three`: the
+    4-bit tiny model over 3 ranks (a middle stage, and a vocabulary that
+    does not split evenly), `one-q4`: a copy of it in one process. No
+    prefix cache, so a prompt computes the same way every time."""
     root = tmp_path_factory.mktemp("ranks")
     single = shutil.copytree(tiny_model, root / "tiny-copy")
     tensor = shutil.copytree(tiny_model, root / "tiny-tensor")
+    single_q4 = shutil.copytree(tiny_q4_model, root / "tiny-q4-copy")
     config = root / "pool.toml"
     config.write_text(
         "prefix_cache_bytes = 0\n"
         + group_config(tiny_model, preload="true")
         + group_config(tensor, "tensor", parallel='"tensor"', preload="true")
+        + group_config(tiny_q4_model, "three", ranks=3, preload="true")
         + f'[[models]]\nname = "one"\npath = "{single}"\npreload = true\n'
+        + f'[[models]]\nname = "one-q4"\npath = "{single_q4}"\npreload = true\n'
     )
     p = PoolProc("--config", str(config), "--metrics-port", "0", "--control-socket", str(root / "ctl.sock"))
     p.socket = root / "ctl.sock"
     keep_alive_across_tests(p.proc.pid)
     try:
-        for name in ("two", "tensor", "one"):
+        for name in ("two", "tensor", "three", "one", "one-q4"):
             p.wait_ev("ready", model=name)
         yield p
     finally:
@@ -92,14 +97,18 @@ def rank_pids(pool: PoolProc, model: str) -> list[int]:
     return wait_for(reported, 60, interval=0.5, message=f"both ranks of {model} to report")
 
 
-def test_two_ranks_give_the_single_process_text_greedy_and_seeded(pool, greedy_margins):
+def test_two_ranks_give_the_single_process_text_greedy_and_seeded(pool, greedy_margins, tiny_q4_model):
     # Meaningful only where no step's best logit is within float noise of
-    # the runner-up (the tensor split sums its slices in another order).
+    # the runner-up (the tensor split sums its slices in another order,
+    # and each rank computes its slice of the logits).
     assert min(greedy_margins(PROMPTS[:3], TOKENS)) > 10 * LOGIT_TOLERANCE
+    assert min(margins_of(tiny_q4_model)(PROMPTS[:3], TOKENS)) > 10 * LOGIT_TOLERANCE
     greedy = [dict(prompt=p) for p in PROMPTS[:3]]
     one = texts(pool, [request("one", **g) for g in greedy])
     assert texts(pool, [request("two", **g) for g in greedy]) == one
     assert texts(pool, [request("tensor", **g) for g in greedy]) == one
+    one_q4 = texts(pool, [request("one-q4", **g) for g in greedy])
+    assert texts(pool, [request("three", **g) for g in greedy]) == one_q4
     # The pipeline hands every rank rank 0's hidden state: the logits are
     # the single process's, so a seed draws its tokens too.
     seeded = [request("one", **MIXED[1]), request("one", **MIXED[3])]
@@ -147,9 +156,10 @@ def test_status_reports_every_rank_and_the_sums(pool):
     assert child.ppid() == pids[0] and os.getpgid(pids[1]) == os.getpgid(pids[0])
     for field in ("rss_bytes", "uss_bytes", "mlx_active_bytes", "weights_bytes"):
         assert row[field] == sum(r[field] for r in ranks) and all(r[field] > 0 for r in ranks), field
-    # Each rank holds only its layers (and the embedding, which both need).
+    # Each rank holds only its layers and its half of the embedding (tied
+    # to the LM head): about half of the model.
     one = status_row(pool, "one")
-    assert max(r["weights_bytes"] for r in ranks) < 0.8 * one["weights_bytes"]
+    assert max(r["weights_bytes"] for r in ranks) < 0.6 * one["weights_bytes"]
     assert one["ranks"] is None
 
     samples = scrape(metrics_port(pool))

@@ -88,6 +88,79 @@ def split(model: nn.Module, how: str, group: mx.distributed.Group) -> None:
             model.shard(group)
     except (AssertionError, ValueError) as exc:
         raise GroupError(f"mlx-lm cannot split this model by {how} over {group.size()} ranks: {exc}") from None
+    split_vocab(model, how, group)
+
+
+def split_vocab(model: nn.Module, how: str, group: mx.distributed.Group) -> None:
+    """Gives each rank 1/N of the token embedding and of the LM head, where
+    mlx-lm keeps them whole on every rank: on a large vocabulary they are a
+    good part of the weights (a third of the 0.8b shape's), so without this
+    a rank of two holds two thirds of the model, not half."""
+    lm = next((m for m in (model, getattr(model, "language_model", None)) if m is not None and hasattr(getattr(m, "model", None), "embed_tokens")), None)
+    if lm is None:
+        return
+    # In a pipeline only the first stage (the last rank) uses the embedding;
+    # the others must still take part in its all_sum, at the same point.
+    eager = how == "pipeline" and group.rank() != group.size() - 1
+    lm.model.embed_tokens = VocabSlice(lm.model.embed_tokens, group, eager)
+    head = getattr(lm, "lm_head", None)
+    if head is not None and getattr(lm, "sharding_group", None) is None:
+        lm.lm_head = VocabSlice(head, group, eager=False)
+
+
+class VocabSlice(nn.Module):
+    """This rank's rows of a vocabulary-sized table: an embedding (looked up
+    here for the tokens in this rank's rows, then summed over the group,
+    which adds only zeros to each row, so it is exact) or an LM head, tied
+    or not (each rank computes its slice of the logits, then every rank
+    gathers them all)."""
+
+    def __init__(self, table: nn.Module, group: mx.distributed.Group, eager: bool):
+        super().__init__()
+        vocab = table.weight.shape[0]
+        self.rows = -(-vocab // group.size())
+        self.lo = group.rank() * self.rows
+        self.vocab = vocab
+        self.group = group
+        self.eager = eager
+        for key, value in table.items():
+            if isinstance(value, mx.array):
+                table[key] = _rows(value, self.lo, self.rows)
+        self.table = table
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if isinstance(self.table, nn.Embedding | nn.QuantizedEmbedding):
+            return self._lookup(x)
+        return self._logits(self.table(x))
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._logits(self.table.as_linear(x))
+
+    def _lookup(self, ids: mx.array) -> mx.array:
+        inside = (ids >= self.lo) & (ids < self.lo + self.rows)
+        local = self.table(mx.where(inside, ids - self.lo, 0))
+        out = mx.distributed.all_sum(mx.where(inside[..., None], local, mx.zeros_like(local)), group=self.group)
+        if self.eager:
+            # Nothing on this rank reads the result (a later stage takes its
+            # input from the previous one), so left lazy it would never run
+            # and the first stage would wait in it for ever.
+            mx.eval(out)
+        return out
+
+    def _logits(self, local: mx.array) -> mx.array:
+        from mlx_lm.models.base import gather_last_axis
+
+        return gather_last_axis(local, self.group)[..., : self.vocab]
+
+
+def _rows(a: mx.array, lo: int, rows: int) -> mx.array:
+    """Rows lo..lo+rows of a (zeros past its end), in an array of their own:
+    a slice alone would keep the whole table in memory."""
+    part = a[lo : lo + rows]
+    short = rows - part.shape[0]
+    if short:
+        return mx.concatenate([part, mx.zeros((short, *a.shape[1:]), dtype=a.dtype)])
+    return mx.contiguous(part)
 
 
 # -- joining ---------------------------------------------------------------------
