@@ -99,6 +99,8 @@ def group_args(group: GroupSpec, config: Config) -> list[str]:
         args += ["--parallel", group.parallel]
     if group.port is not None:
         args += ["--port", str(group.port)]
+    if not group.split_vocab:
+        args.append("--whole-vocab")
     return args
 
 

@@ -56,10 +56,14 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     parallel: Literal["pipeline", "tensor"] | None = None
     backend: Literal["ring", "jaccl", "jaccl-ring", "nccl"] = "ring"
     port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    # False keeps the embedding and LM head whole on every rank: more memory
+    # per rank, no logits between ranks at each token (docs/scaling.md).
+    split_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.ranks == 1:
-            given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None] + (["backend"] if self.backend != "ring" else [])
+            given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
+            given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])
             if given:
                 raise ValueError(f"model {self.name!r}: {', '.join(given)} set with ranks = 1; they apply to ranks > 1 only")
             return

@@ -27,13 +27,14 @@ class GroupSpec:
     parallel: str | None
     backend: str
     port: int | None
+    split_vocab: bool
 
     @classmethod
     def of(cls, entry: ModelEntry) -> "GroupSpec | None":
         if entry.ranks == 1:
             return None
         hosts = None if entry.hosts is None else encode_hosts([h if isinstance(h, HostSpec) else HostSpec(ssh=h) for h in entry.hosts])
-        return cls(entry.ranks, hosts, entry.parallel, entry.backend, entry.port)
+        return cls(entry.ranks, hosts, entry.parallel, entry.backend, entry.port, entry.split_vocab)
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ MODEL = '[[models]]\nname = "big"\npath = "/models/big"\n'
         ('ranks = 2\nhosts = ["127.0.0.1"]', "1 hosts for ranks = 2"),
         ('ranks = 2\nlora = "/a.safetensors"', "a model split over ranks takes no lora"),
         ('parallel = "tensor"\nport = 4000', "parallel, port set with ranks = 1"),
+        ("split_vocab = false", "split_vocab set with ranks = 1"),
         ('ranks = 2\nbackend = "mpi"', "backend"),
         ('ranks = 2\nparallel = "data"', "parallel"),
         ("ranks = 0", "ranks"),
@@ -116,13 +117,13 @@ def test_config_keys_of_a_group_are_checked(tmp_path, keys, message):
 
 
 def test_a_group_entry_becomes_the_workers_flags(tmp_path):
-    config = load_config(write(tmp_path, MODEL + 'ranks = 2\nhosts = ["10.0.0.1", {ssh = "me@mac-b", ip = "10.0.0.2"}]\nparallel = "pipeline"\nport = 40000\n'))
+    config = load_config(write(tmp_path, MODEL + 'ranks = 2\nhosts = ["10.0.0.1", {ssh = "me@mac-b", ip = "10.0.0.2"}]\nparallel = "pipeline"\nport = 40000\nsplit_vocab = false\n'))
     argv, _ = worker_command(Resolver(config).resolve("big"), config, None)
     tail = argv[argv.index("--ranks") :]
     assert tail == [
         "--ranks", "2", "--backend", "ring", "--rank-timeout", "120.0",
         "--hosts", '[{"ssh":"10.0.0.1"},{"ssh":"me@mac-b","ip":"10.0.0.2"}]',
-        "--parallel", "pipeline", "--port", "40000",
+        "--parallel", "pipeline", "--port", "40000", "--whole-vocab",
     ]  # fmt: skip
     single = load_config(write(tmp_path, MODEL))
     assert "--ranks" not in worker_command(Resolver(single).resolve("big"), single, None)[0]

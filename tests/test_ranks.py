@@ -217,12 +217,15 @@ def test_a_killed_or_stalled_rank_restarts_the_group_and_unload_stops_every_rank
 
 def test_a_sigkilled_supervisor_leaves_no_rank_behind(spawn_pool, tiny_model, tmp_path):
     config = tmp_path / "pool.toml"
-    config.write_text(group_config(tiny_model, preload="true"))
+    # With the vocabulary kept whole on every rank (the other tests split it).
+    config.write_text(group_config(tiny_model, preload="true", split_vocab="false"))
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="two")
+    assert pool.stderr.count(b"the embedding and LM head stay whole on every rank") == 2
     pids = rank_pids(pool, "two")
     pool.send(request("two", id="busy", max_tokens=4000))
     pool.wait_for(lambda e: e.get("id") == "busy")
+    pool.wait_for(lambda e: e.get("id") == "busy" and e.get("token"))
     pool.proc.kill()
     pool.proc.wait()
     wait_for(lambda: not any(pid_alive(p) for p in pids), 10, message="every rank to exit")

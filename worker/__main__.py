@@ -96,6 +96,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--hosts", help='JSON list, one host per rank: [{"ssh": "mac-b", "ip": "10.0.0.2"}, ...] (default: this machine for every rank)')
     g.add_argument("--parallel", choices=("pipeline", "tensor"), help="how the model is split (default: pipeline where mlx-lm has it, else tensor)")
     g.add_argument("--backend", default="ring", help="MLX distributed backend (default ring)")
+    g.add_argument(
+        "--whole-vocab",
+        action="store_true",
+        help="keep the embedding and LM head whole on every rank: more memory per rank, but no logits between ranks at each token",
+    )
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
     return p.parse_args(argv)

@@ -78,9 +78,10 @@ def choose_split(model: nn.Module, model_type: str, wanted: str | None, ranks: i
     return choice
 
 
-def split(model: nn.Module, how: str, group: mx.distributed.Group) -> None:
+def split(model: nn.Module, how: str, group: mx.distributed.Group, vocab: bool = True) -> None:
     """Keeps this rank's share of the (still lazy) model: its layers of the
-    pipeline, or its slices of every layer."""
+    pipeline, or its slices of every layer; with `vocab`, its rows of the
+    embedding and LM head too."""
     try:
         if how == "pipeline":
             model.model.pipeline(group)
@@ -88,7 +89,10 @@ def split(model: nn.Module, how: str, group: mx.distributed.Group) -> None:
             model.shard(group)
     except (AssertionError, ValueError) as exc:
         raise GroupError(f"mlx-lm cannot split this model by {how} over {group.size()} ranks: {exc}") from None
-    split_vocab(model, how, group)
+    if vocab:
+        split_vocab(model, how, group)
+    else:
+        log.info("the embedding and LM head stay whole on every rank (--whole-vocab)")
 
 
 def split_vocab(model: nn.Module, how: str, group: mx.distributed.Group) -> None:

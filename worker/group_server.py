@@ -60,7 +60,7 @@ class LeaderServer(WorkerServer):
         self.step_since: float | None = None
         self._seeds = random.SystemRandom()
 
-    def form(self, lazy: LazyModel) -> GroupScheduler:
+    def form(self, lazy: LazyModel, vocab: bool) -> GroupScheduler:
         """Checks that mlx-lm can split the model (before anything else
         starts: a model it cannot split fails at once), starts the other
         ranks, joins the group and keeps rank 0's share of the model."""
@@ -69,7 +69,7 @@ class LeaderServer(WorkerServer):
         group = join(self.plan, 0, self.launcher.wait_joining)
         self.launcher.formed = True
         log.info("group of %d formed (%s backend, %s split)", group.size(), self.plan.backend, how)
-        split(lazy.model, how, group)
+        split(lazy.model, how, group, vocab)
         self.steps = StepChannel(group)
         return group
 
@@ -138,10 +138,10 @@ class FollowerServer(WorkerServer):
         self.rank = rank
         self.steps: StepChannel | None = None
 
-    def form(self, lazy: LazyModel):
+    def form(self, lazy: LazyModel, vocab: bool):
         how = choose_split(lazy.model, lazy.config.get("model_type", "?"), self.plan.parallel, self.plan.ranks)
         group = join(self.plan, self.rank, lambda: self.channel.write(encode_event(RANK_JOINING, rank=self.rank)))
-        split(lazy.model, how, group)
+        split(lazy.model, how, group, vocab)
         self.steps = StepChannel(group)
         return group
 
@@ -205,6 +205,7 @@ class GroupRole:
         self.plan = plan(args.ranks, args.hosts, args.backend, args.parallel, args.port, resolve=self.rank == 0)
         self.argv = argv
         self.timeout = args.rank_timeout
+        self.vocab = not args.whole_vocab
         self.server: LeaderServer | FollowerServer | None = None
         self.group = None
 
@@ -216,7 +217,7 @@ class GroupRole:
         return self.server
 
     def form(self, lazy: LazyModel) -> None:
-        self.group = self.server.form(lazy)
+        self.group = self.server.form(lazy, self.vocab)
 
     def scheduler(self, loaded: LoadedModel, codec, emit, **kwargs) -> GroupScheduler:
         if self.rank == 0:
