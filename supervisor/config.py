@@ -92,6 +92,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # share one worker when their tokenizer_dir, max_batch and max_adapters
     # agree (supervisor.resolve.ModelSpec.key).
     max_adapters: MaxAdapters = DEFAULT_MAX_ADAPTERS
+    # Names one worker serves (configured ones and those requests name with
+    # a `lora`). Beyond it the least recently used name with no request
+    # queued or running leaves the worker, so a client naming adapter after
+    # adapter cannot grow the pool's tables (and adapter watches) for ever.
+    max_names: Annotated[int, Meta(ge=1)] = 64
     # Prometheus metrics on 127.0.0.1:PORT; 0 picks a free port (logged).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     # True: the default path (supervisor.control.default_socket_path); a

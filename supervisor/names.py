@@ -27,6 +27,7 @@ class Name:
     # adapter_loaded.
     up: bool = False
     since: float = 0.0  # when it began to come up (time.monotonic)
+    last_used: float = 0.0  # its last request or load (time.monotonic)
     ready_line: bytes | None = None
 
     @property

@@ -304,7 +304,21 @@ class Pool:
             slot.join(spec)
             if spec.lora is not None and slot.state != State.UNLOADED:  # admitted: its adapters are watched
                 self.watches.watch(slot, spec.lora)
+            self._trim_names(slot, spec)
         return slot
+
+    def _trim_names(self, slot: WorkerSlot, joined: ModelSpec) -> None:
+        """Past max_names, the least recently used names with no request
+        queued or running leave the worker (names with requests stay: they
+        are bounded by the queues)."""
+        limit = self.config.max_names
+        excess = len(slot.names) - limit
+        if excess <= 0:
+            return
+        idle = [n for n in slot.names.values() if n.spec.name_key != joined.name_key and slot.waiting(n.spec) == (0, 0)]
+        for name in sorted(idle, key=lambda n: n.last_used)[:excess]:
+            log.info("model=%s lora=%s: leaves worker %d, which serves max_names (%d) names", name.name, name.lora, slot.number, limit)
+            self.unload(name.spec, f"left its worker, which serves max_names ({limit}) names, as the least recently used one")
 
     def _estimate_bytes(self, spec: ModelSpec) -> int:
         try:
@@ -468,6 +482,7 @@ class Pool:
         slot = self.slot_for(spec)
         slot.touch()
         name = slot.names[spec.name_key]
+        name.last_used = time.monotonic()
         if already and slot.state in (State.READY, State.BUSY):
             if name.up:
                 (answer or self.output.write)(name.ready_line)

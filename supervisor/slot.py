@@ -256,6 +256,9 @@ class WorkerSlot:
             return
         self.queue.append(job)
         self.touch()
+        name = self.names.get(job.spec.name_key)
+        if name is not None:
+            name.last_used = time.monotonic()
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -502,7 +505,7 @@ class WorkerSlot:
         else with the worker."""
         name = self.names.get(spec.name_key)
         if name is None:
-            name = self.names[spec.name_key] = Name(spec)
+            name = self.names[spec.name_key] = Name(spec, last_used=time.monotonic())
             if self.state in LIVE:
                 name.since = time.monotonic()
                 self._emit_for(name, "loading")

@@ -341,6 +341,38 @@ def test_a_config_of_one_worker_per_pair_keeps_working(tiny_model, live, referen
     assert pool.close() == 0
 
 
+def test_names_past_max_names_leave_least_recently_used_first(tiny_model, files, references, tmp_path, spawn_pool):
+    """A client naming adapter after adapter: past max_names the least
+    recently used name without requests leaves the worker; a busy one
+    stays however old; a name that left comes back on its next request."""
+    expected, _ = references
+    config = tmp_path / "pool.toml"
+    config.write_text(f'max_names = 2\nprefix_cache_bytes = 0\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
+    pool = spawn_pool("--config", str(config))
+    x, y, z = files["x", "peft"], files["y", "peft"], files["x", "mlx"]
+
+    def adapted(lora: str, **fields) -> dict:
+        return request("tiny", 1, lora=lora, **fields)
+
+    assert texts(pool, [adapted(x)]) == [expected["x", 1]]
+    assert texts(pool, [adapted(y)]) == [expected["y", 1]]
+    assert texts(pool, [adapted(z)]) == [expected["x", 1]]
+    gone = pool.wait_ev("unloaded", model="tiny")
+    assert gone["lora"] == x and "max_names (2)" in gone["reason"], gone
+    assert set(pairs(pool)) == {("tiny", y), ("tiny", z)}
+
+    # y is now the oldest, but a request of it is running: z leaves instead.
+    busy = adapted(y, max_tokens=100_000)
+    pool.send(busy)
+    pool.wait_for(lambda e: e.get("id") == busy["id"])
+    assert texts(pool, [adapted(x)]) == [expected["x", 1]]
+    assert pool.wait_ev("unloaded", model="tiny")["lora"] == z
+    assert set(pairs(pool)) == {("tiny", y), ("tiny", x)}
+    pool.send({"op": "cancel", "id": busy["id"]})
+    assert pool.terminal(busy["id"])["finish_reason"] == "cancelled"
+    assert pool.close() == 0
+
+
 def test_ps_puts_the_adapters_of_a_worker_under_its_first_row():
     def row(model, lora, worker, pid):
         zero = dict.fromkeys(("uss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "mlx_cache_bytes", "queued", "in_flight", "served", "tokens", "restarts"), 0)
