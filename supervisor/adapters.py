@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+import psutil
 from watchfiles import awatch
 
 from supervisor.resolve import ModelSpec
@@ -149,11 +151,15 @@ class AdapterWatches:
         self._watchers.clear()
 
 
+COPIES_PREFIX = "lattice-pool-adapters-"
+
+
 class AdapterCopies:
     """The pool's private directory (mode 0700, under $TMPDIR) of adapter
     copies, one subdirectory per worker, in which the worker keeps a copy of
     each adapter it has read; made on first use, removed with its worker or
-    with the pool."""
+    with the pool. Its name carries the pool's pid, so that a later pool
+    removes what a SIGKILLed one left."""
 
     def __init__(self) -> None:
         self._root: Path | None = None
@@ -164,8 +170,9 @@ class AdapterCopies:
         descriptors, say): copies are insurance, never a reason for a
         worker not to start."""
         if self._root is None:
+            sweep_stale_copies()
             try:
-                self._root = Path(tempfile.mkdtemp(prefix="lattice-pool-adapters-"))
+                self._root = Path(tempfile.mkdtemp(prefix=f"{COPIES_PREFIX}{os.getpid()}-"))
             except OSError as exc:
                 log.warning("no directory for adapter copies now (%s); this worker start keeps none", exc)
                 return None
@@ -179,6 +186,28 @@ class AdapterCopies:
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+def sweep_stale_copies() -> None:
+    """Removes the copies of pools that are gone (a SIGKILL leaves them):
+    ours are the directories of our prefix, owned by us, whose pid is no
+    running process. A pid taken by another process since keeps its
+    directory; nothing else is touched."""
+    root = Path(tempfile.gettempdir())
+    try:
+        found = [p for p in root.iterdir() if p.name.startswith(COPIES_PREFIX)]
+    except OSError as exc:
+        log.info("cannot look for stale adapter copies in %s: %s", root, exc)
+        return
+    for path in found:
+        pid = path.name[len(COPIES_PREFIX) :].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            log.info("removing the adapter copies of pool %s, which is gone: %s", pid, path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _subdir(spec: ModelSpec) -> str:

@@ -4,6 +4,8 @@ import hashlib
 import os
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +243,39 @@ def test_a_fifo_in_place_of_the_adapter_is_refused_without_blocking(one_adapter,
     pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["sha256"] == sha(v2))
     assert greedy() != text
     assert pool.close() == 0
+
+
+def test_copies_left_by_a_sigkilled_pool_are_removed_by_the_next(tmp_path, tiny_model, spawn_pool):
+    """A SIGKILLed pool cannot remove its adapter copies; the next pool
+    started with the same $TMPDIR removes those of pools that are gone, and
+    only those."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    stale = tmp / f"lattice-pool-adapters-{gone.pid}-abc"
+    (stale / "w").mkdir(parents=True)
+    (stale / "w" / "copy").write_bytes(b"x")
+    running = tmp / f"lattice-pool-adapters-{os.getpid()}-abc"  # a pool of a running process
+    other = tmp / "lattice-pool-adaptersX"
+    for path in (running, other):
+        path.mkdir()
+    live = tmp_path / "style.safetensors"
+    live.write_bytes(adapter_bytes(tmp_path, tiny_model, seed=1))
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "live"\npath = "{tiny_model}"\nlora = "{live}"\npreload = true\n')
+
+    first = spawn_pool("--config", str(config), env={"TMPDIR": str(tmp)})
+    first.wait_ev("ready", model="live")
+    assert not stale.exists() and running.exists() and other.exists()
+    mine = tmp / f"lattice-pool-adapters-{first.proc.pid}-"
+    assert [p for p in tmp.iterdir() if str(p).startswith(str(mine))], list(tmp.iterdir())
+    first.proc.kill()
+    first.proc.wait()
+    assert [p for p in tmp.iterdir() if str(p).startswith(str(mine))], "copies are left after a SIGKILL"
+
+    second = spawn_pool("--config", str(config), env={"TMPDIR": str(tmp)})
+    second.wait_ev("ready", model="live")
+    assert not [p for p in tmp.iterdir() if str(p).startswith(str(mine))]
+    assert running.exists() and other.exists()
+    assert second.close() == 0
