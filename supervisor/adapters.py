@@ -170,8 +170,8 @@ class AdapterCopies:
         descriptors, say): copies are insurance, never a reason for a
         worker not to start."""
         if self._root is None:
-            sweep_stale_copies()
             try:
+                sweep_stale_copies()
                 self._root = Path(tempfile.mkdtemp(prefix=f"{COPIES_PREFIX}{os.getpid()}-"))
             except OSError as exc:
                 log.warning("no directory for adapter copies now (%s); this worker start keeps none", exc)
