@@ -27,7 +27,7 @@ import msgspec
 
 from ipc.events import ADAPTER_ERROR, encode_error, encode_event
 from ipc.messages import Cancel, Generate, Shutdown
-from ipc.worker_events import WORKER_STATS, RankFigures
+from ipc.worker_events import RankFigures
 from worker.channel import EventChannel
 from worker.group import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
 from worker.group_plan import GroupPlan, plan
@@ -115,18 +115,7 @@ class LeaderServer(WorkerServer):
         mine = RankFigures(rank=0, host=self.plan.hosts[0].name, pid=os.getpid(), weights_bytes=self.weights_bytes, **memory_figures())
         ranks = [mine, *self.launcher.figures()]
         sums = {f: sum(getattr(r, f) for r in ranks) for f in SUMMED}
-        batch = dict(self.scheduler.figures) if self.scheduler else {}
-        return encode_event(
-            WORKER_STATS,
-            model=self.name,
-            format=self.format,
-            processor=self.processor,
-            weights_bytes=sums.pop("weights_bytes"),
-            adapter_bytes=batch.pop("adapter_bytes", 0),
-            **sums,
-            **batch,
-            ranks=[msgspec.to_builtins(r) for r in ranks],
-        )
+        return self.encode_stats(sums.pop("weights_bytes"), sums, ranks=[msgspec.to_builtins(r) for r in ranks])
 
 
 class FollowerServer(WorkerServer):

@@ -96,17 +96,22 @@ class WorkerServer:
                 self._inbox.put(msg)
 
     def stats_event(self) -> bytes:
-        figures = memory_figures()
+        return self.encode_stats(self.weights_bytes, memory_figures())
+
+    def encode_stats(self, weights_bytes: int, memory: dict, **extra) -> bytes:
+        """The worker_stats line: this process's identity and batch figures
+        with the given memory figures (a group's are its ranks' sums)."""
         batch = dict(self.scheduler.figures) if self.scheduler else {}
         return encode_event(
             WORKER_STATS,
             model=self.name,
             format=self.format,
             processor=self.processor,
-            weights_bytes=self.weights_bytes,
+            weights_bytes=weights_bytes,
             adapter_bytes=batch.pop("adapter_bytes", 0),
-            **figures,
+            **memory,
             **batch,
+            **extra,
         )
 
     # -- main thread --------------------------------------------------------
