@@ -36,16 +36,39 @@ class _PipeProtocol(asyncio.Protocol):
         self._owner._lost(exc)
 
 
-class Output:
-    def __init__(self, fd: int = 1):
-        self.fd = fd
+class Tapped:
+    """The part every pool output shares: the writes are seen by taps too
+    (the control socket's event feed), before the output takes them, and
+    nothing is written once it is closed."""
+
+    def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self._taps: list[Callable[[bytes], None]] = []
+
+    def add_tap(self, tap: Callable[[bytes], None]) -> None:
+        """tap(data) sees every write too."""
+        self._taps.append(tap)
+
+    def write(self, data: bytes) -> None:
+        if self.closed.is_set():
+            return
+        for tap in self._taps:
+            tap(data)
+        self.take(data)
+
+    def take(self, data: bytes) -> None:
+        raise NotImplementedError
+
+
+class Output(Tapped):
+    def __init__(self, fd: int = 1):
+        super().__init__()
+        self.fd = fd
         self._writable = asyncio.Event()
         self._writable.set()
         self.paused = False
         self._transport: asyncio.WriteTransport | None = None
         self._listeners: list[Callable[[bool], None]] = []
-        self._taps: list[Callable[[bytes], None]] = []
 
     async def open(self) -> None:
         mode = os.fstat(self.fd).st_mode
@@ -59,15 +82,7 @@ class Output:
         """listener(True) when sources must stop, listener(False) to resume."""
         self._listeners.append(listener)
 
-    def add_tap(self, tap: Callable[[bytes], None]) -> None:
-        """tap(data) sees every write too (the control socket's event feed)."""
-        self._taps.append(tap)
-
-    def write(self, data: bytes) -> None:
-        if self.closed.is_set():
-            return
-        for tap in self._taps:
-            tap(data)
+    def take(self, data: bytes) -> None:
         if self._transport is not None:
             self._transport.write(data)
             return

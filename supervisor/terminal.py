@@ -18,30 +18,22 @@ from supervisor.config import Config
 from supervisor.lifecycle import RunningPool, first_set
 from supervisor.requests import ClientLine
 from supervisor.screen import Screen
+from supervisor.stdout import Tapped
 
 
-class EventSink:
+class EventSink(Tapped):
     """Takes the place of Output: parses each line and hands it to `on_event`."""
 
     def __init__(self, on_event: Callable[[dict, bytes], None]):
+        super().__init__()
         self.on_event = on_event
-        self.closed = asyncio.Event()
         self.paused = False
-        self._taps: list[Callable[[bytes], None]] = []
 
     def on_pause(self, listener) -> None:
         # A person reads slower than workers write, but text is tiny: never pause.
         pass
 
-    def add_tap(self, tap: Callable[[bytes], None]) -> None:
-        """tap(data) sees every write too (the control socket's event feed)."""
-        self._taps.append(tap)
-
-    def write(self, data: bytes) -> None:
-        if self.closed.is_set():
-            return
-        for tap in self._taps:
-            tap(data)
+    def take(self, data: bytes) -> None:
         try:
             for line in data.splitlines(keepends=True):
                 if line.startswith(b"@@lattice "):
