@@ -197,7 +197,9 @@ def lose_rank_1(pool: PoolProc, pids: list[int], sig: int) -> dict:
 
 def test_a_killed_or_stalled_rank_restarts_the_group_and_unload_stops_every_rank(spawn_pool, tiny_model, tmp_path):
     config = tmp_path / "pool.toml"
-    config.write_text("stall_timeout = 5\nheartbeat_interval = 0.5\n" + group_config(tiny_model, preload="true"))
+    # stall_timeout also bounds a rank's start (its imports take seconds on
+    # two busy cores), so it is not made shorter than this.
+    config.write_text("stall_timeout = 8\nheartbeat_interval = 0.5\n" + group_config(tiny_model, preload="true"))
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="two")
     first = rank_pids(pool, "two")
