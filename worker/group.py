@@ -32,6 +32,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.base import gather_last_axis
 
 from worker.group_plan import CONTENT_PREFIX, EX_TEMPFAIL, GroupError, GroupPlan, write_content_files
 from worker.prefix_cache import PrefixCache
@@ -127,13 +128,15 @@ class VocabSlice(nn.Module):
         self.vocab = vocab
         self.group = group
         self.eager = eager
+        # Decided once: the table is looked up, or applied as an LM head.
+        self.embedding = isinstance(table, nn.Embedding | nn.QuantizedEmbedding)
         for key, value in table.items():
             if isinstance(value, mx.array):
                 table[key] = _rows(value, self.lo, self.rows)
         self.table = table
 
     def __call__(self, x: mx.array) -> mx.array:
-        if isinstance(self.table, nn.Embedding | nn.QuantizedEmbedding):
+        if self.embedding:
             return self._lookup(x)
         return self._logits(self.table(x))
 
@@ -152,8 +155,6 @@ class VocabSlice(nn.Module):
         return out
 
     def _logits(self, local: mx.array) -> mx.array:
-        from mlx_lm.models.base import gather_last_axis
-
         return gather_last_axis(local, self.group)[..., : self.vocab]
 
 
