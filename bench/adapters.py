@@ -42,7 +42,7 @@ def memory_of(client) -> dict:
     from ipc.messages import Stats
 
     stats = client.ask(Stats())
-    return {k: stats[k] for k in ("rss_bytes", "mlx_active_bytes", "weights_bytes", "adapter_bytes")}
+    return {k: stats[k] for k in ("rss_bytes", "mlx_active_bytes", "mlx_cache_bytes", "weights_bytes", "adapter_bytes")}
 
 
 def worker(model: Path, *args: str):
@@ -61,8 +61,10 @@ def measure_memory(model: Path, adapters: list[str], prompts: list[str]) -> tupl
 
     # Every layout runs the same batch (one row per adapter) before it is measured.
     rows = prompts[: len(adapters)]
+    stages: dict[str, dict] = {}
     base = worker(model)
     try:
+        stages["base_ready"] = memory_of(base)
         base.generate_many(requests(rows, [None] * len(rows), 16))
         alone = memory_of(base)
     finally:
@@ -76,15 +78,22 @@ def measure_memory(model: Path, adapters: list[str], prompts: list[str]) -> tupl
         finally:
             one.close()
     shared = worker(model)
+    stages["one_worker_ready"] = memory_of(shared)
     load_ms = []
-    for path in adapters:
+    for i, path in enumerate(adapters):
         event = shared.ask(LoadAdapter(path=path))
         assert event["ev"] == "adapter_loaded", event
         load_ms.append(event["ms"])
+        stages[f"one_worker_{i + 1}_loaded"] = memory_of(shared)
+    shared.generate_many(requests(rows, [adapters[0]] * len(rows), 16))
+    stages["one_worker_after_one_adapter_batch"] = memory_of(shared)
     shared.generate_many(requests(rows, adapters, 16))
     together = memory_of(shared)
     shared.close()
-    return {"base_alone": alone, "one_worker": together, "worker_per_adapter": separate}, together, load_ms
+    # Where a worker's memory grows: after start, after each adapter load,
+    # after a batch on one adapter, after the mixed batch.
+    stages["one_worker_after_mixed_batch"] = together
+    return {"base_alone": alone, "one_worker": together, "worker_per_adapter": separate, "stages": stages}, together, load_ms
 
 
 def pool_memory(model: Path, adapters: list[str], prompts: list[str], tmp: Path) -> dict:
@@ -300,6 +309,8 @@ def main() -> int:
             f"{key}: one worker {g['one_worker'] * mib:.0f} MiB vs base + adapters {g['base_alone_plus_adapter_bytes'] * mib:.0f} MiB "
             f"(ratio {g['ratio']}, goal <= 1.10); a worker per adapter: {g['worker_per_adapter_total'] * mib:.0f} MiB"
         )
+    for stage, m in memory["stages"].items():
+        print(f"  {stage:40} RSS {m['rss_bytes'] * mib:8.0f} MiB  MLX active {m['mlx_active_bytes'] * mib:8.0f}  cache {m['mlx_cache_bytes'] * mib:8.0f}")
     for layout in ("one_worker", "worker_per_name"):
         m = through_pool[layout]
         print(f"through serve, {m['names']} names on {m['workers']} worker(s): RSS {m['rss_bytes'] * mib:.0f} MiB, MLX active {m['mlx_active_bytes'] * mib:.0f} MiB")

@@ -18,11 +18,21 @@ defaults) with different prompts (40-80 tokens) are sent at once; each of
   (`matched`: float32 + OpenBLAS on CPU, chunked gated-delta prefill);
 - `mlx_lm_stream_generate`: for N = 1, `stream_generate` on the first prompt.
 
+Every side warms up alike: in each round it runs the whole series of N
+twice in one process, and the second pass is the one measured (the first
+is kept as `cold`). On CUDA this matters: mlx builds a cuDNN attention graph
+for every new prefill shape (mlx-lm's cold N = 1 first token on an H200:
+4.8-8 s), and `stream_generate` is measured after a run of its own on the
+same prompt.
+
 Figures: aggregate tok/s (generated tokens / time from sending to the last
 final line), TTFT p50 and p99 over the N requests (client side, from the
-send), and the slowest TTFT over a lone request's; medians over rounds,
-ratios per round then their median. Prefix caches are off: the same prompts
-repeat. Goals (issue 13): at N = 8 aggregate
+send), and the slowest TTFT over a lone request's; for our sides also the
+decode rate each request saw inside the worker (tokens after the first /
+time after the first, from its final line); medians over rounds, ratios
+per round then their median; the results file is written after every
+round, so a run stopped at a time limit keeps what it finished. Prefix
+caches are off: the same prompts repeat. Goals (issue 13): at N = 8 aggregate
 >= 1.0x batch_generate; N = 1 >= 0.98x stream_generate; slowest TTFT at
 N = 8 <= 10x a lone request's on 2 CPU cores (<= 3x on an H200).
 
@@ -88,42 +98,74 @@ class ServeSide:
 SIDES = {"worker": WorkerSide, "serve": ServeSide}
 
 
-def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[int], max_tokens: int) -> dict[int, dict]:
-    """One round: a fresh process, a warm-up batch, then each N once."""
+def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    """One round: a fresh process, a warm-up batch, each N once (cold),
+    then each N again (measured)."""
     side = side_cls(model, max_batch)
     try:
         side.run(prompts[: max(sizes)], 8)
-        return {n: side.run(prompts[:n], max_tokens) for n in sizes}
+        cold = {n: side.run(prompts[:n], max_tokens) for n in sizes}
+        return {n: side.run(prompts[:n], max_tokens) for n in sizes}, cold
     finally:
         side.close()
 
 
-def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict]:
+def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict[int, dict], dict]:
     """One round of mlx-lm in a process of its own: batch runs for each N
-    (after a warm-up), then a stream_generate run (after one of its own)."""
+    (after a warm-up) twice, the second measured, then a stream_generate
+    run (after one of its own)."""
     lines = mlx_lm_baseline.run(
         model, "matched", "--max-tokens", str(max_tokens), "--prompts-ids", json.dumps(ids), "--batch-sizes", ",".join(map(str, sizes)),
-        "--rounds", "1", "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1",
+        "--rounds", "2", "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1",
     )
-    batch = {line["n"]: line for line in lines if "n" in line}
+    cold = {line["n"]: line for line in lines if line.get("round") == 0}
+    batch = {line["n"]: line for line in lines if line.get("round") == 1}
     stream = next(line for line in lines if "n" not in line)
-    return batch, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"]}
+    return batch, cold, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"]}
 
 
 def agg(run: dict) -> float:
     return run["tokens"] / run["wall_s"]
 
 
+def worker_decode(run: dict) -> float:
+    """The median over the run's requests of the decode rate the worker saw."""
+    return median([(n - 1) / (total - ttft) * 1000 for ttft, total, n in run["worker_ttft_total_tokens"] if n > 1 and total > ttft])
+
+
 def summary(runs: list[dict]) -> dict:
     """Median over rounds of each figure."""
     ttfts = [sorted(r["ttft_ms"]) for r in runs]
-    return {
+    out = {
         "aggregate_tok_s": round(median([agg(r) for r in runs]), 1),
         "ttft_p50_ms": round(median([percentile(t, 50) for t in ttfts]), 1),
         "ttft_p99_ms": round(median([percentile(t, 99) for t in ttfts]), 1),
         "ttft_max_ms": round(median([t[-1] for t in ttfts]), 1),
         "tokens": [r["tokens"] for r in runs],
     }
+    if all("worker_ttft_total_tokens" in r for r in runs):
+        out["worker_decode_tok_s"] = round(median([worker_decode(r) for r in runs]), 1)
+    return out
+
+
+def tabulate(result: dict, sides: dict, colds: dict, names: list[str], sizes: list[int]) -> None:
+    """The rounds so far: each side's figures, the cold ones, the ratios."""
+    table = {name: {n: summary(runs) for n, runs in by_n.items()} for name, by_n in sides.items()}
+    result["sides"] = table
+    result["cold"] = {name: {n: summary(runs) for n, runs in by_n.items()} for name, by_n in colds.items()}
+    lone = table["batched"][1]["ttft_p50_ms"] if 1 in sizes else None
+    ratios = {}
+    for n in sizes:
+        r = {}
+        for name in names[1:]:
+            if n in sides[name]:
+                # Per round (the sides ran close in time), then the median.
+                per_round = [agg(a) / agg(b) for a, b in zip(sides["batched"][n], sides[name][n])]
+                r[f"aggregate_vs_{name}"] = round(median(per_round), 3)
+        if lone:
+            r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
+        ratios[n] = r
+    result["ratios"] = ratios
 
 
 def main() -> int:
@@ -153,43 +195,38 @@ def main() -> int:
     if "mlx_lm" not in skip:
         names += ["mlx_lm_batch_generate", "mlx_lm_stream_generate"]
     sides: dict[str, dict[int, list[dict]]] = {name: {} for name in names}
+    colds: dict[str, dict[int, list[dict]]] = {name: {} for name in names if name != "mlx_lm_stream_generate"}
     # Rounds alternate the sides, so that a busy spell on a shared machine
     # hits all of them.
-    for _ in range(args.rounds):
-        rounds = {"batched": ours(side, model, max(sizes), prompts, sizes, args.max_tokens)}
+    for done in range(args.rounds):
+        rounds, cold_rounds = {}, {}
+        rounds["batched"], cold_rounds["batched"] = ours(side, model, max(sizes), prompts, sizes, args.max_tokens)
         if "one_at_a_time" in sides:
-            rounds["one_at_a_time"] = ours(side, model, 1, prompts, sizes, args.max_tokens)
+            rounds["one_at_a_time"], cold_rounds["one_at_a_time"] = ours(side, model, 1, prompts, sizes, args.max_tokens)
         if "mlx_lm_batch_generate" in sides:
-            rounds["mlx_lm_batch_generate"], stream = mlx_lm(model, ids, sizes, args.max_tokens)
+            rounds["mlx_lm_batch_generate"], cold_rounds["mlx_lm_batch_generate"], stream = mlx_lm(model, ids, sizes, args.max_tokens)
             rounds["mlx_lm_stream_generate"] = {1: stream}
-        for name, by_n in rounds.items():
-            for n, run in by_n.items():
-                sides[name].setdefault(n, []).append(run)
-    result["load_average"]["after"] = load_average()
-    table = {name: {n: summary(runs) for n, runs in by_n.items()} for name, by_n in sides.items()}
-    result["sides"] = table
-    lone = table["batched"][1]["ttft_p50_ms"] if 1 in sizes else None
-    ratios = {}
-    for n in sizes:
-        r = {}
-        for name in names[1:]:
-            if n in sides[name]:
-                # Per round (the sides ran close in time), then the median.
-                per_round = [agg(a) / agg(b) for a, b in zip(sides["batched"][n], sides[name][n])]
-                r[f"aggregate_vs_{name}"] = round(median(per_round), 3)
-        if lone:
-            r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
-        ratios[n] = r
-    result["ratios"] = ratios
-    name = f"batch-{result['backend']}-{args.size if not args.model else model.name}" + ("-serve" if args.through == "serve" else "")
-    write_result(tagged(name, args.tag), result)
+        for into, got in ((sides, rounds), (colds, cold_rounds)):
+            for name, by_n in got.items():
+                for n, run in by_n.items():
+                    into[name].setdefault(n, []).append(run)
+        # Written after every round: a run stopped at a time limit still
+        # leaves the rounds it finished.
+        result["rounds_done"] = done + 1
+        result["load_average"]["after"] = load_average()
+        tabulate(result, sides, colds, names, sizes)
+        file_name = f"batch-{result['backend']}-{args.size if not args.model else model.name}" + ("-serve" if args.through == "serve" else "")
+        write_result(tagged(file_name, args.tag), result)
+    table, ratios = result["sides"], result["ratios"]
 
-    print(f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}")
+    print(f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}{'in worker':>11}{'cold agg':>10}{'cold max':>10}")
     for n in sizes:
         for name in table:
             if n in table[name]:
                 s = table[name][n]
-                print(f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}")
+                c = result["cold"].get(name, {}).get(n, {})
+                print(f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}"
+                      f"{s.get('worker_decode_tok_s', ''):>11}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}")
         print(f"    ratios: {ratios[n]}")
     return 0
 

@@ -76,7 +76,8 @@ def main() -> int:
             logits = proc(prompt, logits)
         return sampler(logits)
 
-    scheduler = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0)
+    sizes = [int(x) for x in args.batches.split(",")] if args.batches else [1]
+    scheduler = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, max_batch=max(sizes))
 
     def engine_run() -> float:
         t0 = time.perf_counter()
@@ -97,7 +98,7 @@ def main() -> int:
     result = {"size": args.size, "tokens": n, "ms_per_token": ms,
               "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
     if args.batches:
-        result["batched"] = batched_engines(loaded, codec, scheduler, [int(x) for x in args.batches.split(",")], n, args.runs)
+        result["batched"] = batched_engines(loaded, codec, scheduler, sizes, n, args.runs)
     result.update(machine=machine(), load_average={"before": load_before, "after": load_average()})
     backend = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else "cpu")
     write_result(tagged(f"decode-step-{backend}-{args.size}", args.tag), result)

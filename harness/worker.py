@@ -214,11 +214,14 @@ def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
     """Reads the lines of the requests `ids` (their ids as JSON text) from
     `next_line()` -> (line, arrival time) until each has ended; returns the
     time of each one's first token and of its end from t0 (ms, in the order
-    of `ids`), the tokens generated, and the wall time to the last end. Token
-    lines are read as the supervisor relays them, without decoding JSON: only
-    the id at the tail matters."""
+    of `ids`), the tokens generated, the wall time to the last end, and each
+    one's figures as the worker measured them (its final line's ttft_ms,
+    total_ms and gen_tokens, from when the request reached the worker).
+    Token lines are read as the supervisor relays them, without decoding
+    JSON: only the id at the tail matters."""
     first: dict[bytes, float] = {}
     done: dict[bytes, float] = {}
+    rates: dict[bytes, list] = {}
     tokens = 0
     pending = set(ids)
     last = t0
@@ -235,6 +238,7 @@ def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
             raise RuntimeError(event["msg"])
         if event["ev"] == "gen_token":
             tokens += event["gen_tokens"]
+            rates[key] = [event["ttft_ms"], event["total_ms"], event["gen_tokens"]]
             pending.discard(key)
             done[key] = last = at
     wall = last - t0
@@ -243,4 +247,5 @@ def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
         "done_ms": [(done[i] - t0) * 1000 for i in ids],
         "tokens": tokens,
         "wall_s": wall,
+        "worker_ttft_total_tokens": [rates[i] for i in ids],
     }

@@ -231,3 +231,28 @@ def test_queued_request_is_cancelled_before_it_starts(tiny_model):
         wait_for(lambda: w.next_event(skip=())["_line"] == b'@@lattice {"ev":"heartbeat","busy":false}\n', 10, message="an idle heartbeat")
     finally:
         assert w.close() == 0
+
+
+def test_an_idle_worker_keeps_its_buffers_a_while_then_hands_them_back(tiny_model):
+    """The next request reuses the buffers the last one freed (on CUDA each
+    new one is a costly allocation); after --idle-release seconds of nothing
+    to do they go back."""
+    w = WorkerProc.started(tiny_model, "--idle-release", "3", "--prefix-cache-bytes", "0")
+    try:
+
+        def cache_bytes() -> int:
+            w.send(Stats())
+            while (e := w.next_event()) is not None and e["ev"] != "worker_stats":
+                pass
+            assert e is not None, w.stderr.decode(errors="replace")
+            return e["mlx_cache_bytes"]
+
+        done = w.generate(prompt=PROMPTS[0], max_tokens=16, temperature=0.0)
+        assert done["gen_tokens"] == 16
+        held = cache_bytes()
+        assert held > 0
+        wait_for(lambda: cache_bytes() < held / 100, timeout=30, interval=0.2, message="the buffer cache handed back")
+        # And the worker serves on as before.
+        assert w.generate(prompt=PROMPTS[0], max_tokens=16, temperature=0.0)["text"] == done["text"]
+    finally:
+        assert w.close() == 0

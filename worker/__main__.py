@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="float32",
         help="compute dtype on CPU: float32 (fast, more memory) or as stored in the checkpoint (default float32)",
     )
+    p.add_argument(
+        "--idle-release",
+        type=float,
+        default=defaults.IDLE_RELEASE_S,
+        help="seconds idle before MLX's cache of freed buffers goes back (default %(default)s); the next request reuses it meanwhile",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache_bytes=args.prefix_cache_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         adapters=adapters,
+        idle_release_s=args.idle_release,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss

@@ -11,10 +11,9 @@ docs/structured-output.md has the whole step):
 
     row = constraints.row(req.response_format, prompt_ids)   # at submit; ConstraintError -> bad_request
     ...
-    logits = model(y, cache)                                 # step t -> t+1, lazy
     row.advance(token)                                       # every token the row commits, forced ones too
     pending = masks.fill_async(rows)                         # masks on a side thread...
-    mx.async_eval(logits)                                    # ...while the forward pass runs
+    mx.async_eval(logits := model(y, cache))                 # ...while the forward pass runs (GPU: is built too)
     nxt = sampler(masks.apply(logits, pending.result()), y)  # logits untouched when no row is constrained
     if row.done: finish = "stop"                             # the grammar cannot go on
 """
@@ -224,12 +223,12 @@ class BatchMasks:
         return bits
 
     def fill_async(self, rows: Sequence[RowConstraint | None]) -> Future:
-        """fill() on a side thread; its result() is fill()'s. Start it, then
-        evaluate the forward pass, then wait: mlx's CPU backend computes
-        inside mx.eval and mx.async_eval on the calling thread (releasing
-        the GIL), so only masks started before it overlap with it; on a GPU
-        the forward pass may be queued first. One side thread: at most one
-        step's masks are in flight."""
+        """fill() on a side thread; its result() is fill()'s. Start it before
+        the forward pass is handed to mlx (on a GPU, before it is built),
+        then wait: mlx's CPU backend computes inside mx.eval and
+        mx.async_eval on the calling thread (releasing the GIL), so only
+        masks started before it overlap with it. One side thread: at most
+        one step's masks are in flight."""
         if all(r is None for r in rows):
             done: Future = Future()
             done.set_result(None)

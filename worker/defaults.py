@@ -17,3 +17,12 @@ PREFILL_STEP_GPU = 512
 
 # Memory for reusable prompt state of earlier requests (worker.prefix_cache).
 PREFIX_CACHE_BYTES = 512 * 1024 * 1024
+
+# Seconds a worker stays idle before it hands MLX's buffer cache back
+# (--idle-release). The next request reuses cached buffers; one that finds
+# the cache empty allocates each anew, and on CUDA allocations are costly:
+# while the worker emptied its cache whenever its batch did, a lone 0.8b
+# request on an H200 waited 258-276 ms for its first token, against 59-68 ms
+# for the one-at-a-time worker before it, which never did (docs/performance.md
+# §9). Chat turns a minute apart stay warm.
+IDLE_RELEASE_S = 60.0

@@ -25,12 +25,13 @@ cache keys snapshots by.
 Structured output: a row may carry a RowConstraint (worker.constrain). A
 decode step in which some row has one commits this step's tokens to the
 constraints and masks the logits before sampling, the masks filled while
-the forward pass runs; a step in which none has one runs the plain path.
+the forward pass is built and runs; a step in which none has one runs the plain path.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -244,26 +245,34 @@ class TokenGenerator:
             inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
             self._forced.clear()
         self._route([row.slot for row in self.decoding])
-        logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
         if not any(row.constraint for row in self.decoding):
+            logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
             self._next = self.sampler(logits, inputs)
             mx.async_eval(self._next)
             return inputs.tolist()
         # A mask depends on the token just committed, so the next tokens are
-        # drawn only after this step's are read; the masks are filled while
-        # the forward pass runs. On a GPU mx.async_eval returns at once; on
-        # mlx's CPU backend it returns only once most of the pass is computed
-        # (releasing the GIL meanwhile), so there the masks are started on
-        # their side thread before it.
+        # drawn only after this step's are read; the masks fill on their side
+        # thread while the forward pass is computed. On a GPU they start
+        # before the pass is even built: a small model's step is bound by
+        # the building there (the device waits for it either way), so the
+        # masks hide behind it too (H200, 8 rows: 0.84x -> 0.905x a free
+        # step). On mlx's CPU backend mx.async_eval computes most of the
+        # pass before it returns (releasing the GIL), and building it first
+        # measured 2-3 % faster per step than building it beside the masks.
         if self.on_gpu:
-            mx.async_eval(logits)
-        tokens = inputs.tolist()
-        pending = self.masks.fill_async(self._commit(tokens))
+            tokens, pending = self._start_masks(inputs)
+        logits = self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
         if not self.on_gpu:
-            mx.async_eval(logits)
+            tokens, pending = self._start_masks(inputs)
+        mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
         return tokens
+
+    def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:
+        """Reads this step's tokens, commits them and starts the next masks."""
+        tokens = inputs.tolist()
+        return tokens, self.masks.fill_async(self._commit(tokens))
 
     def _commit(self, tokens: list[int]) -> list[RowConstraint | None]:
         """Advances each decode row's constraint by its token of this step

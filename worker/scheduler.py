@@ -27,6 +27,7 @@ active row with an error, and the worker goes on with the waiting ones.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -40,6 +41,7 @@ from worker.batch_cache import row_bytes
 from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
+from worker.memory import trim_heap
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.prefix_cache import PrefixCache
@@ -73,6 +75,7 @@ class Scheduler:
         prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         adapters: AdapterManager | None = None,
+        idle_release_s: float = defaults.IDLE_RELEASE_S,
     ):
         self.loaded = loaded
         self.codec = codec
@@ -113,6 +116,9 @@ class Scheduler:
         self._room = True
         self._guard_logged = False
         self._ended_ids: dict[int, list[int]] | None = None
+        # When the last batch emptied, while MLX still caches its buffers.
+        self.idle_since: float | None = None
+        self.idle_release_s = idle_release_s
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
@@ -182,6 +188,17 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.generator) or bool(self.waiting)
 
+    def idle_release_in(self, now: float) -> float | None:
+        """Seconds until an idle worker hands MLX's buffer cache back (0: now),
+        or None when it is busy or holds nothing to hand back."""
+        if self.idle_since is None or self.busy:
+            return None
+        return max(0.0, self.idle_since + self.idle_release_s - now)
+
+    def release_idle(self) -> None:
+        mx.clear_cache()
+        self.idle_since = None
+
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> None:
@@ -211,7 +228,11 @@ class Scheduler:
                 out = []
             self._stream(out)
             if not self.generator:
-                mx.clear_cache()
+                # The heap that the batch's bookkeeping and new kernels'
+                # compilation (on CUDA) left goes back at once; MLX's
+                # buffers only after idle_release_s (WorkerServer._wait).
+                trim_heap()
+                self.idle_since = time.monotonic()
         # Reads the admission asked for start now, and versions whose last
         # row ended this step are dropped.
         self.adapters.dispatch(room=self._room)

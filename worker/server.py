@@ -128,12 +128,23 @@ class WorkerServer:
             scheduler.step()
 
     def _take(self, block: bool) -> list:
-        """What has arrived by now; with nothing to do, wait for one.
+        """What has arrived by now; with nothing to do, wait for one, handing
+        MLX's buffer cache back once the worker has been idle long enough.
         (A rank of a group takes what rank 0 took: worker.group_server.)"""
-        items = [self._inbox.get()] if block else []
+        items = [self._wait()] if block else []
         for _ in range(self._inbox.qsize()):
             items.append(self._inbox.get_nowait())
         return items
+
+    def _wait(self):
+        release_in = self.scheduler.idle_release_in(time.monotonic())
+        if release_in is not None:
+            try:
+                return self._inbox.get(timeout=release_in)
+            except queue.Empty:
+                log.debug("idle for %.1f s: MLX's buffer cache handed back", self.scheduler.idle_release_s)
+                self.scheduler.release_idle()
+        return self._inbox.get()
 
     def _apply(self, items: list) -> bool:
         """Hands the items to the scheduler; True when one asks to stop."""
