@@ -25,7 +25,8 @@ cache keys snapshots by.
 Structured output: a row may carry a RowConstraint (worker.constrain). A
 decode step in which some row has one commits this step's tokens to the
 constraints and masks the logits before sampling, the masks filled while
-the forward pass is built and runs; a step in which none has one runs the plain path.
+the forward pass runs (on a GPU, while it is built too); a step in which
+none has one runs the plain path.
 """
 
 from __future__ import annotations

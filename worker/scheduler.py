@@ -116,8 +116,10 @@ class Scheduler:
         self._room = True
         self._guard_logged = False
         self._ended_ids: dict[int, list[int]] | None = None
-        # When the last batch emptied, while MLX still caches its buffers.
+        # When the last batch emptied, while MLX still caches its buffers,
+        # and whether the heap was trimmed since.
         self.idle_since: float | None = None
+        self._trimmed = True
         self.idle_release_s = idle_release_s
         self.figures = self._figures()
 
@@ -214,6 +216,13 @@ class Scheduler:
             for row in rows:
                 self._fail(row, exc)
         self._flush()
+        if self.idle_since is not None and not self._trimmed:
+            # After the lines are out, so no final line waits for it: the
+            # heap that the batch's bookkeeping and new kernels' compilation
+            # (on CUDA) left goes back at once; MLX's buffers only after
+            # idle_release_s (WorkerServer._wait).
+            trim_heap()
+            self._trimmed = True
 
     def _step(self) -> None:
         settled = self.adapters.poll()
@@ -228,11 +237,8 @@ class Scheduler:
                 out = []
             self._stream(out)
             if not self.generator:
-                # The heap that the batch's bookkeeping and new kernels'
-                # compilation (on CUDA) left goes back at once; MLX's
-                # buffers only after idle_release_s (WorkerServer._wait).
-                trim_heap()
                 self.idle_since = time.monotonic()
+                self._trimmed = False
         # Reads the admission asked for start now, and versions whose last
         # row ended this step are dropped.
         self.adapters.dispatch(room=self._room)
