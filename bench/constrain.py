@@ -192,6 +192,10 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
     spell on a shared machine hits both alike. Decode steps only, after
     every row's first token.
 
+    Both of those run step by step (run_ahead off); a third constrained run
+    of each round runs ahead (the next forward pass queued right after the
+    masked draw, TokenGenerator.run_ahead, the default on a GPU).
+
     Then a constrained run with probes in its steps: how long the side
     thread filled the masks, how long the engine thread then waited for
     them, and whether the forward pass was still running once they were
@@ -233,13 +237,14 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
         current["forward_left"] = time.perf_counter() - t
         return real_apply(logits, bits)
 
-    modes = {"none": side_thread, "overlapped": side_thread, "masks_first": on_this_thread, "probed": probed}
+    modes = {"none": side_thread, "overlapped": side_thread, "ahead": side_thread, "masks_first": on_this_thread, "probed": probed}
     prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
     rid = iter(range(1, 1 << 30))
 
-    def decode(constrained: bool, mode_of) -> list[dict]:
+    def decode(constrained: bool, mode_of, run_ahead: bool = False) -> list[dict]:
         """One step record per decode step: its mode, seconds, and probes."""
+        engine.generator.run_ahead = run_ahead
         for seed in range(rows):
             engine.submit(Generate(rid=next(rid), prompt=prompt, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
         while len(engine.generator.decoding) < rows or any(not s.generated for s in engine.streams.values()):
@@ -261,10 +266,11 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
         return statistics.mean(s[key] for s in steps if s["mode"] == mode and key in s) * 1000
 
     decode(True, lambda k: "overlapped")  # the grammar compiles here
-    none, overlapped, masks_first, fill_ms, hidden, ratio, probes = [], [], [], [], [], [], []
+    none, overlapped, masks_first, ahead, fill_ms, hidden, ratio, probes = [], [], [], [], [], [], [], []
     for _ in range(runs):
         free = decode(False, lambda k: "none")
         steps = decode(True, lambda k: ("overlapped", "masks_first")[k % 2])
+        ahead.append(mean_ms(decode(True, lambda k: "ahead", run_ahead=True), "ahead"))
         none.append(mean_ms(free, "none"))
         overlapped.append(mean_ms(steps, "overlapped"))
         masks_first.append(mean_ms(steps, "masks_first"))
@@ -290,10 +296,12 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
             "none": summary(none, 2),
             "overlapped": summary(overlapped, 2),
             "masks_first": summary(masks_first, 2),
+            "ahead": summary(ahead, 2),
             "masks_alone": summary(fill_ms, 2),
         },
         "share_of_masks_hidden": summary(hidden, 2),
         "ratio_overlapped_vs_none": round(statistics.median(ratio), 3),
+        "ratio_ahead_vs_none": round(statistics.median([n / a for n, a in zip(none, ahead)]), 3),
         "probed": {
             "steps": len(probes),
             "masks_ms_per_step": round(filled / len(probes) * 1000, 3),

@@ -16,7 +16,7 @@ from harness.worker import terminal, text_of
 from ipc.messages import Cancel, Generate
 from tests.conftest import shared_worker
 from tests.schemas import PET
-from tests.test_generator import LOGIT_TOLERANCE, ends_by_id, scheduler_for
+from tests.test_generator import LOGIT_TOLERANCE, ends_by_id, events as events_of, scheduler_for
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -219,8 +219,11 @@ def test_free_steps_never_touch_the_masks_and_a_broken_row_ends_alone(tiny_model
         s.submit(r, 0.0)
     while len(s.generator.decoding) < 3:
         s.step()
+    # As a row with a reasoning budget is: the batch no longer runs ahead.
+    victim_row = next(row for row in s.streams if row.rid == victim.rid)
+    victim_row.may_force = True
     s.step()
-    s.generator.force(next(row for row in s.streams if row.rid == victim.rid), s.codec.encode("x")[0])
+    s.generator.force(victim_row, s.codec.encode("x")[0])
     s.drain()
     ends = ends_by_id(lines)
     assert ends[victim.rid][0]["code"] == "worker_crashed"
@@ -228,6 +231,126 @@ def test_free_steps_never_touch_the_masks_and_a_broken_row_ends_alone(tiny_model
     assert ends[kept.rid][0]["finish_reason"] == "stop" and ends[bystander.rid][0]["gen_tokens"] == 8
     assert filled and all(len(rows) <= 3 and any(r is None for r in rows) for rows in filled[:3])
     assert all(len(v) == 1 for v in ends.values())
+
+
+# -- running ahead (TokenGenerator.run_ahead, the GPU order) ----------------------
+
+
+def replies(lines: list[bytes]) -> dict:
+    """Each request's text, end and tokens, without its timings."""
+    out: dict = {}
+    for e in events_of(lines):
+        text, _ = out.setdefault(e["id"], ["", None])
+        if e["ev"] == "gen_token" and not e.get("done"):
+            out[e["id"]][0] = text + e["token"]
+        elif e["ev"] == "error":
+            out[e["id"]][1] = e["code"]
+        else:
+            out[e["id"]][1] = (e["finish_reason"], e["gen_tokens"], e.get("cached_tokens"))
+    return out
+
+
+def drive(s, first: list[Generate], later: dict[int, Generate], cancel: dict[int, int], watch: int | None = None) -> tuple[int, int]:
+    """Steps the scheduler until all is done, submitting `later[k]` and
+    cancelling the rid `cancel[k]` after step k; returns the steps taken
+    with a pass queued ahead, and those while the rid `watch` was decoding."""
+    for r in first:
+        s.submit(r, 0.0)
+    ahead = ahead_watched = k = 0
+    while s.has_work:
+        s.step()
+        k += 1
+        if s.generator._ahead is not None:
+            ahead += 1
+            ahead_watched += any(row.rid == watch for row in s.generator.decoding)
+        if k in later:
+            s.submit(later[k], 0.0)
+        if k in cancel:
+            s.cancel(cancel[k])
+    return ahead, ahead_watched
+
+
+def fixed(rid: int, **kw) -> Generate:
+    kw.setdefault("prompt", CHAT)
+    kw.setdefault("temperature", 1.0)
+    return Generate(rid=rid, id_json=str(rid), **kw)
+
+
+def test_a_batch_run_ahead_draws_what_the_step_by_step_order_draws(tiny_model):
+    """On a GPU a constrained batch queues its next forward pass before it
+    reads its tokens. Forced on here, it must draw the very tokens the
+    step-by-step order draws: sampled and greedy constrained rows, a free
+    row, a row joining mid-stream and one cancelled mid-stream."""
+    from worker.loader import load
+
+    loaded = load(tiny_model)
+    first = [
+        fixed(1, seed=1, response_format=PET_FORMAT, max_tokens=160),
+        fixed(2, temperature=0.0, response_format=JSON_OBJECT, max_tokens=200),
+        fixed(3, prompt=FREE, temperature=0.0, max_tokens=30),
+    ]
+    later = {6: fixed(4, seed=4, response_format=PET_FORMAT, max_tokens=160)}
+    out = {}
+    for run_ahead in (False, True):
+        s, lines = scheduler_for(loaded, run_ahead=run_ahead)
+        ahead, _ = drive(s, first, later, cancel={12: 2})
+        out[run_ahead] = replies(lines), ahead
+    (plain, plain_ahead), (piped, piped_ahead) = out[False], out[True]
+    assert plain_ahead == 0 and piped_ahead > 20
+    assert piped == plain
+    assert plain[2][1] == "cancelled" or plain[2][1][0] == "cancelled"
+    for rid in (1, 4):
+        assert plain[rid][1][0] == "stop"
+        jsonschema.validate(json.loads(plain[rid][0]), PET)
+
+
+def test_rows_that_may_be_forced_keep_the_batch_from_running_ahead(tiny_model):
+    """A reasoning budget forces </think> in place of a token already drawn,
+    which a pass queued ahead would have fed: while such a row decodes the
+    batch steps one by one, and the replies are those of that order."""
+    from worker.loader import load
+
+    loaded = load(tiny_model)
+    think = CHAT + "<think>\n"
+    first = [
+        fixed(1, prompt=think, temperature=0.0, reasoning_budget=6, response_format=PET_FORMAT, max_tokens=200),
+        fixed(2, seed=2, response_format=JSON_OBJECT, max_tokens=300),
+    ]
+    out = {}
+    for run_ahead in (False, True):
+        s, lines = scheduler_for(loaded, run_ahead=run_ahead)
+        counts = drive(s, first, {}, {}, watch=1)
+        out[run_ahead] = replies(lines), counts
+    (plain, _), (piped, (ahead, ahead_watched)) = out[False], out[True]
+    assert piped == plain
+    assert "</think>" in plain[1][0] and plain[1][1][0] == "stop"
+    assert ahead_watched == 0
+    assert plain[2][1][1] > plain[1][1][1] + 5 and ahead > 0, "the other row decodes on, ahead, after the budgeted one ends"
+
+
+def test_a_whole_resumed_prompt_joins_a_batch_that_ran_ahead(tiny_model):
+    """A prompt resumed whole from the prefix cache would join the decode
+    batch at once; a batch that has run ahead is a token further on, so it
+    joins after the next step instead, and draws what it draws otherwise."""
+    from worker.loader import load
+    from worker.scheduler import Scheduler
+    from worker.text import TextCodec
+
+    loaded = load(tiny_model)
+    # Ends at a message start: the prefix cache keeps a snapshot there,
+    # which holds all of the prompt but its last token.
+    prompt = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>"
+    out = {}
+    for run_ahead in (False, True):
+        lines: list[bytes] = []
+        s = Scheduler(loaded, TextCodec(tiny_model, loaded.config), lines.append, batch_memory=1 << 30, run_ahead=run_ahead)
+        drive(s, [fixed(1, prompt=prompt, temperature=0.0, max_tokens=2)], {}, {})
+        ahead, _ = drive(s, [fixed(2, seed=2, response_format=JSON_OBJECT, max_tokens=60)], {4: fixed(3, prompt=prompt, temperature=0.0, max_tokens=20)}, {})
+        out[run_ahead] = replies(lines), ahead
+    (plain, plain_ahead), (piped, piped_ahead) = out[False], out[True]
+    assert piped == plain and plain_ahead == 0 and piped_ahead > 0
+    n = len(TextCodec(tiny_model, loaded.config).encode(prompt))
+    assert plain[3][1] == ("length", 20, n - 1)
 
 
 def test_response_format_through_serve(tiny_model, spawn_pool):

@@ -76,8 +76,10 @@ class Scheduler:
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         adapters: AdapterManager | None = None,
         idle_release_s: float = defaults.IDLE_RELEASE_S,
+        run_ahead: bool = True,
     ):
         self.loaded = loaded
+        self.run_ahead = run_ahead  # TokenGenerator's
         self.codec = codec
         # Lines are collected and written once per step (or per message
         # handled): one system call for a step's tokens of every row.
@@ -125,7 +127,7 @@ class Scheduler:
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
         marker = self.codec.tokenizer.token_to_id("<|im_start|>")
-        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks)
+        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead)
 
     def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
         """The request's compiled response_format (RequestError when it
@@ -300,12 +302,14 @@ class Scheduler:
         rows = []
         for w, version in start:
             params = SamplingParams.of(w.req)
-            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint)
+            stream = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
+            # A reasoning budget may force </think> (_stream).
+            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint, may_force=stream.think.budget is not None)
             if version is not None:
                 row.adapter, row.slot = version.key, version.slot
                 self.adapters.acquire(version)
                 self._versions[row] = version
-            self.streams[row] = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
+            self.streams[row] = stream
             self._by_rid[row.rid] = row
             rows.append(row)
         try:
