@@ -37,38 +37,68 @@ def decode_payload(payload: bytes) -> ToWorker:
     return _decoder.decode(payload)
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
-    """n bytes from fd, or None at EOF before all of them arrived."""
-    chunks = []
-    while n:
-        chunk = os.read(fd, min(n, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+class FrameReader:
+    """Frames from a blocking fd, handed on as they arrived together.
 
-
-def read_payload(fd: int) -> bytes | None:
-    """The next frame's payload from a blocking fd; None at EOF.
-
-    An oversized frame is skipped whole (so the stream stays in sync) and
-    reported with FrameTooLarge.
+    `batch()` blocks for the next read and returns every frame it (and the
+    bytes before it) completed: frames the writer sent in one write come out
+    in one batch, so the worker's main thread never sees some of them before
+    the rest (it would start the first requests alone and the others only
+    after their prompts were read). An oversized frame comes out as a
+    FrameTooLarge in its place, and its bytes are skipped as they arrive, so
+    the stream stays in sync. The buffer holds at most one frame and one
+    read: MAX_FRAME plus READ_SIZE bytes.
     """
-    header = _read_exact(fd, HEADER.size)
-    if header is None:
-        return None
-    (size,) = HEADER.unpack(header)
-    if size > MAX_FRAME:
-        remaining = size
-        while remaining:
-            skipped = _read_exact(fd, min(remaining, 1 << 20))
-            if skipped is None:
+
+    READ_SIZE = 1 << 16
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._buf = bytearray()
+        self._skip = 0  # bytes of an oversized frame still to drop
+
+    def batch(self) -> list[bytes | FrameTooLarge] | None:
+        """The frames completed by the next read(s), at least one; None at
+        EOF (a partial frame left is dropped)."""
+        while True:
+            out = self._frames()
+            if out:
+                return out
+            want = self._missing()
+            chunk = os.read(self._fd, min(max(want, self.READ_SIZE), 1 << 20))
+            if not chunk:
                 return None
-            remaining -= len(skipped)
-        raise FrameTooLarge(size)
-    payload = _read_exact(fd, size)
-    return payload
+            if self._skip:
+                dropped = min(self._skip, len(chunk))
+                self._skip -= dropped
+                chunk = chunk[dropped:]
+            self._buf += chunk
+
+    def _missing(self) -> int:
+        """Bytes the frame at the head of the buffer still needs."""
+        if len(self._buf) < HEADER.size:
+            return HEADER.size - len(self._buf)
+        (size,) = HEADER.unpack_from(self._buf)
+        return HEADER.size + size - len(self._buf)
+
+    def _frames(self) -> list[bytes | FrameTooLarge]:
+        out: list[bytes | FrameTooLarge] = []
+        buf, pos = self._buf, 0
+        while not self._skip and len(buf) - pos >= HEADER.size:
+            (size,) = HEADER.unpack_from(buf, pos)
+            if size > MAX_FRAME:
+                out.append(FrameTooLarge(size))
+                pos += HEADER.size
+                dropped = min(size, len(buf) - pos)
+                pos += dropped
+                self._skip = size - dropped
+                continue
+            if len(buf) - pos - HEADER.size < size:
+                break
+            out.append(bytes(buf[pos + HEADER.size : pos + HEADER.size + size]))
+            pos += HEADER.size + size
+        del buf[:pos]
+        return out
 
 
 def write_frame(fd: int, msg: ToWorker) -> None:

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from ipc.events import encode_cancelled_done, encode_done, encode_event, encode_token
-from ipc.framing import decode_payload, read_payload
+from ipc.framing import FrameReader, decode_payload
 from ipc.messages import Cancel, Generate, Shutdown, Stats
 from worker.lifeline import bind_to_parent
 
@@ -130,26 +130,31 @@ class FakeWorker:
             self.out.write(encode_event("heartbeat", busy=self.current is not None))
 
     def read_loop(self) -> None:
+        reader = FrameReader(0)
         while True:
             try:
-                payload = read_payload(0)
+                batch = reader.batch()
             except OSError:
-                payload = None
-            if payload is None:
+                batch = None
+            if batch is None:
                 if self.knobs.get("ignore_eof"):
                     return
                 os._exit(0)
-            msg = decode_payload(payload)
-            if isinstance(msg, Cancel):
-                with self.lock:
-                    if self.current == msg.rid and not self.knobs.get("together"):
-                        self.cancel.set()
-                    else:
-                        self.cancelled.add(msg.rid)
-            elif isinstance(msg, Stats):
-                self.out.write(encode_event("worker_stats", model=self.name, format="fake", rss_bytes=rss_bytes(), uss_bytes=rss_bytes()))
-            else:
-                self.jobs.put(msg)
+            for payload in batch:
+                self.handle(payload)
+
+    def handle(self, payload: bytes) -> None:
+        msg = decode_payload(payload)
+        if isinstance(msg, Cancel):
+            with self.lock:
+                if self.current == msg.rid and not self.knobs.get("together"):
+                    self.cancel.set()
+                else:
+                    self.cancelled.add(msg.rid)
+        elif isinstance(msg, Stats):
+            self.out.write(encode_event("worker_stats", model=self.name, format="fake", rss_bytes=rss_bytes(), uss_bytes=rss_bytes()))
+        else:
+            self.jobs.put(msg)
 
     def serve(self) -> None:
         while True:

@@ -4,7 +4,7 @@ import os
 import msgspec
 import pytest
 
-from ipc.framing import HEADER, MAX_FRAME, FrameTooLarge, decode_payload, encode_frame, read_frame_async, read_payload, write_frame
+from ipc.framing import HEADER, MAX_FRAME, FrameReader, FrameTooLarge, decode_payload, encode_frame, read_frame_async, write_frame
 from ipc.messages import Cancel, Generate, LoadAdapter, Message, ReloadAdapter, SetAdapter, Shutdown, Stats, UnloadAdapter
 
 MESSAGES = [
@@ -28,11 +28,39 @@ def test_sync_roundtrip_over_a_pipe():
     try:
         for msg in MESSAGES:
             write_frame(w, msg)
-        for msg in MESSAGES:
-            assert decode_payload(read_payload(r)) == msg
+        reader = FrameReader(r)
+        got = []
+        while len(got) < len(MESSAGES):
+            got += [decode_payload(p) for p in reader.batch()]
+        assert got == MESSAGES
         os.close(w)
         w = -1
-        assert read_payload(r) is None
+        assert reader.batch() is None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_frames_written_together_come_out_together_and_split_ones_wait():
+    """The worker takes one batch per read: requests written in one write
+    start together. A frame split across writes comes out once whole."""
+    frames = [encode_frame(Generate(rid=i, prompt="x" * (i * 300))) for i in range(8)]
+    r, w = os.pipe()
+    try:
+        reader = FrameReader(r)
+        os.write(w, b"".join(frames))
+        assert [decode_payload(p).rid for p in reader.batch()] == list(range(8))
+        tail = frames[3]
+        os.write(w, frames[1] + tail[:5])
+        assert [decode_payload(p).rid for p in reader.batch()] == [1]
+        os.write(w, tail[5:] + frames[2][:2])
+        assert [decode_payload(p).rid for p in reader.batch()] == [3]
+        os.write(w, frames[2][2:])
+        assert [decode_payload(p).rid for p in reader.batch()] == [2]
+        os.close(w)
+        w = -1
+        assert reader.batch() is None
     finally:
         os.close(r)
         if w >= 0:
@@ -62,20 +90,18 @@ def test_oversized_frame_is_skipped_whole(monkeypatch):
     import ipc.framing as framing
 
     monkeypatch.setattr(framing, "MAX_FRAME", 16)
+    monkeypatch.setattr(FrameReader, "READ_SIZE", 8)
     r, w = os.pipe()
     try:
+        reader = FrameReader(r)
+        # Its bytes arrive over several reads; the frame after it is intact.
         os.write(w, HEADER.pack(40) + b"x" * 40 + encode_frame(Stats()))
-        with pytest.raises(FrameTooLarge):
-            read_payload(r)
-        assert decode_payload(read_payload(r)) == Stats()
+        got = []
+        while len(got) < 2:
+            got += reader.batch()
+        assert isinstance(got[0], FrameTooLarge) and got[0].size == 40
+        assert decode_payload(got[1]) == Stats()
     finally:
         os.close(r)
         os.close(w)
     assert MAX_FRAME > 16
-
-
-def test_a_generate_without_lora_is_not_one_for_the_base_model():
-    """Left out, `lora` means the worker's default adapter; null, the base
-    model: the difference survives the wire."""
-    unset, base = (decode_payload(encode_frame(Generate(rid=1, **kw))[HEADER.size :]) for kw in ({}, {"lora": None}))
-    assert unset.lora is msgspec.UNSET and base.lora is None

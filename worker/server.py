@@ -21,7 +21,7 @@ import time
 import msgspec
 
 from ipc.events import BAD_REQUEST, encode_error, encode_event
-from ipc.framing import FrameTooLarge, decode_payload, read_payload
+from ipc.framing import FrameReader, FrameTooLarge, decode_payload
 from ipc.messages import Cancel, Generate, Shutdown, Stats
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
 from worker.channel import EventChannel
@@ -43,13 +43,14 @@ class WorkerServer:
         self.format = "unknown"
         self.weights_bytes = 0
         self.processor: str | None = None  # set once the model is loaded
-        # Emptied at every step; what it feeds is bounded by the scheduler's
-        # waiting line (MAX_WAITING, beyond which requests are refused).
+        # Lists of messages, one per read of the request pipe; emptied at
+        # every step; what it feeds is bounded by the scheduler's waiting
+        # line (MAX_WAITING, beyond which requests are refused).
         self._inbox: queue.Queue = queue.Queue()
 
     def wake(self) -> None:
         """Called by the adapter reader when a read ends (any thread)."""
-        self._inbox.put(WAKE)
+        self._inbox.put([WAKE])
 
     # -- side threads -------------------------------------------------------
 
@@ -68,32 +69,38 @@ class WorkerServer:
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def _read_loop(self) -> None:
+        reader = FrameReader(self.request_fd)
         while True:
             try:
-                payload = read_payload(self.request_fd)
-            except FrameTooLarge as exc:
-                self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
-                continue
+                batch = reader.batch()
             except OSError:
-                payload = None
-            if payload is None:
+                batch = None
+            if batch is None:
                 # The supervisor closed the pipe or died: nobody is left to serve.
                 log.info("request pipe closed; exiting")
                 os._exit(0)
-            try:
-                msg = decode_payload(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("malformed frame: %s", exc)
-                self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
-                continue
-            if isinstance(msg, Generate):
-                self._inbox.put((msg, time.perf_counter()))
-            elif isinstance(msg, Stats):
-                self.channel.write(self.stats_event())
-            elif isinstance(msg, Shutdown):
-                self._inbox.put(SHUTDOWN)
-            else:
-                self._inbox.put(msg)
+            items = []
+            for payload in batch:
+                try:
+                    if isinstance(payload, FrameTooLarge):
+                        raise payload
+                    msg = decode_payload(payload)
+                except (FrameTooLarge, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("malformed frame: %s", exc)
+                    self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
+                    continue
+                if isinstance(msg, Generate):
+                    items.append((msg, time.perf_counter()))
+                elif isinstance(msg, Stats):
+                    self.channel.write(self.stats_event())
+                elif isinstance(msg, Shutdown):
+                    items.append(SHUTDOWN)
+                else:
+                    items.append(msg)
+            if items:
+                # One inbox entry per read: what was written together is
+                # taken together.
+                self._inbox.put(items)
 
     def stats_event(self) -> bytes:
         return self.encode_stats(self.weights_bytes, memory_figures())
@@ -131,12 +138,12 @@ class WorkerServer:
         """What has arrived by now; with nothing to do, wait for one, handing
         MLX's buffer cache back once the worker has been idle long enough.
         (A rank of a group takes what rank 0 took: worker.group_server.)"""
-        items = [self._wait()] if block else []
+        items = self._wait() if block else []
         for _ in range(self._inbox.qsize()):
-            items.append(self._inbox.get_nowait())
+            items += self._inbox.get_nowait()
         return items
 
-    def _wait(self):
+    def _wait(self) -> list:
         release_in = self.scheduler.idle_release_in(time.monotonic())
         if release_in is not None:
             try:
