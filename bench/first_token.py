@@ -72,9 +72,14 @@ def main() -> int:
 
     def theirs() -> float:
         t0 = time.perf_counter()
-        for _ in stream_generate(loaded.model, tokenizer, ids, max_tokens=1):
+        stream = stream_generate(loaded.model, tokenizer, ids, max_tokens=1)
+        try:
+            next(stream)
             return (time.perf_counter() - t0) * 1000
-        return float("nan")
+        finally:
+            # Closed at once: a suspended stream_generate holds its `with
+            # mx.stream(...)`, and so the default stream, until it ends.
+            stream.close()
 
     variants = {
         "ours": lambda: ours(False, False)[0],
@@ -82,12 +87,13 @@ def main() -> int:
         "mlx_lm": theirs,
     }
     load_before = load_average()
-    for fn in variants.values():
-        fn()
+    for name, fn in variants.items():
+        print(f"warm-up {name}: {fn():.1f} ms", flush=True)
     runs = {name: [] for name in variants}
     for _ in range(args.runs):
         for name, fn in variants.items():
             runs[name].append(fn())
+        print({name: round(v[-1], 1) for name, v in runs.items()}, flush=True)
     steps = {"warm": ours(False, True)[1], "cleared": ours(True, True)[1]}
     ttft = {name: round(median(v), 2) for name, v in runs.items()}
     result = {

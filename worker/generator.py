@@ -30,15 +30,20 @@ none has one runs the plain path.
 
 A mask depends on the token just read, so a constrained step cannot queue
 the next step's forward pass before reading its tokens, as a free step
-does. Running ahead (`run_ahead`, the default), it queues that pass right
-after the masked draw instead: mlx computes forward t+1 while this thread
-reads token t, fills mask t+1 and builds forward t+2, so a step costs
-about max(masks + graph building, the pass) instead of their sum (2-core
-CPU, 151k vocabulary, 8 rows: 0.954x a free step step by step, 1.022x
-ahead). A row's pending token is then already fed when the caller sees
-the one before it, so it cannot be forced: rows that may be forced (a
-reasoning budget) and a prefill group about to join keep the batch
-stepping one by one.
+does. Running ahead (`run_ahead`, the default), it builds that pass right
+after the masked draw instead, on the draw's lazy tokens. On mlx's CPU
+backend it is handed to mlx at once, and mlx's CPU stream computes forward
+t+1 while this thread reads token t, fills mask t+1 and builds forward t+2
+(2-core CPU, 151k vocabulary, 8 rows: 0.954x a free step step by step,
+1.022x ahead). On a GPU handing a pass over (launching its kernels) is
+this thread's own work, and most of a small model's step there: done at
+once it would put the masks in series with it (H200, 8 rows: 24.1 ms a
+step against 16.9 step by step), so the pass built ahead is handed over
+next step, beside the masks, and only the device's tail of the last step
+hides behind its building. A row's pending token is then already fed when
+the caller sees the one before it, so it cannot be forced: rows that may
+be forced (a reasoning budget) and a prefill group about to join keep the
+batch stepping one by one.
 """
 
 from __future__ import annotations
@@ -273,14 +278,14 @@ class TokenGenerator:
             inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
             self._forced.clear()
         constrained = any(row.constraint for row in self.decoding)
-        queued = logits is not None  # the pass was run ahead last step
+        ahead = logits is not None  # built last step (and on a CPU, handed to mlx)
         # Step by step, a constrained step's masks fill on their side thread
         # while its forward pass is computed. On a GPU they start before the
         # pass is even built: a small model's step is bound by the building
         # there (the device waits for it either way), so the masks hide
         # behind it too (H200, 8 rows: 0.84x -> 0.905x a free step). On
         # mlx's CPU backend building it first measured 2-3 % faster.
-        if not queued and not (constrained and self.on_gpu):
+        if not ahead and not (constrained and self.on_gpu):
             logits = self._forward(inputs)
         if not constrained:
             self._next = self.sampler(logits, inputs)
@@ -289,15 +294,16 @@ class TokenGenerator:
         tokens, pending = self._start_masks(inputs)
         if logits is None:
             logits = self._forward(inputs)
-        if not queued:
+        if not ahead or self.on_gpu:
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
         if self.run_ahead and not self.prefilling and not any(row.may_force for row in self.decoding):
-            # Queued apart from the draw, so that reading the draw next step
-            # waits for the draw alone, not for this pass too.
             self._ahead = self._forward(self._next)
-            mx.async_eval(self._ahead)
+            if not self.on_gpu:
+                # Apart from the draw, so that reading the draw next step
+                # waits for the draw alone, not for this pass too.
+                mx.async_eval(self._ahead)
         return tokens
 
     def _forward(self, inputs: mx.array) -> mx.array:
