@@ -23,48 +23,54 @@ MESSAGES = [
 ]
 
 
-def test_sync_roundtrip_over_a_pipe():
-    r, w = os.pipe()
-    try:
-        for msg in MESSAGES:
-            write_frame(w, msg)
-        reader = FrameReader(r)
-        got = []
-        while len(got) < len(MESSAGES):
-            got += [decode_payload(p) for p in reader.batch()]
-        assert got == MESSAGES
-        os.close(w)
-        w = -1
-        assert reader.batch() is None
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
+class Pipe:
+    """Both ends of an os.pipe; `end()` closes the writing one (EOF)."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+
+    def end(self) -> None:
+        if self.w >= 0:
+            os.close(self.w)
+            self.w = -1
 
 
-def test_frames_written_together_come_out_together_and_split_ones_wait():
+@pytest.fixture
+def pipe():
+    p = Pipe()
+    yield p
+    p.end()
+    os.close(p.r)
+
+
+def test_sync_roundtrip_over_a_pipe(pipe):
+    for msg in MESSAGES:
+        write_frame(pipe.w, msg)
+    reader = FrameReader(pipe.r)
+    got = []
+    while len(got) < len(MESSAGES):
+        got += [decode_payload(p) for p in reader.batch()]
+    assert got == MESSAGES
+    pipe.end()
+    assert reader.batch() is None
+
+
+def test_frames_written_together_come_out_together_and_split_ones_wait(pipe):
     """The worker takes one batch per read: requests written in one write
     start together. A frame split across writes comes out once whole."""
     frames = [encode_frame(Generate(rid=i, prompt="x" * (i * 300))) for i in range(8)]
-    r, w = os.pipe()
-    try:
-        reader = FrameReader(r)
-        os.write(w, b"".join(frames))
-        assert [decode_payload(p).rid for p in reader.batch()] == list(range(8))
-        tail = frames[3]
-        os.write(w, frames[1] + tail[:5])
-        assert [decode_payload(p).rid for p in reader.batch()] == [1]
-        os.write(w, tail[5:] + frames[2][:2])
-        assert [decode_payload(p).rid for p in reader.batch()] == [3]
-        os.write(w, frames[2][2:])
-        assert [decode_payload(p).rid for p in reader.batch()] == [2]
-        os.close(w)
-        w = -1
-        assert reader.batch() is None
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
+    reader = FrameReader(pipe.r)
+    os.write(pipe.w, b"".join(frames))
+    assert [decode_payload(p).rid for p in reader.batch()] == list(range(8))
+    tail = frames[3]
+    os.write(pipe.w, frames[1] + tail[:5])
+    assert [decode_payload(p).rid for p in reader.batch()] == [1]
+    os.write(pipe.w, tail[5:] + frames[2][:2])
+    assert [decode_payload(p).rid for p in reader.batch()] == [3]
+    os.write(pipe.w, frames[2][2:])
+    assert [decode_payload(p).rid for p in reader.batch()] == [2]
+    pipe.end()
+    assert reader.batch() is None
 
 
 def test_asyncio_roundtrip():
@@ -86,22 +92,17 @@ def test_malformed_payloads_raise_msgspec_errors():
         decode_payload(msgspec.msgpack.encode({"type": "nope"}))
 
 
-def test_oversized_frame_is_skipped_whole(monkeypatch):
+def test_oversized_frame_is_skipped_whole(monkeypatch, pipe):
     import ipc.framing as framing
 
     monkeypatch.setattr(framing, "MAX_FRAME", 16)
     monkeypatch.setattr(FrameReader, "READ_SIZE", 8)
-    r, w = os.pipe()
-    try:
-        reader = FrameReader(r)
-        # Its bytes arrive over several reads; the frame after it is intact.
-        os.write(w, HEADER.pack(40) + b"x" * 40 + encode_frame(Stats()))
-        got = []
-        while len(got) < 2:
-            got += reader.batch()
-        assert isinstance(got[0], FrameTooLarge) and got[0].size == 40
-        assert decode_payload(got[1]) == Stats()
-    finally:
-        os.close(r)
-        os.close(w)
+    reader = FrameReader(pipe.r)
+    # Its bytes arrive over several reads; the frame after it is intact.
+    os.write(pipe.w, HEADER.pack(40) + b"x" * 40 + encode_frame(Stats()))
+    got = []
+    while len(got) < 2:
+        got += reader.batch()
+    assert isinstance(got[0], FrameTooLarge) and got[0].size == 40
+    assert decode_payload(got[1]) == Stats()
     assert MAX_FRAME > 16
