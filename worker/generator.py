@@ -127,7 +127,8 @@ class TokenGenerator:
         self.decoding: list[Row] = []
         self._cache: BatchCache | None = None
         self._next: mx.array | None = None  # (B,) the decode batch's next inputs
-        # (B, V) logits of the pass already queued on `_next` (run ahead).
+        # (B, V) logits of the pass already built on `_next` (run ahead;
+        # on the CPU backend also handed to mlx).
         self._ahead: mx.array | None = None
         self._forced: dict[Row, int] = {}
         self.prefilling: list[Row] = []

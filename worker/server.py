@@ -81,13 +81,13 @@ class WorkerServer:
                 os._exit(0)
             items = []
             for payload in batch:
+                if isinstance(payload, FrameTooLarge):
+                    self._malformed(payload)
+                    continue
                 try:
-                    if isinstance(payload, FrameTooLarge):
-                        raise payload
                     msg = decode_payload(payload)
-                except (FrameTooLarge, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("malformed frame: %s", exc)
-                    self.channel.write(encode_error(f"malformed frame: {exc}", BAD_REQUEST))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self._malformed(exc)
                     continue
                 if isinstance(msg, Generate):
                     items.append((msg, time.perf_counter()))
@@ -101,6 +101,10 @@ class WorkerServer:
                 # One inbox entry per read: what was written together is
                 # taken together.
                 self._inbox.put(items)
+
+    def _malformed(self, problem: Exception) -> None:
+        log.warning("malformed frame: %s", problem)
+        self.channel.write(encode_error(f"malformed frame: {problem}", BAD_REQUEST))
 
     def stats_event(self) -> bytes:
         return self.encode_stats(self.weights_bytes, memory_figures())
