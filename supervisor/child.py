@@ -26,7 +26,7 @@ from typing import Callable
 
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
-from supervisor.config import Config, parse_size
+from supervisor.config import Config, parse_duration, parse_size
 from supervisor.resolve import GroupSpec, ModelSpec
 
 log = logging.getLogger("lattice.process")
@@ -78,6 +78,8 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
         args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
     if config.prefix_cache_bytes is not None:
         args += ["--prefix-cache-bytes", str(parse_size(config.prefix_cache_bytes))]
+    idle_release = parse_duration(config.idle_release)
+    args += ["--idle-release", "inf" if idle_release is None else str(idle_release)]
     args += ["--max-prompt-bytes", str(parse_size(config.max_prompt_bytes)), "--max-adapter-bytes", str(parse_size(config.max_adapter_bytes))]
     if adapter_copies is not None:
         args += ["--adapter-copies", str(adapter_copies)]

@@ -84,6 +84,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
     prefix_cache_bytes: Size | None = None
+    # How long an idle worker keeps MLX's cache of freed buffers for its
+    # next request before handing it back; "never" keeps it. On a GPU a
+    # request that finds the cache empty allocates every buffer anew
+    # (docs/engine.md).
+    idle_release: Duration = "60s"
     # Requests decoded together by one worker; more wait in the pool, first
     # in first out. A [[models]] entry may set its own.
     max_batch: MaxBatch = DEFAULT_MAX_BATCH
@@ -135,7 +140,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         for name in ("max_prompt_bytes", "max_adapter_bytes", "max_http_body_bytes", "http_stream_buffer"):
             if parse_size(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1 byte")
-        for value in (self.keep_alive, self.stats_interval, self.control_idle_timeout, *(m.keep_alive for m in self.models)):
+        for value in (self.keep_alive, self.stats_interval, self.control_idle_timeout, self.idle_release, *(m.keep_alive for m in self.models)):
             parse_duration(value)
         if parse_duration(self.http_idle_timeout) is None:
             raise ValueError("http_idle_timeout must be a duration: an idle connection is never kept forever")

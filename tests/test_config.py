@@ -56,3 +56,23 @@ def test_names_on_one_base_share_a_worker_key_unless_their_worker_settings_diffe
     assert specs["a"].key == specs["b"].key == resolver.resolve("a", "/z").key and specs["a"].max_adapters == 4
     assert specs["a"].name_key != specs["b"].name_key != resolver.resolve("a", "/z").name_key
     assert len({specs[n].key for n in "acd"}) == 3 and specs["c"].max_adapters == 2
+
+
+@pytest.mark.parametrize("value, flag", [(None, "60.0"), ('"10s"', "10.0"), ('"never"', "inf"), ("0", "0.0")])
+def test_idle_release_becomes_the_workers_flag(tmp_path, value, flag):
+    from supervisor.child import worker_command
+    from supervisor.resolve import Resolver
+
+    (tmp_path / "m").mkdir()
+    line = f"idle_release = {value}\n" if value is not None else ""
+    (tmp_path / "c.toml").write_text(f'{line}[[models]]\nname = "a"\npath = "{tmp_path / "m"}"\n')
+    config = load_config(tmp_path / "c.toml")
+    argv, _ = worker_command(Resolver(config).resolve("a"), config, None)
+    assert argv[argv.index("--idle-release") + 1] == flag
+
+
+def test_a_bad_idle_release_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('idle_release = "soonish"\n')
+    with pytest.raises(ConfigError, match="not a duration"):
+        load_config(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -270,6 +271,17 @@ def test_memory_guard_holds_rows_back_until_others_end(qwen35):
     s.drain()
     assert sorted(ends_by_id(lines)) == [0, 1, 2]
     assert s.figures["rows_cache_bytes"] == 0
+
+
+def test_an_idle_release_of_never_keeps_the_buffers(qwen35):
+    loaded, _ = qwen35
+    for release_s, expected in ((5.0, 5.0), (math.inf, None)):
+        s, _ = scheduler_for(loaded, idle_release_s=release_s)
+        submit(s, 1, max_tokens=2)
+        assert s.idle_release_in(0.0) is None  # busy
+        s.drain()
+        left = s.idle_release_in(s.idle_since)
+        assert left == expected, release_s
 
 
 class ChunkedKV:

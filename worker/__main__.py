@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--idle-release",
         type=float,
         default=defaults.IDLE_RELEASE_S,
-        help="seconds idle before MLX's cache of freed buffers goes back (default %(default)s); the next request reuses it meanwhile",
+        help="seconds idle before MLX's cache of freed buffers goes back (default %(default)s; inf: never); the next request reuses it meanwhile",
     )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")

@@ -27,6 +27,7 @@ active row with an error, and the worker goes on with the waiting ones.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -194,8 +195,8 @@ class Scheduler:
 
     def idle_release_in(self, now: float) -> float | None:
         """Seconds until an idle worker hands MLX's buffer cache back (0: now),
-        or None when it is busy or holds nothing to hand back."""
-        if self.idle_since is None or self.busy:
+        or None when it is busy, holds nothing to hand back, or never does."""
+        if self.idle_since is None or self.busy or self.idle_release_s == math.inf:
             return None
         return max(0.0, self.idle_since + self.idle_release_s - now)
 
