@@ -193,8 +193,8 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
     every row's first token.
 
     Both of those run step by step (run_ahead off); a third constrained run
-    of each round runs ahead (the next forward pass queued right after the
-    masked draw, TokenGenerator.run_ahead, the default on a GPU).
+    of each round runs ahead (the next forward pass built right after the
+    masked draw, TokenGenerator.run_ahead, the engine's default).
 
     Then a constrained run with probes in its steps: how long the side
     thread filled the masks, how long the engine thread then waited for

@@ -191,12 +191,13 @@ class TokenGenerator:
             self.decoding = [self.decoding[i] for i in keep]
             self._cache.filter(keep)
             self.sampler.filter(keep)
-            index = mx.array(keep) if keep else None
-            self._next = self._next[index] if keep else None
-            if self._ahead is not None:
-                self._ahead = self._ahead[index] if keep else None
-            if not keep:
-                self._cache = None
+            if keep:
+                index = mx.array(keep)
+                self._next = self._next[index]
+                if self._ahead is not None:
+                    self._ahead = self._ahead[index]
+            else:
+                self._cache, self._next, self._ahead = None, None, None
         keep = [i for i, row in enumerate(self.prefilling) if row not in gone]
         if len(keep) < len(self.prefilling):
             self.prefilling = [self.prefilling[i] for i in keep]
