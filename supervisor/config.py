@@ -89,6 +89,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # request that finds the cache empty allocates every buffer anew
     # (docs/engine.md).
     idle_release: Duration = "60s"
+    # Decode steps replay a compiled graph (mx.compile) for rows without an
+    # adapter; false builds every step op by op, as mlx-lm does.
+    compile_decode: bool = True
     # Requests decoded together by one worker; more wait in the pool, first
     # in first out. A [[models]] entry may set its own.
     max_batch: MaxBatch = DEFAULT_MAX_BATCH

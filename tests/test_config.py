@@ -71,6 +71,18 @@ def test_idle_release_becomes_the_workers_flag(tmp_path, value, flag):
     assert argv[argv.index("--idle-release") + 1] == flag
 
 
+@pytest.mark.parametrize("line, eager", [("", False), ("compile_decode = true\n", False), ("compile_decode = false\n", True)])
+def test_compile_decode_false_makes_the_workers_eager(tmp_path, line, eager):
+    from supervisor.child import worker_command
+    from supervisor.resolve import Resolver
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "c.toml").write_text(f'{line}[[models]]\nname = "a"\npath = "{tmp_path / "m"}"\n')
+    config = load_config(tmp_path / "c.toml")
+    argv, _ = worker_command(Resolver(config).resolve("a"), config, None)
+    assert ("--eager-decode" in argv) == eager
+
+
 def test_a_bad_idle_release_is_refused(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('idle_release = "soonish"\n')

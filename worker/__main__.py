@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.IDLE_RELEASE_S,
         help="seconds idle before MLX's cache of freed buffers goes back (default %(default)s; inf: never); the next request reuses it meanwhile",
     )
+    p.add_argument(
+        "--eager-decode",
+        action="store_true",
+        help="build every decode step's graph op by op instead of replaying a compiled one (mx.compile; docs/engine.md)",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -134,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     openblas = load_openblas()
     if openblas:
         log.info("BLAS: %s", openblas)
+    from worker.kernel_cache import keep_kernels
+
+    kernels = keep_kernels()
+    if kernels:
+        log.info("CUDA kernels compiled at run time are kept in %s", kernels)
 
     from worker.channel import EventChannel
     from worker.lifeline import bind_to_parent
@@ -196,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_bytes=args.max_prompt_bytes,
         adapters=adapters,
         idle_release_s=args.idle_release,
+        compile_decode=not args.eager_decode,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss

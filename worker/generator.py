@@ -57,6 +57,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.batch_cache import BatchCache, batchable
+from worker.compiled_step import CompiledDecode
 from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.gated_delta import CHUNK
 from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
@@ -112,8 +113,12 @@ class TokenGenerator:
         route: Route = lambda slots: None,
         masks: BatchMasks | None = None,
         run_ahead: bool = True,
+        compiled: CompiledDecode | None = None,
     ):
         self.model = model
+        # The decode forward, compiled, for rows without an adapter (None:
+        # always the model's own forward).
+        self.compiled = compiled
         # Tells the LoRA layers each row's adapter slot before a forward.
         self._route = route
         self.prefix_cache = prefix_cache
@@ -124,6 +129,9 @@ class TokenGenerator:
         self.masks = masks
         self.on_gpu = mx.default_device() == mx.gpu
         self.run_ahead = run_ahead
+        # Whether a pass built ahead is handed to mlx at once (else next
+        # step, beside the masks); see the module's docstring.
+        self.hand_over_at_once = not self.on_gpu
         self.decoding: list[Row] = []
         self._cache: BatchCache | None = None
         self._next: mx.array | None = None  # (B,) the decode batch's next inputs
@@ -296,13 +304,13 @@ class TokenGenerator:
         tokens, pending = self._start_masks(inputs)
         if logits is None:
             logits = self._forward(inputs)
-        if not ahead or self.on_gpu:
+        if not (ahead and self.hand_over_at_once):
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
         if self.run_ahead and not self.prefilling and not any(row.may_force for row in self.decoding):
             self._ahead = self._forward(self._next)
-            if not self.on_gpu:
+            if self.hand_over_at_once:
                 # Apart from the draw, so that reading the draw next step
                 # waits for the draw alone, not for this pass too.
                 mx.async_eval(self._ahead)
@@ -310,8 +318,14 @@ class TokenGenerator:
 
     def _forward(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward pass on `inputs` (B,): (B, V) logits."""
-        self._route([row.slot for row in self.decoding])
-        return self.model(inputs[:, None], cache=self._cache.layers)[:, -1, :]
+        slots = [row.slot for row in self.decoding]
+        # Routed for the compiled step too: a trace made now must see the
+        # adapter layers pass every row through to the base model.
+        self._route(slots)
+        layers = self._cache.layers
+        if self.compiled is not None and all(s is None for s in slots) and self.compiled.steppable(layers):
+            return self.compiled.forward(inputs, layers)
+        return self.model(inputs[:, None], cache=layers)[:, -1, :]
 
     def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:
         """Reads this step's tokens, commits them and starts the next masks."""

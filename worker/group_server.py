@@ -209,6 +209,9 @@ class GroupRole:
         self.group = self.server.form(lazy, self.vocab)
 
     def scheduler(self, loaded: LoadedModel, codec, emit, **kwargs) -> GroupScheduler:
+        # A split model's forward evaluates as it goes (its layers exchange
+        # activations between ranks), which a compiled trace cannot hold.
+        kwargs["compile_decode"] = False
         if self.rank == 0:
             return GroupScheduler(self.group, loaded, codec, emit, broken=self.server.launcher.broken, **kwargs)
         return GroupScheduler(self.group, loaded, codec, _discard, **kwargs)

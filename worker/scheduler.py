@@ -39,6 +39,7 @@ from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, e
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from worker import defaults
 from worker.batch_cache import row_bytes
+from worker.compiled_step import CompiledDecode
 from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
@@ -78,9 +79,13 @@ class Scheduler:
         adapters: AdapterManager | None = None,
         idle_release_s: float = defaults.IDLE_RELEASE_S,
         run_ahead: bool = True,
+        compile_decode: bool = True,
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
+        # One compiled decode step for every generator made here (the
+        # warm-up's too), so its traces are made once.
+        self.compiled = CompiledDecode(loaded.model) if compile_decode else None
         self.codec = codec
         # Lines are collected and written once per step (or per message
         # handled): one system call for a step's tokens of every row.
@@ -128,7 +133,7 @@ class Scheduler:
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
         marker = self.codec.tokenizer.token_to_id("<|im_start|>")
-        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead)
+        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled)
 
     def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
         """The request's compiled response_format (RequestError when it

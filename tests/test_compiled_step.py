@@ -1,0 +1,206 @@
+"""The compiled decode step (worker.compiled_step): it computes what the
+model's own forward computes, for lone rows and left-padded batches, across
+the caches' capacity steps and while rows leave and join; it steps only
+rows and caches it can, and bounds its traces."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+from worker import compiled_step
+from worker.batch_cache import BatchCache
+from worker.compiled_step import CompiledDecode
+from worker.generator import Row, TokenGenerator
+from worker.prefix_cache import PrefixCache
+from worker.sampling import RowSampling, SamplingParams
+
+# float32 on CPU. Measured: 0 in this process (mlx's bundled BLAS), as fused
+# kernels compute each element as the ops do; the room is for compilers that
+# contract multiply-adds. A mask one column short moves a lone row's logits
+# by 1.5e-4, a batch's by 6e-2.
+LOGIT_TOLERANCE = 2e-5
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
+
+GREEDY = SamplingParams(0.0, 0, 1.0, 1.0, None)
+
+
+def load_model(path):
+    from worker.loader import load
+
+    loaded = load(path)
+    return loaded.model, loaded.config.get("text_config", loaded.config)["vocab_size"]
+
+
+def prefilled(model, prompts: list[list[int]]) -> BatchCache:
+    """The rows' prompts read alone, then batched (left-padded)."""
+    rows = []
+    for ids in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(ids)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        rows.append(cache)
+    return BatchCache.of_rows(rows)
+
+
+def twin_steps(model, vocab: int, prompts: list[list[int]], steps: int, leave_at: int | None = None, join: list[int] | None = None) -> float:
+    """Steps the same rows with the model's forward and the compiled one,
+    feeding both the eager side's greedy tokens; at `leave_at` the first row
+    leaves and a row reading `join` joins. Returns the largest logit gap."""
+    compiled = CompiledDecode(model)
+    eager_cache, fast_cache = prefilled(model, prompts), prefilled(model, prompts)
+    rng = np.random.default_rng(0)
+    inputs = mx.array(rng.integers(5, vocab, size=len(prompts)).tolist(), dtype=mx.uint32)
+    worst = 0.0
+    for step in range(steps):
+        if step == leave_at:
+            keep = list(range(1, eager_cache.rows))
+            for c in (eager_cache, fast_cache):
+                c.filter(keep)
+            inputs = inputs[mx.array(keep)]
+            if join is not None:
+                eager_cache = eager_cache.extend(prefilled(model, [join]))
+                fast_cache = fast_cache.extend(prefilled(model, [join]))
+                inputs = mx.concatenate([inputs, mx.array([join[-1]], dtype=mx.uint32)])
+        assert compiled.steppable(fast_cache.layers)
+        eager = model(inputs[:, None], cache=eager_cache.layers)[:, -1, :]
+        fast = compiled.forward(inputs, fast_cache.layers)
+        # Buffers stay at multiples of 256 columns, whatever rows leaving or
+        # joining left, so traces are shared.
+        assert all(c.keys.shape[2] % 256 == 0 for c in fast_cache.layers if hasattr(c, "keys"))
+        worst = max(worst, float(mx.max(mx.abs(eager - fast)).item()))
+        inputs = mx.argmax(eager, axis=-1).astype(mx.uint32)
+    # The caches the two sides left are the same (the compiled side's only
+    # reach the columns it filled).
+    for e, f in zip(eager_cache.layers, fast_cache.layers):
+        if hasattr(e, "keys"):
+            n = e.keys_and_values()[0].shape[2]
+            assert np.allclose(np.array(e.keys_and_values()[0]), np.array(f.keys[..., :n, :]), atol=LOGIT_TOLERANCE)
+            assert np.array_equal(np.array(e.offset), np.array(f.offset))
+        else:
+            assert np.allclose(np.array(e[1]), np.array(f[1]), atol=LOGIT_TOLERANCE)
+    return worst
+
+
+def prompts_of(vocab: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(5, vocab, size=n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model):
+    return load_model(tiny_model)
+
+
+def test_a_lone_row_steps_past_its_caches_capacity_as_the_model_does(hybrid):
+    model, vocab = hybrid
+    # 250 prompt tokens in a 256-column buffer: the steps cross into 512.
+    assert twin_steps(model, vocab, prompts_of(vocab, [250]), steps=12) <= LOGIT_TOLERANCE
+
+
+def test_a_left_padded_batch_steps_as_the_model_does_while_rows_leave_and_join(hybrid):
+    model, vocab = hybrid
+    # The longest row leaves: the others' common left padding is trimmed.
+    prompts = prompts_of(vocab, [252, 130, 1, 70])
+    join = prompts_of(vocab, [40])[0]
+    assert twin_steps(model, vocab, prompts, steps=10, leave_at=2, join=join) <= LOGIT_TOLERANCE
+
+
+def test_an_attention_only_model_steps_as_it_does_alone(dense_model):
+    model, vocab = load_model(dense_model)
+    assert twin_steps(model, vocab, prompts_of(vocab, [60, 9, 255]), steps=6, leave_at=3) <= LOGIT_TOLERANCE
+
+
+class Spy(CompiledDecode):
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = 0
+
+    def forward(self, inputs, layers):
+        self.calls += 1
+        return super().forward(inputs, layers)
+
+
+def test_rows_with_an_adapter_take_the_models_own_forward(hybrid):
+    model, vocab = hybrid
+    spy = Spy(model)
+    gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None, compiled=spy)
+    plain, adapted = (Row(i, [5, 6, 7], RowSampling(GREEDY, vocab, [5, 6, 7])) for i in range(2))
+    adapted.slot = 0
+    gen.start([plain])
+    while not gen.decoding:
+        gen.step()
+    gen.step()
+    assert spy.calls == 1
+    gen.start([adapted])
+    while adapted not in gen.decoding:
+        gen.step()
+    calls = spy.calls
+    gen.step()
+    gen.step()
+    assert spy.calls == calls and len(gen.decoding) == 2
+    gen.remove([adapted])
+    gen.step()
+    assert spy.calls == calls + 1
+
+
+def test_caches_it_cannot_trace_are_left_to_the_model(hybrid):
+    model, _ = hybrid
+    compiled = CompiledDecode(model)
+    assert not compiled.steppable([RotatingKVCache(max_size=8)])
+    assert not compiled.steppable(make_prompt_cache(model))  # nothing read yet
+    assert not compiled.steppable([])
+
+
+class ReadsBack:
+    """A model whose forward reads a value back while it builds."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        out.sum().item()
+        return out
+
+
+def test_a_model_that_cannot_be_traced_steps_op_by_op(hybrid):
+    model, vocab = hybrid
+    compiled = CompiledDecode(ReadsBack(model))
+    cache, twin = prefilled(model, prompts_of(vocab, [20, 7])), prefilled(model, prompts_of(vocab, [20, 7]))
+    inputs = mx.array([5, 6], dtype=mx.uint32)
+    for _ in range(3):
+        fast = compiled.forward(inputs, cache.layers)
+        eager = model(inputs[:, None], cache=twin.layers)[:, -1, :]
+        assert float(mx.max(mx.abs(fast - eager)).item()) <= LOGIT_TOLERANCE
+    assert "eval" in compiled.failed and not compiled.steppable(cache.layers)
+
+
+def test_traces_are_bounded(hybrid, monkeypatch):
+    model, vocab = hybrid
+    monkeypatch.setattr(compiled_step, "MAX_TRACES", 2)
+    compiled = CompiledDecode(model)
+    first = compiled._fn
+    for rows in (1, 2, 3):
+        cache = prefilled(model, prompts_of(vocab, [10] * rows))
+        mx.eval(compiled.forward(mx.zeros((rows,), dtype=mx.uint32), cache.layers))
+    assert len(compiled._shapes) == 1 and compiled._fn is not first
+
+
+def test_the_scheduler_compiles_its_decode_step_unless_told_not_to(tiny_model):
+    from ipc.messages import Generate
+    from worker.loader import load
+    from worker.scheduler import Scheduler
+    from worker.text import TextCodec
+
+    loaded = load(tiny_model)
+    for compile_decode in (True, False):
+        s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, compile_decode=compile_decode)
+        for i in range(3):
+            s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), max_tokens=8, temperature=0.0), 0.0)
+        ended = s.drain()
+        assert sorted(ended) == [0, 1, 2] and all(len(ids) == 8 for ids in ended.values())
+        assert (s.compiled is not None and len(s.compiled._shapes) > 0) == compile_decode

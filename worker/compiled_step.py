@@ -1,0 +1,187 @@
+"""The decode batch's forward pass, compiled (`mx.compile`) per batch shape.
+
+A small model's decode step is bound by the host, not the device: mlx-lm's
+Python builds the step's graph op by op every token (on CUDA and on the CPU
+the gated-delta recurrence runs as ops, not as one kernel), and the device
+waits for it. A compiled step replays a traced graph instead, with its
+elementwise chains fused into single kernels.
+
+mlx-lm's caches cannot be traced as they are: attention caches write each
+token at a Python-int offset, which a trace would freeze. Inside the
+compiled function the model therefore sees stand-ins for its caches
+(`_TracedKV`, `_TracedArrays`) whose every position is an array:
+
+- an attention layer writes the new key and value at column `col` (a
+  one-element array) of a buffer whose capacity is a multiple of
+  `KVCache.step`, and attends over the whole buffer under a mask of each
+  row's filled columns (left padding excluded, nothing past `col`);
+- a linear-attention layer's conv and recurrent states are plain inputs and
+  outputs.
+
+So a trace depends only on the batch size and the buffers' capacity, and one
+is made per (rows, capacity) pair met; capacities grow in 256-token steps,
+before the call, outside the trace. Afterwards the new buffers and states go
+back into mlx-lm's own cache objects, which every other path (joining,
+leaving, prefix snapshots, prefill) keeps using unchanged.
+
+Only rows without a LoRA adapter step this way (an adapter's routing is
+Python state a trace would freeze), and only over the cache types above:
+anything else (rotating or quantized caches, padding still pending) takes
+the model's own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+log = logging.getLogger("worker")
+
+# Distinct traces kept before the compiled function is dropped and traced
+# afresh (each holds its graph; a long-lived worker meets many capacities).
+MAX_TRACES = 64
+
+
+class _TracedKV:
+    """An attention cache inside the trace: the whole buffer, written at `col`."""
+
+    def __init__(self, keys: mx.array, values: mx.array, col: mx.array, offset: mx.array):
+        self.keys, self.values, self.col = keys, values, col
+        self.offset = offset  # (B,) each row's position: rope's offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.col, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.col, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        columns = mx.arange(self.keys.shape[2])
+        first = self.col - self.offset  # each row's left padding
+        filled = (columns[None, :] >= first[:, None]) & (columns[None, :] <= self.col)
+        return filled[:, None, None, :]
+
+
+class _TracedArrays:
+    """A linear-attention cache inside the trace: its two states."""
+
+    lengths = None
+
+    def __init__(self, conv: mx.array, state: mx.array):
+        self.cache = [conv, state]
+
+    def __getitem__(self, i: int) -> mx.array:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def make_mask(self, n: int) -> None:
+        return None
+
+
+def _attention(c) -> bool:
+    return type(c) in (KVCache, BatchKVCache)
+
+
+def _steppable(c) -> bool:
+    if type(c) is KVCache or type(c) is BatchKVCache:
+        return c.keys is not None
+    if type(c) is ArraysCache:
+        return c.left_padding is None and c.lengths is None and all(s is not None for s in c.cache)
+    return False
+
+
+def _column(c) -> int:
+    return c.offset if type(c) is KVCache else c._idx
+
+
+def _grow(c, col: int) -> None:
+    """Makes room for the token written at `col`, in a buffer whose capacity
+    is a multiple of KVCache.step, so that traces are shared across many
+    positions (rows leaving a batch, a resumed snapshot or a merge leave
+    other capacities)."""
+    capacity = c.keys.shape[2]
+    if col < capacity and capacity % KVCache.step == 0:
+        return
+    step = KVCache.step
+    wanted = -(-(col + 1) // step) * step
+    B, H, _, dk = c.keys.shape
+    dv = c.values.shape[3]
+    c.keys = mx.concatenate([c.keys[..., :col, :], mx.zeros((B, H, wanted - col, dk), c.keys.dtype)], axis=2)
+    c.values = mx.concatenate([c.values[..., :col, :], mx.zeros((B, H, wanted - col, dv), c.values.dtype)], axis=2)
+
+
+class CompiledDecode:
+    """`forward(inputs, layers)` is the model's decode forward on (B,) inputs
+    over the batch's caches, compiled; `steppable(layers)` says whether
+    these caches can take it."""
+
+    def __init__(self, model):
+        self.model = model
+        self._fn = mx.compile(self._step)
+        self._shapes: set[tuple] = set()
+        self.failed: str | None = None  # why the model could not be traced
+
+    def steppable(self, layers: list) -> bool:
+        return self.failed is None and bool(layers) and all(_steppable(c) for c in layers)
+
+    def _step(self, inputs: mx.array, states: list) -> tuple[mx.array, list]:
+        layers = []
+        for s in states:
+            layers.append(_TracedKV(*s) if len(s) == 4 else _TracedArrays(*s))
+        logits = self.model(inputs[:, None], cache=layers)[:, -1, :]
+        out = []
+        for c in layers:
+            out.append((c.keys, c.values) if isinstance(c, _TracedKV) else tuple(c.cache))
+        return logits, out
+
+    def forward(self, inputs: mx.array, layers: list) -> mx.array:
+        states = []
+        columns: dict[int, mx.array] = {}
+        for c in layers:
+            if _attention(c):
+                col = _column(c)
+                _grow(c, col)
+                if col not in columns:
+                    columns[col] = mx.array([col], dtype=mx.int32)
+                offset = mx.array([c.offset], dtype=mx.int32) if type(c) is KVCache else c.offset
+                states.append((c.keys, c.values, columns[col], offset))
+            else:
+                states.append((c[0], c[1]))
+        shape = (inputs.shape[0], tuple(s[0].shape[2] for s in states if len(s) == 4))
+        # The old buffers must not be referenced past this call, so that the
+        # compiled slice updates write in place instead of copying them.
+        del columns
+        if shape in self._shapes:
+            logits, out = self._fn(inputs, states)
+        else:
+            if len(self._shapes) >= MAX_TRACES:
+                self._fn = mx.compile(self._step)
+                self._shapes.clear()
+            log.debug("compiled decode step: tracing %d rows, capacities %s", shape[0], shape[1])
+            try:
+                logits, out = self._fn(inputs, states)
+            except Exception as exc:
+                # A forward that evaluates while it builds (reads a value
+                # back, say) cannot be traced; nothing was written yet.
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("this model's decode step cannot be compiled; building it op by op (%s)", self.failed)
+                return self.model(inputs[:, None], cache=layers)[:, -1, :]
+            self._shapes.add(shape)
+        del states
+        for c, new in zip(layers, out):
+            if _attention(c):
+                c.keys, c.values = new
+                if type(c) is KVCache:
+                    c.offset += 1
+                else:
+                    c._idx += 1
+                    c.offset = c.offset + 1
+            else:
+                c[0], c[1] = new
+        return logits

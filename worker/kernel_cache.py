@@ -1,0 +1,57 @@
+"""Where mlx keeps the CUDA kernels it compiles at run time.
+
+On CUDA mlx compiles many of its kernels (and every fused kernel of a
+compiled graph) with NVRTC on first use and keeps them on disk, by default
+under the system's temp dir (`/tmp/mlx/<version>/ptx`), which many systems
+empty at every boot. Compiling them all again is most of a first start: a
+0.8b worker on an H200 was ready after 154 s with an empty cache (195 s with
+compiled decode steps) against 15-17 s with a full one (docs/performance.md).
+Workers keep them in the user's cache dir instead, one directory per mlx
+version and GPU (mlx's file names do not say which architecture a kernel
+was built for). A `MLX_PTX_CACHE_DIR` set by the user stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+log = logging.getLogger("worker")
+
+ENV = "MLX_PTX_CACHE_DIR"
+
+
+def kernel_cache_dir(env: Mapping[str, str], mlx_version: str, gpu: str) -> Path | None:
+    """The directory for this mlx and GPU, or None when the user chose one."""
+    if env.get(ENV):
+        return None
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", gpu).strip("-.") or "gpu"
+    return Path(base).expanduser() / "lattice-pool" / "mlx-kernels" / mlx_version / slug
+
+
+def keep_kernels() -> Path | None:
+    """On CUDA, points mlx's kernel cache at kernel_cache_dir; returns it.
+    mlx reads the variable when it first compiles a kernel, so this runs
+    before the model loads."""
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        return None
+    try:
+        info = mx.device_info()
+    except Exception:  # a build without it: one directory for any GPU
+        info = {}
+    path = kernel_cache_dir(os.environ, mx.__version__, str(info.get("architecture") or info.get("device_name") or "gpu"))
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning("cannot keep compiled kernels in %s (%s): mlx keeps them in its temp dir", path, exc.strerror)
+        return None
+    os.environ[ENV] = str(path)
+    return path
