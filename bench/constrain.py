@@ -194,7 +194,9 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
 
     Both of those run step by step (run_ahead off); a third constrained run
     of each round runs ahead (the next forward pass built right after the
-    masked draw, TokenGenerator.run_ahead, the engine's default).
+    masked draw, TokenGenerator.run_ahead, the engine's default), and a
+    fourth runs ahead handing that pass to mlx at once (the CPU's way, which
+    a GPU's default leaves to the next step: `ahead_handed_at_once`).
 
     Then a constrained run with probes in its steps: how long the side
     thread filled the masks, how long the engine thread then waited for
@@ -242,9 +244,12 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
     text = schema_format(LONG)
     rid = iter(range(1, 1 << 30))
 
-    def decode(constrained: bool, mode_of, run_ahead: bool = False) -> list[dict]:
+    default_hand_over = engine.generator.hand_over_at_once
+
+    def decode(constrained: bool, mode_of, run_ahead: bool = False, at_once: bool | None = None) -> list[dict]:
         """One step record per decode step: its mode, seconds, and probes."""
         engine.generator.run_ahead = run_ahead
+        engine.generator.hand_over_at_once = default_hand_over if at_once is None else at_once
         for seed in range(rows):
             engine.submit(Generate(rid=next(rid), prompt=prompt, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
         while len(engine.generator.decoding) < rows or any(not s.generated for s in engine.streams.values()):
@@ -266,11 +271,12 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
         return statistics.mean(s[key] for s in steps if s["mode"] == mode and key in s) * 1000
 
     decode(True, lambda k: "overlapped")  # the grammar compiles here
-    none, overlapped, masks_first, ahead, fill_ms, hidden, ratio, probes = [], [], [], [], [], [], [], []
+    none, overlapped, masks_first, ahead, at_once, fill_ms, hidden, ratio, probes = [], [], [], [], [], [], [], [], []
     for _ in range(runs):
         free = decode(False, lambda k: "none")
         steps = decode(True, lambda k: ("overlapped", "masks_first")[k % 2])
         ahead.append(mean_ms(decode(True, lambda k: "ahead", run_ahead=True), "ahead"))
+        at_once.append(mean_ms(decode(True, lambda k: "ahead", run_ahead=True, at_once=True), "ahead"))
         none.append(mean_ms(free, "none"))
         overlapped.append(mean_ms(steps, "overlapped"))
         masks_first.append(mean_ms(steps, "masks_first"))
@@ -297,6 +303,7 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
             "overlapped": summary(overlapped, 2),
             "masks_first": summary(masks_first, 2),
             "ahead": summary(ahead, 2),
+            "ahead_handed_at_once": summary(at_once, 2),
             "masks_alone": summary(fill_ms, 2),
         },
         "share_of_masks_hidden": summary(hidden, 2),

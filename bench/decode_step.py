@@ -6,9 +6,10 @@ request through the worker's scheduler. Each variant runs the same pipelined loo
     python -m bench.decode_step [--size small|0.8b] [--tokens 128] [--batches 1,2,4,8]
 
 With `--batches`, it also runs N greedy requests (no repetition penalty)
-through the worker's scheduler and through mlx-lm (stream_generate for
-N = 1, batch_generate's engine above), alternated `--runs` times: the
-engines' speeds without pipes or a client.
+through the worker's scheduler, the same with its decode step built op by
+op (`compile_decode` off), and through mlx-lm (stream_generate for N = 1,
+batch_generate's engine above), alternated `--runs` times: the engines'
+speeds without pipes or a client.
 
 mlx-lm's repetition penalty looks at the prompt only here (its window would
 need the generated ids, read back with a sync every step).
@@ -98,7 +99,8 @@ def main() -> int:
     result = {"size": args.size, "tokens": n, "ms_per_token": ms,
               "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
     if args.batches:
-        result["batched"] = batched_engines(loaded, codec, scheduler, sizes, n, args.runs)
+        eager = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, max_batch=max(sizes), compile_decode=False)
+        result["batched"] = batched_engines(loaded, codec, scheduler, eager, sizes, n, args.runs)
     result.update(machine=machine(), load_average={"before": load_before, "after": load_average()})
     backend = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else "cpu")
     write_result(tagged(f"decode-step-{backend}-{args.size}", args.tag), result)
@@ -106,11 +108,12 @@ def main() -> int:
         print(f"{name:26}{value:9.2f} ms/token")
     print(f"mlx-lm sampler / worker sampler: {result['sampler_ratio']} (above 1: the worker's step is faster)")
     for row in result.get("batched", []):
-        print(f"N={row['n']:<3} worker {row['worker_tok_s']:8.1f} tok/s  mlx-lm {row['mlx_lm_tok_s']:8.1f}  ratio {row['ratio']}")
+        print(f"N={row['n']:<3} worker {row['worker_tok_s']:8.1f} tok/s  eager {row['eager_tok_s']:8.1f}  mlx-lm {row['mlx_lm_tok_s']:8.1f}"
+              f"  ratio {row['ratio']} (eager {row['eager_ratio']})")
     return 0
 
 
-def batched_engines(loaded, codec, scheduler, sizes: list[int], tokens: int, runs: int) -> list[dict]:
+def batched_engines(loaded, codec, scheduler, eager, sizes: list[int], tokens: int, runs: int) -> list[dict]:
     from mlx_lm.generate import stream_generate
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -123,7 +126,7 @@ def batched_engines(loaded, codec, scheduler, sizes: list[int], tokens: int, run
     prompts = [f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n" for t in user_messages(codec.tokenizer, max(sizes), 24)]
     ids = [codec.encode(p) for p in prompts]
 
-    def ours(n: int) -> float:
+    def ours(n: int, scheduler=scheduler) -> float:
         t0 = time.perf_counter()
         for i, prompt in enumerate(prompts[:n]):
             scheduler.submit(Generate(rid=i, prompt=prompt, max_tokens=tokens, temperature=0.0, repetition_penalty=1.0), t0)
@@ -140,10 +143,11 @@ def batched_engines(loaded, codec, scheduler, sizes: list[int], tokens: int, run
 
     rows = []
     for n in sizes:
-        ours(n), theirs(n)  # warm-up
-        pairs = [(ours(n), theirs(n)) for _ in range(runs)]
-        rows.append({"n": n, "worker_tok_s": round(median([a for a, _ in pairs]), 1), "mlx_lm_tok_s": round(median([b for _, b in pairs]), 1),
-                     "ratio": round(median([a / b for a, b in pairs]), 3)})
+        ours(n), ours(n, eager), theirs(n)  # warm-up
+        runs_n = [(ours(n), ours(n, eager), theirs(n)) for _ in range(runs)]
+        rows.append({"n": n, "worker_tok_s": round(median([a for a, _, _ in runs_n]), 1), "eager_tok_s": round(median([e for _, e, _ in runs_n]), 1),
+                     "mlx_lm_tok_s": round(median([b for _, _, b in runs_n]), 1), "ratio": round(median([a / b for a, _, b in runs_n]), 3),
+                     "eager_ratio": round(median([e / b for _, e, b in runs_n]), 3)})
     return rows
 
 
