@@ -372,3 +372,68 @@ def test_response_format_through_serve(tiny_model, spawn_pool):
         [error] = pool.of(request_id)
         assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
     assert pool.close() == 0
+
+
+def test_a_constrained_steps_tokens_are_written_before_its_draw_is_handed_over(tiny_model):
+    """On mlx's CPU backend handing the masked draw over waits while the
+    forward pass runs: a constrained row's token lines go out before it, as
+    early as a free row's, and the replies are what they were."""
+    from worker.loader import load
+    from worker.sampling import BatchSampler
+
+    loaded = load(tiny_model)
+    out = {}
+    for early in (True, False):
+        s, lines = scheduler_for(loaded)
+        if not early:
+            s.generator.on_read = None
+        written_at_draw = []
+        draw = s.generator.sampler.__class__.__call__
+
+        def spy(sampler, logits, inputs, draw=draw, s=s, lines=lines, written_at_draw=written_at_draw):
+            if any(row.constraint for row in s.generator.decoding):
+                written_at_draw.append(len(events_of(lines)))
+            return draw(sampler, logits, inputs)
+
+        s.generator.sampler.__class__ = type("Spy", (BatchSampler,), {"__call__": spy})
+        drive(s, [fixed(i, seed=i, response_format=PET_FORMAT, max_tokens=24) for i in range(2)] + [fixed(2, prompt=FREE, seed=7, max_tokens=24)], {}, {})
+        out[early] = (replies(lines), written_at_draw)
+    (early_replies, early_counts), (late_replies, late_counts) = out[True], out[False]
+    assert early_replies == late_replies and len(early_counts) == len(late_counts)
+    # Each draw after the first rows' first tokens found more lines written.
+    assert sum(early_counts) > sum(late_counts)
+    assert all(e >= l for e, l in zip(early_counts, late_counts))
+
+
+def test_a_failed_prefill_chunk_loses_no_token_of_the_decoding_rows(tiny_model):
+    from worker.loader import load
+
+    class FailingPrefill:
+        def __init__(self, model):
+            self.model, self.fail = model, False
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, inputs, cache=None):
+            if self.fail and inputs.shape[1] > 1:
+                self.fail = False
+                raise RuntimeError("injected prefill failure")
+            return self.model(inputs, cache=cache)
+
+    loaded = load(tiny_model)
+    texts = {}
+    for inject in (False, True):
+        model = FailingPrefill(loaded.model)
+        s, lines = scheduler_for(loaded, model, compile_decode=False)
+        for r in [fixed(i, prompt=FREE, temperature=0.0, max_tokens=12) for i in range(2)]:
+            s.submit(r, 0.0)
+        while len(s.generator.decoding) < 2 or any(not st.generated for st in s.streams.values()):
+            s.step()
+        s.submit(fixed(5, max_tokens=4), 0.0)
+        model.fail = inject
+        s.drain()
+        texts[inject] = replies(lines)
+    assert texts[True][5] == ["", "worker_crashed"]
+    assert texts[True][0] == texts[False][0] and texts[True][1] == texts[False][1]
+    assert texts[True][0][1][1] == 12

@@ -91,12 +91,15 @@ class Row:
 
 class BatchFailed(Exception):
     """A batched forward or its bookkeeping failed: the listed rows' state is
-    gone (they have been dropped from the generator)."""
+    gone (they have been dropped from the generator). `out` holds what the
+    step gave the rows that go on (a prefill chunk that fails after the
+    decode step)."""
 
-    def __init__(self, rows: list[Row], cause: BaseException):
+    def __init__(self, rows: list[Row], cause: BaseException, out: list[tuple[Row, int | None]] | None = None):
         super().__init__(str(cause))
         self.rows = rows
         self.cause = cause
+        self.out = out or []
 
 
 Route = Callable[[list[int | None]], None]
@@ -139,6 +142,10 @@ class TokenGenerator:
         # on the CPU backend also handed to mlx).
         self._ahead: mx.array | None = None
         self._forced: dict[Row, int] = {}
+        # Called with a constrained step's (row, token) pairs (None: a row's
+        # first token is pending) as soon as they are read, before the
+        # step's masked draw is handed to mlx; step() returns them too.
+        self.on_read: Callable[[list[tuple[Row, int | None]]], None] | None = None
         self.prefilling: list[Row] = []
         self._group: BatchCache | None = None
         self._joining = False
@@ -276,7 +283,7 @@ class TokenGenerator:
                 # left it half-extended: then it goes too.
                 lost = self._lose(decode=self._joining, group=True)
                 self._joining = False
-                raise BatchFailed(lost, exc) from exc
+                raise BatchFailed(lost, exc, [(row, token) for row, token in out if row not in lost]) from exc
         return out
 
     def _decode(self) -> list[int]:
@@ -302,6 +309,8 @@ class TokenGenerator:
             mx.async_eval(self._next)
             return inputs.tolist()
         tokens, pending = self._start_masks(inputs)
+        if self.on_read is not None:
+            self.on_read([(row, None if row.fresh else token) for row, token in zip(self.decoding, tokens)])
         if logits is None:
             logits = self._forward(inputs)
         if not (ahead and self.hand_over_at_once):

@@ -92,6 +92,10 @@ class Scheduler:
         self._write = emit
         self._lines: list[bytes] = []
         self.emit = self._lines.append
+        # What streaming each row's token of this step gave (a finish reason,
+        # None to go on, or the exception), for rows streamed as soon as
+        # the generator read them (_read).
+        self._fed: dict[Row, str | Exception | None] = {}
         self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
         self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
@@ -133,7 +137,9 @@ class Scheduler:
 
     def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
         marker = self.codec.tokenizer.token_to_id("<|im_start|>")
-        return TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled)
+        generator = TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled)
+        generator.on_read = self._read
+        return generator
 
     def _constraint(self, req: Generate, ids: list[int]) -> RowConstraint | None:
         """The request's compiled response_format (RequestError when it
@@ -233,6 +239,7 @@ class Scheduler:
             self._trimmed = True
 
     def _step(self) -> None:
+        self._fed.clear()
         settled = self.adapters.poll()
         self._admit(sweep=settled)
         if self.generator:
@@ -242,7 +249,7 @@ class Scheduler:
                 log.error("a batched step failed; ending %d rows", len(failed.rows), exc_info=failed.cause)
                 for row in failed.rows:
                     self._fail(row, failed.cause)
-                out = []
+                out = failed.out
             self._stream(out)
             if not self.generator:
                 self.idle_since = time.monotonic()
@@ -332,17 +339,42 @@ class Scheduler:
         width = -(-max(lengths) // 256) * 256
         return len(lengths) * (self.row_fixed_bytes + width * self.row_token_bytes)
 
+    def _feed(self, row: Row, token: int | None) -> str | None:
+        """Streams the row's token; returns its finish reason, if any."""
+        if row.broken is not None:
+            raise row.broken
+        if token is None:
+            return None
+        reason = self.streams[row].feed(token)
+        if row.constraint is not None and row.constraint.done:
+            reason = "stop"  # the grammar is complete, max_tokens or not
+        return reason
+
+    def _read(self, out: list[tuple[Row, int | None]]) -> None:
+        """A constrained step's tokens, streamed and written as soon as the
+        generator has read them, before it hands the step's masked draw to
+        mlx: on mlx's CPU backend that hand-over waits while the forward
+        pass it masks runs, which put every token of a constrained row one
+        pass behind a free row's (151k vocabulary, a first token 37 ms
+        later). Ending rows and forcing tokens wait for the step's end."""
+        for row, token in out:
+            if token is None or row not in self.streams:
+                continue
+            try:
+                self._fed[row] = self._feed(row, token)
+            except Exception as exc:
+                self._fed[row] = exc
+        self._flush()
+
     def _stream(self, out: list[tuple[Row, int | None]]) -> None:
         ended: list[tuple[Row, str]] = []
         failed: list[tuple[Row, Exception]] = []
         for row, token in out:
             stream = self.streams[row]
             try:
-                if row.broken is not None:
-                    raise row.broken
-                reason = None if token is None else stream.feed(token)
-                if token is not None and row.constraint is not None and row.constraint.done:
-                    reason = "stop"  # the grammar is complete, max_tokens or not
+                reason = self._fed.pop(row) if row in self._fed else self._feed(row, token)
+                if isinstance(reason, Exception):
+                    raise reason
                 if reason is not None:
                     ended.append((row, reason))
                 elif stream.must_close_think():
