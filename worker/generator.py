@@ -44,6 +44,11 @@ hides behind its building. A row's pending token is then already fed when
 the caller sees the one before it, so it cannot be forced: rows that may
 be forced (a reasoning budget) and a prefill group about to join keep the
 batch stepping one by one.
+
+A constrained step's tokens go to `on_read` as soon as they are read: the
+masked draw is handed to mlx after the forward pass it masks, and on mlx's
+CPU backend that hand-over waits while the pass runs, so tokens returned
+only at the step's end would reach the client a pass late.
 """
 
 from __future__ import annotations
