@@ -89,7 +89,7 @@ def _attention(c) -> bool:
 
 
 def _steppable(c) -> bool:
-    if type(c) is KVCache or type(c) is BatchKVCache:
+    if _attention(c):
         return c.keys is not None
     if type(c) is ArraysCache:
         return c.left_padding is None and c.lengths is None and all(s is not None for s in c.cache)
@@ -154,9 +154,6 @@ class CompiledDecode:
             else:
                 states.append((c[0], c[1]))
         shape = (inputs.shape[0], tuple(s[0].shape[2] for s in states if len(s) == 4))
-        # The old buffers must not be referenced past this call, so that the
-        # compiled slice updates write in place instead of copying them.
-        del columns
         if shape in self._shapes:
             logits, out = self._fn(inputs, states)
         else:
@@ -173,6 +170,8 @@ class CompiledDecode:
                 log.warning("this model's decode step cannot be compiled; building it op by op (%s)", self.failed)
                 return self.model(inputs[:, None], cache=layers)[:, -1, :]
             self._shapes.add(shape)
+        # The old buffers must not be referenced past this call, so that the
+        # compiled slice updates write in place instead of copying them.
         del states
         for c, new in zip(layers, out):
             if _attention(c):
