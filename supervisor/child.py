@@ -82,6 +82,8 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
     args += ["--idle-release", "inf" if idle_release is None else str(idle_release)]
     if not config.compile_decode:
         args.append("--eager-decode")
+    if config.mask_threads is not None:
+        args += ["--mask-threads", str(config.mask_threads)]
     args += ["--max-prompt-bytes", str(parse_size(config.max_prompt_bytes)), "--max-adapter-bytes", str(parse_size(config.max_adapter_bytes))]
     if adapter_copies is not None:
         args += ["--adapter-copies", str(adapter_copies)]

@@ -92,6 +92,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Decode steps replay a compiled graph (mx.compile) for rows without an
     # adapter; false builds every step op by op, as mlx-lm does.
     compile_decode: bool = True
+    # Threads a worker fills structured-output token masks with (unset: a
+    # quarter of the cores, 1 to 4; docs/structured-output.md).
+    mask_threads: Annotated[int, Meta(ge=1, le=64)] | None = None
     # Requests decoded together by one worker; more wait in the pool, first
     # in first out. A [[models]] entry may set its own.
     max_batch: MaxBatch = DEFAULT_MAX_BATCH

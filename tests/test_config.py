@@ -83,6 +83,21 @@ def test_compile_decode_false_makes_the_workers_eager(tmp_path, line, eager):
     assert ("--eager-decode" in argv) == eager
 
 
+@pytest.mark.parametrize("line, flag", [("", None), ("mask_threads = 3\n", "3")])
+def test_mask_threads_becomes_the_workers_flag(tmp_path, line, flag):
+    from supervisor.child import worker_command
+    from supervisor.resolve import Resolver
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "c.toml").write_text(f'{line}[[models]]\nname = "a"\npath = "{tmp_path / "m"}"\n')
+    config = load_config(tmp_path / "c.toml")
+    argv, _ = worker_command(Resolver(config).resolve("a"), config, None)
+    assert (argv[argv.index("--mask-threads") + 1] if "--mask-threads" in argv else None) == flag
+    (tmp_path / "bad.toml").write_text("mask_threads = 0\n")
+    with pytest.raises(ConfigError, match="mask_threads"):
+        load_config(tmp_path / "bad.toml")
+
+
 def test_a_bad_idle_release_is_refused(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('idle_release = "soonish"\n')

@@ -13,7 +13,7 @@ import pytest
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
-from tests.schemas import PET
+from tests.schemas import PET, PET_VALUE
 from worker.constrain import BatchMasks, ConstraintViolation, Constraints
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
@@ -111,6 +111,28 @@ def test_compiled_grammars_are_cached_and_bounded(kit):
     a, b = small.row(formats[0], []), small.row(formats[0], [])
     a.advance(codec.encode("a")[0])
     assert a.accepting and not b.accepting
+
+
+def test_rows_of_one_grammar_copy_separately_compiled_matchers(kit):
+    # Copies of one llguidance matcher share its lexer behind a lock: rows
+    # filling their masks side by side must copy different ones.
+    codec, constraints, masks = kit
+    several = Constraints(codec.tokenizer.to_str(), constraints.vocab_size, codec.eos_ids, lexers=2)
+    a, b, c = (several.row(PET_FORMAT, []) for _ in range(3))
+    lexers = several.compile(PET_FORMAT).lexers
+    assert len(lexers) == 2, "one more matcher while every one is in use, up to the bound"
+    assert a in lexers[0].rows and b in lexers[1].rows and c in lexers[0].rows
+    del b
+    d = several.row(PET_FORMAT, [])
+    assert d in lexers[1].rows and len(several.compile(PET_FORMAT).lexers) == 2, "a matcher no live row copies is reused"
+    # every matcher allows the same tokens along a valid reply
+    for token in codec.encode(json.dumps(PET_VALUE, separators=(",", ":"))):
+        bits = masks.fill([a, c, d])
+        assert (bits[0] == bits[1]).all() and (bits[0] == bits[2]).all()
+        assert token in allowed_ids(masks, bits[0])
+        for row in (a, c, d):
+            row.advance(token)
+    assert a.accepting and c.accepting and d.accepting
 
 
 # -- the request side ---------------------------------------------------------

@@ -405,6 +405,100 @@ def test_a_constrained_steps_tokens_are_written_before_its_draw_is_handed_over(t
     assert all(e >= l for e, l in zip(early_counts, late_counts))
 
 
+def test_on_a_gpu_a_constrained_steps_tokens_are_streamed_after_its_forward_pass_is_launched(tiny_model, monkeypatch):
+    """On a GPU launching a pass is the engine thread's work and the device
+    computes only what was launched: a constrained step launches its
+    forward pass, then streams the tokens it read (the GPU's order, forced
+    on here; on mlx's CPU backend it computes the same)."""
+    import mlx.core as mx
+
+    import worker.generator as generator_module
+    from worker.loader import load
+
+    seen: list[str] = []
+
+    class Launches:
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays):
+            shape = getattr(arrays[0], "shape", ())  # a prefill chunk hands over a list
+            seen.append({2: "forward", 1: "draw"}.get(len(shape), "other"))
+            return mx.async_eval(*arrays)
+
+    monkeypatch.setattr(generator_module, "mx", Launches())
+    s, lines = scheduler_for(load(tiny_model))
+    s.generator.on_gpu, s.generator.hand_over_at_once = True, False
+    read = s.generator.on_read
+
+    def on_read(out):
+        seen.append("read")
+        read(out)
+
+    s.generator.on_read = on_read
+    drive(s, [fixed(i, seed=i, response_format=PET_FORMAT, max_tokens=24) for i in range(2)], {}, {})
+    reads = [i for i, what in enumerate(seen) if what == "read"]
+    assert len(reads) > 20
+    assert all(seen[i - 1] == "forward" for i in reads), seen[:12]
+    assert all(end[0] in ("stop", "length") for _, end in replies(lines).values())
+
+
+def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypatch):
+    """llguidance refuses a matcher that another thread is filling a mask
+    with ("Already mutably borrowed": an H200 run with a 151k vocabulary,
+    whose fills are slow enough to be caught). While a step's masks fill,
+    the engine's thread leaves every matcher alone. Here each fill waits
+    until the step has streamed its tokens, so a touch in that window is
+    caught every time."""
+    import threading
+
+    from worker.constrain import RowConstraint
+    from worker.loader import load
+
+    s, lines = scheduler_for(load(tiny_model))
+    masks, generator = s.masks, s.generator
+    real_fill, real_fill_async, read = masks.fill, masks.fill_async, generator.on_read
+    filling, streamed = threading.Event(), threading.Event()
+    touched: list[str] = []
+
+    def fill(rows):
+        try:
+            assert streamed.wait(30), "the step never streamed its tokens"
+            return real_fill(rows)
+        finally:
+            filling.clear()
+
+    def fill_async(rows):
+        if any(r is not None for r in rows):
+            streamed.clear()
+            filling.set()
+        return real_fill_async(rows)
+
+    def on_read(out):
+        read(out)
+        streamed.set()
+
+    def watched(name):
+        original = getattr(RowConstraint, name)
+
+        def get(self):
+            if filling.is_set():
+                touched.append(name)
+            return original.fget(self)
+
+        return property(get)
+
+    for name in ("done", "accepting", "active"):
+        monkeypatch.setattr(RowConstraint, name, watched(name))
+    masks.fill, masks.fill_async, generator.on_read = fill, fill_async, on_read
+    short = json.dumps({"type": "regex", "pattern": "(yes|no), [a-z]{2,12}"})
+    drive(s, [fixed(0, seed=0, response_format=PET_FORMAT, max_tokens=40), fixed(1, seed=1, response_format=short, max_tokens=40), fixed(2, seed=2, response_format=PET_FORMAT, max_tokens=40)], {}, {})
+    ends = replies(lines)
+    assert len(ends) == 3 and all(end[0] in ("stop", "length") for _, end in ends.values())
+    assert any(end[0] == "stop" for _, end in ends.values()), "a grammar completed (done was asked, after the fill)"
+    assert touched == []
+
+
 def test_a_failed_prefill_chunk_loses_no_token_of_the_decoding_rows(tiny_model):
     from worker.loader import load
 

@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="build every decode step's graph op by op instead of replaying a compiled one (mx.compile; docs/engine.md)",
     )
+    p.add_argument(
+        "--mask-threads",
+        type=int,
+        default=None,
+        help="threads that fill structured-output token masks (default: a quarter of the cores, 1 to 4)",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         adapters=adapters,
         idle_release_s=args.idle_release,
         compile_decode=not args.eager_decode,
+        mask_threads=args.mask_threads,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss

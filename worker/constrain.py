@@ -20,7 +20,9 @@ docs/structured-output.md has the whole step):
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Sequence
@@ -34,8 +36,23 @@ from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, Rege
 
 # Compiled grammars kept per worker, least recently used out. One takes about
 # a millisecond to compile and ~25 KB (the test schema, 151k vocabulary), so
-# the bound is about memory a client could pile up, not speed.
+# the bound is about memory a client could pile up, not speed. Each keeps at
+# most one separately compiled matcher per mask thread (see Constraints.row).
 GRAMMAR_CACHE_SIZE = 64
+
+
+def default_mask_threads() -> int:
+    """Threads that fill a batch's masks: a quarter of the usable cores, 1
+    to 4. The masks fill beside the forward pass and only need to be done
+    by its end. On a 16-core H200 host llguidance's own default (80 % of
+    the cores: 12) decoded 8 rows of a 151k vocabulary no faster than 4
+    threads (0.82 vs 0.81x the free speed) and took more CPU, and each
+    thread may cost a grammar one more compiled matcher (Constraints.row)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return min(4, max(1, cores // 4))
 
 # Compact JSON: the separators are fixed, so a looping model cannot pad a
 # reply with whitespace until max_tokens. A schema may opt back in with
@@ -77,6 +94,26 @@ def grammar_of(text: str) -> tuple[str, str]:
     return _KINDS[type(fmt)], grammar
 
 
+class CompiledFormat:
+    """One response_format, compiled: its llguidance grammar and separately
+    compiled matchers ("lexers", the first one built at once), each with the
+    rows that copy it."""
+
+    __slots__ = ("kind", "grammar", "lexers")
+
+    def __init__(self, kind: str, grammar: str, first: llguidance.LLMatcher):
+        self.kind, self.grammar = kind, grammar
+        self.lexers: list[_Lexer] = [_Lexer(first)]
+
+
+class _Lexer:
+    __slots__ = ("matcher", "rows")
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+        self.rows: weakref.WeakSet[RowConstraint] = weakref.WeakSet()  # live rows copying it
+
+
 class Constraints:
     """One worker's view of its tokenizer for llguidance, and its compiled
     grammars. The view (0.6-1.7 s and 88 MB for a 151k vocabulary, 3 ms for
@@ -90,6 +127,7 @@ class Constraints:
         think_start: int | None = None,
         think_end: int | None = None,
         cache_size: int = GRAMMAR_CACHE_SIZE,
+        lexers: int = 1,
     ):
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
@@ -97,12 +135,13 @@ class Constraints:
         self._tokenizer_json = tokenizer_json
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledFormat] = OrderedDict()
         self._cache_size = cache_size
+        self._lexers = max(1, lexers)
 
     @classmethod
-    def for_codec(cls, codec, vocab_size: int) -> "Constraints":
-        return cls(codec.tokenizer.to_str(), vocab_size, codec.eos_ids, codec.think_start, codec.think_end)
+    def for_codec(cls, codec, vocab_size: int, lexers: int = 1) -> "Constraints":
+        return cls(codec.tokenizer.to_str(), vocab_size, codec.eos_ids, codec.think_start, codec.think_end, lexers=lexers)
 
     def prepare(self) -> llguidance.LLTokenizer:
         """The tokenizer view; ConstraintError when llguidance cannot read
@@ -116,30 +155,52 @@ class Constraints:
                     raise ConstraintError(f"response_format is unavailable for this model's tokenizer: {exc}") from exc
             return self._tokenizer
 
-    def compile(self, text: str) -> llguidance.LLMatcher:
-        """A pristine matcher for this response_format, compiled once and
-        cached; rows get copies. Raises ConstraintError."""
+    def compile(self, text: str) -> CompiledFormat:
+        """This response_format, compiled once and cached. Raises
+        ConstraintError."""
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
                 return hit
         kind, grammar = grammar_of(text)
+        compiled = CompiledFormat(kind, grammar, self._matcher(kind, grammar))
+        with self._lock:
+            self._cache[text] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _matcher(self, kind: str, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.prepare(), grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"invalid {kind} in response_format: {matcher.get_error()}")
-        with self._lock:
-            self._cache[text] = matcher
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
         return matcher
 
     def row(self, text: str, prompt: Sequence[int]) -> "RowConstraint":
         """The constraint of one request. When the prompt leaves a think block
-        open, the grammar starts after the model's `</think>`."""
-        matcher = self.compile(text).deep_copy()
+        open, the grammar starts after the model's `</think>`.
+
+        A row gets a copy of a compiled matcher. llguidance's copies share
+        the original's lexer (a DFA built as it goes) behind one lock, so
+        the masks of rows copying one matcher fill one at a time, however
+        many threads the batch's fill has (2 threads, 8 rows of one schema,
+        151k vocabulary: 2.96 ms a step, against 1.62 for separately
+        compiled matchers). A row therefore copies the matcher with the
+        fewest live rows, and a grammar compiles another (up to `lexers`,
+        one per mask thread) when every one it has is in use."""
+        compiled = self.compile(text)
+        with self._lock:
+            lexer = min(compiled.lexers, key=lambda lx: len(lx.rows))
+            grow = bool(lexer.rows) and len(compiled.lexers) < self._lexers
+        if grow:
+            lexer = _Lexer(self._matcher(compiled.kind, compiled.grammar))
+            with self._lock:
+                compiled.lexers.append(lexer)
         start_after = self.think_end if self._thinking(prompt) else None
-        return RowConstraint(matcher, start_after)
+        row = RowConstraint(lexer.matcher.deep_copy(), start_after, lexer)
+        lexer.rows.add(row)
+        return row
 
     def _thinking(self, prompt: Sequence[int]) -> bool:
         if self.think_start is None or self.think_end is None:
@@ -157,11 +218,12 @@ class RowConstraint:
     committed (None: active at once); while inactive the row may write
     anything but an end-of-sequence token."""
 
-    __slots__ = ("matcher", "start_after")
+    __slots__ = ("matcher", "start_after", "lexer", "__weakref__")
 
-    def __init__(self, matcher: llguidance.LLMatcher, start_after: int | None = None):
+    def __init__(self, matcher: llguidance.LLMatcher, start_after: int | None = None, lexer: "_Lexer | None" = None):
         self.matcher = matcher
         self.start_after = start_after
+        self.lexer = lexer  # the compiled matcher it copies
 
     @property
     def active(self) -> bool:
@@ -192,8 +254,9 @@ class BatchMasks:
     """Token masks for the rows of a (B, V) logits batch. Rows without a
     constraint cost nothing; a step with none costs one Python loop."""
 
-    def __init__(self, vocab_size: int, eos_ids: Iterable[int]):
+    def __init__(self, vocab_size: int, eos_ids: Iterable[int], threads: int | None = None):
         self.vocab_size = vocab_size
+        self.threads = default_mask_threads() if threads is None else max(1, threads)
         self.words = (vocab_size + 31) // 32
         self._side: ThreadPoolExecutor | None = None
         self._no_eos = np.full(self.words, -1, dtype=np.int32)
@@ -208,18 +271,21 @@ class BatchMasks:
         if all(r is None for r in rows):
             return None
         bits = np.full((len(rows), self.words), -1, dtype=np.int32)
-        active: list[tuple[llguidance.LLMatcher, int]] = []
+        active: list[tuple[RowConstraint, int]] = []
         for i, r in enumerate(rows):
             if r is None:
                 continue
             if r.start_after is None:
-                active.append((r.matcher, i))
+                active.append((r, i))
             else:
                 bits[i] = self._no_eos
         if len(active) == 1:
-            fill_next_token_bitmask(active[0][0], bits, active[0][1])
+            fill_next_token_bitmask(active[0][0].matcher, bits, active[0][1])
         elif active:
-            fill_next_token_bitmask_par(_executor(), active, bits)
+            # Rows copying one matcher side by side: their fills take its
+            # lock in turn, so they had better be one thread's run.
+            active.sort(key=lambda a: id(a[0].lexer))
+            fill_next_token_bitmask_par(_executor(self.threads), [(r.matcher, i) for r, i in active], bits)
         return bits
 
     def fill_async(self, rows: Sequence[RowConstraint | None]) -> Future:
@@ -255,19 +321,21 @@ class BatchMasks:
             mx.eval(self.apply(mx.repeat(logits, rows, axis=0), np.full((rows, self.words), -1, dtype=np.int32)))
 
 
-_shared: list[llguidance.LLExecutor] = []
+_shared: dict[int, llguidance.LLExecutor] = {}
 _shared_lock = threading.Lock()
 
 
-def _executor() -> llguidance.LLExecutor:
-    """One llguidance thread pool per process (its default size: 80 % of the
-    cores). Measured: with a second, idle pool alive, masks filled through
-    either no longer overlapped with mlx's CPU forward pass (17.2 ms a step
-    overlapped vs 17.1 sequential, against 13.3 with one pool)."""
+def _executor(threads: int) -> llguidance.LLExecutor:
+    """One llguidance thread pool per process, of the size last asked for (a
+    worker asks for one size). Measured: with a second, idle pool alive,
+    masks filled through either no longer overlapped with mlx's CPU
+    forward pass (17.2 ms a step overlapped vs 17.1 sequential, against
+    13.3 with one pool)."""
     with _shared_lock:
-        if not _shared:
-            _shared.append(llguidance.LLExecutor())
-        return _shared[0]
+        if threads not in _shared:
+            _shared.clear()
+            _shared[threads] = llguidance.LLExecutor(num_threads=threads)
+        return _shared[threads]
 
 
 # llguidance's MLX helper is a Metal kernel; this is the same bit test in

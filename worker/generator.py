@@ -48,7 +48,9 @@ batch stepping one by one.
 A constrained step's tokens go to `on_read` as soon as they are read: the
 masked draw is handed to mlx after the forward pass it masks, and on mlx's
 CPU backend that hand-over waits while the pass runs, so tokens returned
-only at the step's end would reach the client a pass late.
+only at the step's end would reach the client a pass late. On a GPU they go
+right after the step's forward pass is launched, so that the device
+computes while the caller streams them.
 """
 
 from __future__ import annotations
@@ -314,11 +316,15 @@ class TokenGenerator:
             mx.async_eval(self._next)
             return inputs.tolist()
         tokens, pending = self._start_masks(inputs)
-        if self.on_read is not None:
-            self.on_read([(row, None if row.fresh else token) for row, token in zip(self.decoding, tokens)])
         if logits is None:
             logits = self._forward(inputs)
-        if not (ahead and self.hand_over_at_once):
+        hand_over = not (ahead and self.hand_over_at_once)
+        if hand_over and self.on_gpu:
+            # Launched first: the device computes while this thread streams.
+            mx.async_eval(logits)
+        if self.on_read is not None:
+            self.on_read([(row, None if row.fresh else token) for row, token in zip(self.decoding, tokens)])
+        if hand_over and not self.on_gpu:
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)

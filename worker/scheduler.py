@@ -80,6 +80,7 @@ class Scheduler:
         idle_release_s: float = defaults.IDLE_RELEASE_S,
         run_ahead: bool = True,
         compile_decode: bool = True,
+        mask_threads: int | None = None,
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
@@ -102,7 +103,8 @@ class Scheduler:
         # The tokenizer view for llguidance is built on the first
         # response_format (0.6-1.7 s and 88 MB for a 151k vocabulary).
         self._constraints: Constraints | None = None
-        self.masks = BatchMasks(self.vocab_size, codec.eos_ids)
+        # None: worker.constrain.default_mask_threads()
+        self.masks = BatchMasks(self.vocab_size, codec.eos_ids, mask_threads)
         if prefill_step is None:
             prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU
         self.prefill_step = prefill_step
@@ -147,7 +149,7 @@ class Scheduler:
         if req.response_format is None:
             return None
         if self._constraints is None:
-            self._constraints = Constraints.for_codec(self.codec, self.vocab_size)
+            self._constraints = Constraints.for_codec(self.codec, self.vocab_size, lexers=self.masks.threads)
         try:
             return self._constraints.row(req.response_format, ids)
         except ConstraintError as exc:
@@ -345,10 +347,7 @@ class Scheduler:
             raise row.broken
         if token is None:
             return None
-        reason = self.streams[row].feed(token)
-        if row.constraint is not None and row.constraint.done:
-            reason = "stop"  # the grammar is complete, max_tokens or not
-        return reason
+        return self.streams[row].feed(token)
 
     def _read(self, out: list[tuple[Row, int | None]]) -> None:
         """A constrained step's tokens, streamed and written as soon as the
@@ -356,7 +355,10 @@ class Scheduler:
         mlx: on mlx's CPU backend that hand-over waits while the forward
         pass it masks runs, which put every token of a constrained row one
         pass behind a free row's (151k vocabulary, a first token 37 ms
-        later). Ending rows and forcing tokens wait for the step's end."""
+        later). Ending rows and forcing tokens wait for the step's end, and
+        so does asking a row's grammar whether it is done: the step's masks
+        are filling on their side thread, and llguidance refuses a matcher
+        that another thread is using ("Already mutably borrowed")."""
         for row, token in out:
             if token is None or row not in self.streams:
                 continue
@@ -375,6 +377,8 @@ class Scheduler:
                 reason = self._fed.pop(row) if row in self._fed else self._feed(row, token)
                 if isinstance(reason, Exception):
                     raise reason
+                if token is not None and row.constraint is not None and row.constraint.done:
+                    reason = "stop"  # the grammar is complete, max_tokens or not
                 if reason is not None:
                     ended.append((row, reason))
                 elif stream.must_close_think():
