@@ -5,7 +5,8 @@ masks overlap the forward pass inside the engine; and llguidance's own
 costs per step (mask fill, apply, compile). Each on the demo tokenizer and
 on a 151k-token byte-level BPE, every comparison in the same run.
 
-    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker] [--tag X]
+    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker]
+                              [--models demo,bpe-151k] [--mask-threads 2,4] [--tag X]
 
 The 151k tokenizer is trained locally on this Python's standard library
 sources (nothing downloaded) and cached beside the demo models; the
@@ -114,12 +115,12 @@ def mask_costs(tokenizer_json: str, vocab: int, eos: set[int], encode, rounds: i
 
     from worker.constrain import BatchMasks, Constraints
 
+    masks = BatchMasks(vocab, eos)  # as a worker's: default_mask_threads()
     t0 = time.perf_counter()
-    constraints = Constraints(tokenizer_json, vocab, eos)
+    constraints = Constraints(tokenizer_json, vocab, eos, lexers=masks.threads)
     constraints.prepare()
     view_ms = (time.perf_counter() - t0) * 1000
-    masks = BatchMasks(vocab, eos)
-    out: dict = {"vocab": vocab, "tokenizer_view_ms": round(view_ms, 1)}
+    out: dict = {"vocab": vocab, "tokenizer_view_ms": round(view_ms, 1), "mask_threads": masks.threads}
 
     cases = {
         "json_schema": (schema_format(PET_NOTES), json.dumps(PET_NOTES_VALUE, separators=(",", ":"))),
@@ -335,7 +336,15 @@ class _TimedResult:
         return bits
 
 
-def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches: list[int]) -> dict:
+def _main_thread_cpu(proc) -> float:
+    """CPU seconds of a process's first thread (on Linux its id is the pid)."""
+    for thread in proc.threads():
+        if thread.id == proc.pid:
+            return thread.user_time + thread.system_time
+    return 0.0
+
+
+def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches: list[int], mask_threads: int | None = None) -> dict:
     """Through a real worker process and its pipes, as the pool drives it:
     decode tok/s of N rows with a JSON-schema constraint vs none, the same
     prompt and seeds; then the first-token cost of a constraint (TTFT of a
@@ -345,7 +354,7 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     sides run in `pairs` back-to-back pairs (order alternating), and each
     pair gives a ratio, so that the load of a shared machine hits both
     sides of a ratio alike. Also the worker's CPU time per token (all its
-    threads): work, where tok/s is latency."""
+    threads, and its engine thread alone): work, where tok/s is latency."""
     import psutil
 
     from harness.worker import WorkerProc
@@ -357,7 +366,8 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
     names = iter(range(1 << 30))
     for _ in range(rounds):
-        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0")
+        threads = ("--mask-threads", str(mask_threads)) if mask_threads else ()
+        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0", *threads)
         proc = psutil.Process(client.proc.pid)
         try:
             first = client.generate(prompt=prompt, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
@@ -365,9 +375,10 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
             for n in batches:
                 for i in range(pairs):
                     for side in sides if i % 2 == 0 else sides[::-1]:
-                        cpu = sum(proc.cpu_times()[:2])
+                        cpu, main = sum(proc.cpu_times()[:2]), _main_thread_cpu(proc)
                         run = client.generate_many([dict(prompt=prompt, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)])
                         run["cpu_s"] = sum(proc.cpu_times()[:2]) - cpu
+                        run["main_cpu_s"] = _main_thread_cpu(proc) - main
                         runs[n][side].append(run)
             for _ in range(5):
                 new = schema_format(LONG, f"new{next(names)}")
@@ -381,13 +392,16 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
         n = len(run["ttft_ms"])
         return (run["tokens"] - n) / ((max(run["done_ms"]) - max(run["ttft_ms"])) / 1000)
 
-    out: dict = {"model": model_dir.name, "tokens": tokens, "rounds": rounds, "pairs_per_round": pairs}
+    out: dict = {"model": model_dir.name, "tokens": tokens, "rounds": rounds, "pairs_per_round": pairs, "mask_threads": mask_threads or "default"}
     for n in batches:
         rates = {side: [decode_rate(r) for r in runs[n][side]] for side in sides}
         cpu_ms = {side: [r["cpu_s"] * 1000 / r["tokens"] for r in runs[n][side]] for side in sides}
+        main_ms = {side: [r["main_cpu_s"] * 1000 / r["tokens"] for r in runs[n][side]] for side in sides}
         out[f"rows{n}"] = {
             "decode_tok_s": {side: summary(v, 1) for side, v in rates.items()},
             "cpu_ms_per_token": {side: summary(v, 3) for side, v in cpu_ms.items()},
+            # The engine's own thread (the rest: the frame reader, mlx's and llguidance's threads).
+            "main_thread_cpu_ms_per_token": {side: summary(v, 3) for side, v in main_ms.items()},
             "tokens": {side: sorted({r["tokens"] for r in runs[n][side]}) for side in sides},
             "ratio_json_schema_vs_none": round(statistics.median(c / f for c, f in zip(rates["json_schema"], rates["none"])), 3),
             "cpu_ratio_none_vs_json_schema": round(statistics.median(f / c for c, f in zip(cpu_ms["json_schema"], cpu_ms["none"])), 3),
@@ -407,6 +421,8 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=4, help="back-to-back pairs of constrained and free runs per round (default 4)")
     p.add_argument("--batches", default="1,8", help="concurrent rows (default 1,8)")
     p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker)")
+    p.add_argument("--models", default="demo,bpe-151k", help="tokenizers the worker part runs (default demo,bpe-151k)")
+    p.add_argument("--mask-threads", default="", help="worker part: comma-separated --mask-threads values to compare (default: the worker's own)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -422,7 +438,8 @@ def main() -> int:
     real = real_vocab_model(args.size)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
-    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "worker": {}}
+    result: dict = {"machine": machine(), "backend": backend, "masks": {}, "worker": {}, "complete": False}
+    name = tagged(f"constrain-{backend}-{args.size}", args.tag)
     for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "masks" in parts else ():
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
@@ -431,13 +448,22 @@ def main() -> int:
         masks["tokenizer_tokens"] = tok.get_vocab_size()
         result["masks"][label] = masks
         print(f"{label}: {json.dumps(masks)}", file=sys.stderr)
+        write_result(name, result)  # each part as it ends: a later failure keeps it ("complete": false)
     if "overlap" in parts:
         result["engine_overlap"] = {f"rows{n}": engine_overlap(real, OVERLAP_TOKENS, args.rounds * args.pairs, n) for n in batches}
         print(f"engine overlap: {json.dumps(result['engine_overlap'])}", file=sys.stderr)
+        write_result(name, result)
+    threads = [int(t) for t in args.mask_threads.split(",") if t] or [None]
     for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "worker" in parts else ():
-        result["worker"][label] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches)
+        if label not in args.models.split(","):
+            continue
+        for n in threads:
+            key = label if len(threads) == 1 else f"{label}-threads{n}"
+            result["worker"][key] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches, n)
+            write_result(name, result)
     result["load_average"] = {"before": load_before, "after": load_average()}
-    write_result(tagged(f"constrain-{backend}-{args.size}", args.tag), result)
+    result["complete"] = True
+    write_result(name, result)
     print(json.dumps(result, indent=1))
     return 0
 
