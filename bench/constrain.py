@@ -365,8 +365,8 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     runs: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in sides} for n in batches}
     ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
     names = iter(range(1 << 30))
+    threads = ("--mask-threads", str(mask_threads)) if mask_threads else ()
     for _ in range(rounds):
-        threads = ("--mask-threads", str(mask_threads)) if mask_threads else ()
         client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0", *threads)
         proc = psutil.Process(client.proc.pid)
         try:

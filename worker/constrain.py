@@ -54,6 +54,7 @@ def default_mask_threads() -> int:
         cores = os.cpu_count() or 1
     return min(4, max(1, cores // 4))
 
+
 # Compact JSON: the separators are fixed, so a looping model cannot pad a
 # reply with whitespace until max_tokens. A schema may opt back in with
 # "x-guidance": {"whitespace_flexible": true}.
