@@ -499,6 +499,19 @@ def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypat
     assert touched == []
 
 
+def test_a_schema_compiles_no_more_matchers_than_rows_of_it_ran_at_once(tiny_model):
+    """Ended rows let go of the matcher they copied: a second batch of the
+    same schema reuses the first one's matchers."""
+    from worker.loader import load
+
+    s, lines = scheduler_for(load(tiny_model), mask_threads=4)
+    for batch in range(2):
+        drive(s, [fixed(10 * batch + i, seed=i, response_format=PET_FORMAT, max_tokens=12) for i in range(3)], {}, {})
+        lexers = s._constraints.compile(PET_FORMAT).lexers
+        assert len(lexers) == 3 and all(len(lexer.rows) == 0 for lexer in lexers)
+    assert len(replies(lines)) == 6
+
+
 def test_a_failed_prefill_chunk_loses_no_token_of_the_decoding_rows(tiny_model):
     from worker.loader import load
 
