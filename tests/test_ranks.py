@@ -217,6 +217,33 @@ def test_a_killed_or_stalled_rank_restarts_the_group_and_unload_stops_every_rank
     assert pool.close() == 0
 
 
+def test_every_rank_hands_its_buffer_cache_back_after_the_idle_release(spawn_pool, tiny_model, tmp_path):
+    """The other ranks wait on the group while rank 0 is idle; rank 0 tells
+    them when the idle release comes."""
+    config = tmp_path / "pool.toml"
+    config.write_text('idle_release = "2s"\nheartbeat_interval = 0.5\nprefix_cache_bytes = 0\n' + group_config(tiny_model, preload="true"))
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="two")
+    rank_pids(pool, "two")
+
+    def caches() -> list[int]:
+        return [r["mlx_cache_bytes"] for r in status_row(pool, "two")["ranks"]]
+
+    # Each rank's figures come with its heartbeat: wait for ones sent while
+    # the buffers of the requests below were still held.
+    long = "<|im_start|>user\n" + "Tell me about the river. " * 120 + "<|im_end|>\n<|im_start|>assistant\n"
+    assert texts(pool, [request("two", prompt=long, max_tokens=40) for _ in range(4)])
+
+    def holding() -> list[int] | None:
+        now = caches()
+        return now if all(now) else None
+
+    held = wait_for(holding, 10, interval=0.2, message="both ranks to report a buffer cache")
+    wait_for(lambda: all(c < h / 100 for c, h in zip(caches(), held)), 30, interval=0.3, message=f"every rank's buffer cache handed back ({held})")
+    assert texts(pool, [request("two", max_tokens=3)])
+    assert pool.close() == 0
+
+
 def test_a_sigkilled_supervisor_leaves_no_rank_behind(spawn_pool, tiny_model, tmp_path):
     config = tmp_path / "pool.toml"
     # With the vocabulary kept whole on every rank (the other tests split it).

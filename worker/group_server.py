@@ -3,11 +3,11 @@
 Rank 0 is the worker the pool talks to: WorkerServer's threads and inbox,
 plus, at every step, the items it took from its inbox shared with the other
 ranks before it applies them: requests (each with a seed: rank 0 draws one
-for a request that has none, so every rank samples alike), cancels, and the
-shutdown. A follower (rank >= 1) takes exactly those items from the group
-instead of an inbox, so every rank runs the same Scheduler calls; its
-request lines go nowhere, and its stdout carries its `rank_stats` to rank 0
-(worker.launch).
+for a request that has none, so every rank samples alike), cancels, the
+idle release of MLX's buffer cache, and the shutdown. A follower (rank >= 1)
+takes exactly those items from the group instead of an inbox, so every rank
+runs the same Scheduler calls; its request lines go nowhere, and its stdout
+carries its `rank_stats` to rank 0 (worker.launch).
 
 A model split over processes takes no LoRA adapters (their layers would be
 split too): a request naming one, and every adapter message, is answered
@@ -34,7 +34,7 @@ from worker.group_plan import GroupPlan, plan
 from worker.launch import RANK_JOINING, RANK_STATS, Launcher
 from worker.loader import LazyModel, LoadedModel
 from worker.memory import memory_figures
-from worker.server import SHUTDOWN, WAKE, WorkerServer
+from worker.server import IDLE, SHUTDOWN, WAKE, WorkerServer
 
 log = logging.getLogger("worker")
 
@@ -42,7 +42,14 @@ NO_ADAPTERS = "a model split over several processes (ranks > 1) takes no LoRA ad
 # The figures a group reports as the sum of its ranks'.
 SUMMED = ("weights_bytes", "rss_bytes", "uss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "mlx_cache_bytes")
 
-StepItem = Generate | Cancel | Shutdown
+
+class IdleRelease(msgspec.Struct, tag="idle_release", frozen=True):
+    """Rank 0 has been idle for idle_release_s: every rank hands MLX's
+    buffer cache back (the others wait on the group meanwhile, so they have
+    no clock of their own)."""
+
+
+StepItem = Generate | Cancel | Shutdown | IdleRelease
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[StepItem]).decode
 
@@ -90,6 +97,9 @@ class LeaderServer(WorkerServer):
             if item is SHUTDOWN:
                 kept.append(item)
                 shared.append(Shutdown())
+            elif item is IDLE:
+                kept.append(item)
+                shared.append(IdleRelease())
             elif isinstance(item, tuple):
                 req, arrived = item
                 if req.lora is not msgspec.UNSET and req.lora is not None:
@@ -175,6 +185,8 @@ class FollowerServer(WorkerServer):
         for msg in _decode(data) if data else ():
             if isinstance(msg, Shutdown):
                 items.append(SHUTDOWN)
+            elif isinstance(msg, IdleRelease):
+                items.append(IDLE)
             elif isinstance(msg, Generate):
                 items.append((msg, arrived))
             else:

@@ -32,6 +32,9 @@ log = logging.getLogger("worker")
 
 SHUTDOWN = object()
 WAKE = object()
+# The worker has been idle for idle_release_s: MLX's buffer cache goes back
+# (an item of its own so that rank 0 of a group passes it to the others).
+IDLE = object()
 
 
 class WorkerServer:
@@ -153,8 +156,7 @@ class WorkerServer:
             try:
                 return self._inbox.get(timeout=release_in)
             except queue.Empty:
-                log.debug("idle for %.1f s: MLX's buffer cache handed back", self.scheduler.idle_release_s)
-                self.scheduler.release_idle()
+                return [IDLE]
         return self._inbox.get()
 
     def _apply(self, items: list) -> bool:
@@ -167,6 +169,9 @@ class WorkerServer:
                 stopping = True
             elif item is WAKE:
                 pass  # the step below settles the read
+            elif item is IDLE:
+                log.debug("idle for %.1f s: MLX's buffer cache handed back", scheduler.idle_release_s)
+                scheduler.release_idle()
             elif isinstance(item, tuple):
                 scheduler.submit(*item)
             elif isinstance(item, Cancel):
