@@ -4,8 +4,10 @@ none, and a constraint's first-token cost, through a real worker process
 masks overlap the forward pass inside the engine; and llguidance's own
 costs per step (mask fill, apply, compile). Each on the demo tokenizer and
 on a 151k-token byte-level BPE, every comparison in the same run.
+`--parts profile` adds where a worker's engine thread spends its time per
+step, free and constrained (under cProfile).
 
-    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker]
+    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker,profile]
                               [--models demo,bpe-151k] [--mask-threads 2,4] [--tag X]
 
 The 151k tokenizer is trained locally on this Python's standard library
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import sysconfig
@@ -413,6 +416,63 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
     return out
 
 
+def engine_thread_profile(model_dir: Path, tokens: int, runs: int, rows: int, top: int = 25) -> dict:
+    """Where a worker's engine thread spends its time, free and constrained.
+    cProfile (which sees the main thread only: the engine's) runs three
+    workers: one that starts, decodes one short batch of each side and
+    stops (the baseline), and one per side that then decodes `runs`
+    batches of `rows` rows of `tokens` tokens; a side's figures less the
+    baseline's, per decode step (a step: `rows` tokens), leave its decoding
+    alone: the `top` costliest functions of each side and the largest
+    differences. cProfile slows Python code, so the figures say where, not
+    how fast."""
+    import pstats
+    import tempfile
+
+    from harness.worker import WorkerProc
+    from ipc.messages import Shutdown
+
+    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
+    text = schema_format(LONG)
+
+    def batch(n_tokens: int, constrained: bool) -> list[dict]:
+        return [dict(prompt=prompt, max_tokens=n_tokens, seed=s, response_format=text if constrained else None) for s in range(rows)]
+
+    def profiled(path: Path, side: str | None) -> tuple[dict[str, float], int]:
+        client = WorkerProc.started(model_dir, "--max-batch", str(rows), "--prefix-cache-bytes", "0", profile=path)
+        steps = 0
+        try:
+            for constrained in (False, True):
+                client.generate_many(batch(2, constrained))
+            for _ in range(runs if side else 0):
+                steps += client.generate_many(batch(tokens, side == "json_schema"))["tokens"] // rows
+            client.send(Shutdown())
+            client.proc.wait(timeout=60)
+        finally:
+            client.close()
+        # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+        stats = pstats.Stats(str(path)).stats
+        # Built-ins' names carry their object's address, which differs per worker.
+        return {re.sub(r" at 0x[0-9a-f]+", "", f"{Path(f).name}:{line}({name})"): t[2] * 1000 for (f, line, name), t in stats.items()}, steps
+
+    with tempfile.TemporaryDirectory(prefix="lattice-bench-profile-") as tmp:
+        base, _ = profiled(Path(tmp) / "base.prof", None)
+        per_step = {}
+        for side in ("none", "json_schema"):
+            ms, steps = profiled(Path(tmp) / f"{side}.prof", side)
+            per_step[side] = {n: (t - base.get(n, 0.0)) / steps for n, t in ms.items()}
+    free, constrained = per_step["none"], per_step["json_schema"]
+    diff = {n: constrained.get(n, 0.0) - free.get(n, 0.0) for n in set(free) | set(constrained)}
+    return {
+        "model": model_dir.name,
+        "rows": rows,
+        "unit": "ms per decode step on the engine thread, under cProfile, less a baseline worker's start-up",
+        "total": {side: round(sum(v.values()), 3) for side, v in per_step.items()},
+        "top": {side: {n: round(ms, 4) for n, ms in sorted(v.items(), key=lambda kv: -kv[1])[:top]} for side, v in per_step.items()},
+        "largest_differences": {n: round(d, 4) for n, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]},
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
@@ -420,7 +480,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh worker or engine (default 3)")
     p.add_argument("--pairs", type=int, default=4, help="back-to-back pairs of constrained and free runs per round (default 4)")
     p.add_argument("--batches", default="1,8", help="concurrent rows (default 1,8)")
-    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker)")
+    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker; also: profile)")
     p.add_argument("--models", default="demo,bpe-151k", help="tokenizers the worker part runs (default demo,bpe-151k)")
     p.add_argument("--mask-threads", default="", help="worker part: comma-separated --mask-threads values to compare (default: the worker's own)")
     p.add_argument("--tag", default="")
@@ -460,6 +520,11 @@ def main() -> int:
         for n in threads:
             key = label if len(threads) == 1 else f"{label}-threads{n}"
             result["worker"][key] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches, n)
+            write_result(name, result)
+    for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "profile" in parts else ():
+        if label in args.models.split(","):
+            result.setdefault("engine_thread_profile", {})[label] = engine_thread_profile(model_dir, args.tokens, args.pairs, max(batches))
+            print(f"{label} engine thread: {json.dumps(result['engine_thread_profile'][label])}", file=sys.stderr)
             write_result(name, result)
     result["load_average"] = {"before": load_before, "after": load_average()}
     result["complete"] = True

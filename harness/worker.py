@@ -32,9 +32,13 @@ def terminal(events: list[dict]) -> dict:
 
 
 class WorkerProc:
-    def __init__(self, model: Path, *args: str):
+    def __init__(self, model: Path, *args: str, profile: Path | None = None):
+        # profile: the worker's main thread runs under cProfile, whose
+        # figures go to that file when the worker exits after a Shutdown
+        # (closing its stdin ends it at once, writing nothing).
+        profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", str(model), *args],
+            [sys.executable, *profiler, "-m", "worker", "--model", str(model), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -53,9 +57,9 @@ class WorkerProc:
             t.start()
 
     @classmethod
-    def started(cls, model: Path, *args: str) -> "WorkerProc":
+    def started(cls, model: Path, *args: str, profile: Path | None = None) -> "WorkerProc":
         """A worker that has said `ready`."""
-        w = cls(model, *args)
+        w = cls(model, *args, profile=profile)
         w.wait_ready()
         return w
 
