@@ -263,6 +263,8 @@ def main() -> int:
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompts = [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" for text in user_messages(tokenizer, args.requests, 24)]
     result = {"model": str(model), "size": None if args.model else args.size, "backend": backend(), "machine": machine(), "load_average": {"before": load_average()}}
+    result["complete"] = False
+    name = tagged(f"adapters-{result['backend']}-{args.size if not args.model else model.name}", args.tag)
     loaded = load(model)
     # The layer the kernels are timed on, in the dtype the worker computes in.
     d_in, d_out, dtype = linear_dims(loaded.model.layers[0].mlp.up_proj)
@@ -273,8 +275,13 @@ def main() -> int:
         for i in range(args.adapters):
             modules = write_adapter(targets, Path(tmp) / f"adapter-{i}", args.rank, seed=i)
             adapters.append(str(Path(tmp) / f"adapter-{i}"))
+        # Each part is written as it ends ("complete": false until the
+        # last), so that a later failure keeps it.
         memory, shared, load_ms = measure_memory(model, adapters, prompts)
-        through_pool = pool_memory(model, adapters, prompts, Path(tmp))
+        result.update(memory=memory, one_worker_memory=shared)
+        write_result(name, result)
+        result["pool_memory"] = through_pool = pool_memory(model, adapters, prompts, Path(tmp))
+        write_result(name, result)
         speed = throughput(model, adapters, prompts, args.max_tokens, args.rounds)
     kernel_us = kernels(d_in, d_out, args.rank, args.adapters, dtype)
 
@@ -300,7 +307,8 @@ def main() -> int:
         kernels_us={"layer": {"d_in": d_in, "d_out": d_out, "dtype": str(dtype)}, **kernel_us},
     )
     result["load_average"]["after"] = load_average()
-    write_result(tagged(f"adapters-{result['backend']}-{args.size if not args.model else model.name}", args.tag), result)
+    result["complete"] = True
+    write_result(name, result)
 
     mib = 1 / 2**20
     print(f"{args.adapters} adapters of rank {args.rank} on {modules} layers: {adapter_bytes * mib:.1f} MiB; loads {load_ms} ms")
