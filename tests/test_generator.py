@@ -49,18 +49,23 @@ def make_generator(model, vocab: int, prefill_step: int = 64) -> TokenGenerator:
     return TokenGenerator(model, vocab, PrefixCache(model, 0), prefill_step, None)
 
 
-def run(model, vocab: int, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None, join_after: int = 0):
+def run(model, vocab: int, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None, join_after: int = 0, mid_prefill: bool = False):
     """Greedy rows through one generator; with `join_after`, the rest of the
-    prompts start once the first ones have decoded two tokens. With
-    `forced`, row i is fed forced[i] (teacher forcing) whatever it samples.
-    Returns each row's decode logits, step by step."""
+    prompts start once the first ones have decoded two tokens (with
+    `mid_prefill`: after the first prefill chunk, joining the group that is
+    still reading). With `forced`, row i is fed forced[i] (teacher forcing)
+    whatever it samples. Returns each row's decode logits, step by step."""
     rec = Recorder(model)
     gen = make_generator(rec, vocab)
     rows = [Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)]
     logits = {row: [] for row in rows}
     first, later = (rows[:join_after], rows[join_after:]) if join_after else (rows, [])
     gen.start(first)
-    if later:
+    if later and mid_prefill:
+        _step(gen, rec, logits, forced)
+        assert gen.prefilling, "the first group is still reading"
+        gen.start(later)
+    elif later:
         while min(len(logits[row]) for row in first) < 2:
             _step(gen, rec, logits, forced)
         gen.start(later)
@@ -89,8 +94,8 @@ def check_batched_equals_alone(model, vocab: int, prompts: list[list[int]], step
     alone = [run(model, vocab, [p], steps)[0] for p in prompts]
     tokens = [a.argmax(-1).tolist() for a in alone]
     worst = 0.0
-    for join_after in (0, 2):
-        batched = run(model, vocab, prompts, steps, forced=tokens, join_after=join_after)
+    for join_after, mid_prefill in ((0, False), (2, False), (2, True)):
+        batched = run(model, vocab, prompts, steps, forced=tokens, join_after=join_after, mid_prefill=mid_prefill)
         for a, b in zip(alone, batched):
             worst = max(worst, float(np.abs(a - b).max()))
     assert worst <= LOGIT_TOLERANCE
@@ -186,6 +191,38 @@ def submit(s, n: int, start: int = 0, **kw) -> None:
     kw.setdefault("max_tokens", 12)
     for i in range(start, start + n):
         s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **kw), 0.0)
+
+
+def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
+    """A short request that comes after a long prompt started reading joins
+    that prefill group at its next chunk: its first token comes long before
+    the long prompt's, and a forward still reads about prefill_step prompt
+    tokens (the long row's pieces shrink while the short one reads)."""
+    loaded, _ = qwen35
+    shapes: list[tuple[int, int]] = []
+
+    class Inputs(Recorder):
+        def __call__(self, inputs, cache=None):
+            shapes.append(inputs.shape)
+            return super().__call__(inputs, cache)
+
+    s, lines = scheduler_for(loaded, Inputs(loaded.model), prefill_step=128, compile_decode=False)
+    long = "<|im_start|>user\n" + "Tell me about the river and the mill. " * 150 + "<|im_end|>\n<|im_start|>assistant\n"
+    s.submit(Generate(rid=1, prompt=long, id_json='"long"', max_tokens=4, temperature=0.0), 0.0)
+    s.step()
+    assert s.generator.prefilling, "the long prompt reads over several chunks"
+    s.submit(Generate(rid=2, prompt=PROMPT_SHORT, id_json='"short"', max_tokens=4, temperature=0.0), 0.0)
+    while s.has_work:
+        s.step()
+    first = [e["id"] for e in events(lines) if e["ev"] == "gen_token"]
+    assert first.index("short") < first.index("long")
+    assert {e["id"]: e["finish_reason"] for e in events(lines) if e.get("done")} == {"long": "length", "short": "length"}
+    chunks = [(rows, width) for rows, width in shapes if width > 1]
+    assert any(rows == 2 for rows, _ in chunks), "the short prompt was read in the long one's group"
+    assert max(rows * width for rows, width in chunks) <= 128, chunks
+
+
+PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
 
 
 class Failing(Recorder):

@@ -35,6 +35,20 @@ def _merge(rows: list[list]) -> list:
     return layers
 
 
+def _zero_empty_states(a, a_rows: int, b, b_rows: int) -> None:
+    """Gives a linear-attention cache that has not run yet (a row joining a
+    prefill group) zero states shaped like the other side's: the state it
+    starts from. mlx-lm's extend sizes a missing state by the cache's batch
+    size, which a merged cache of empty rows reports as 1."""
+    if not hasattr(a, "cache"):  # attention caches size their gaps by their offsets
+        return
+    for e, (x, y) in enumerate(zip(a.cache, b.cache)):
+        if x is None and y is not None:
+            a.cache[e] = mx.zeros((a_rows, *y.shape[1:]), dtype=y.dtype)
+        elif y is None and x is not None:
+            b.cache[e] = mx.zeros((b_rows, *x.shape[1:]), dtype=x.dtype)
+
+
 class BatchCache:
     __slots__ = ("layers", "rows", "merged")
 
@@ -64,6 +78,7 @@ class BatchCache:
         (self and other must not be used afterwards)."""
         layers = self._merged_layers()
         for mine, theirs in zip(layers, other._merged_layers()):
+            _zero_empty_states(mine, self.rows, theirs, other.rows)
             mine.extend(theirs)
         return BatchCache(layers, self.rows + other.rows, True)
 

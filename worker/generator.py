@@ -7,12 +7,14 @@ ids come out; nothing here knows about text or events. Each `step()`:
    step is queued on the device before this step's tokens are read, so the
    device computes step t+1 while the caller streams step t.
 2. one prefill chunk of the rows that are still reading their prompts (the
-   "prefill group", rows admitted together): one batched forward, right-
-   padded to the longest row's piece, in which each of the B rows reads up
-   to max(prefill_step / B, 64) prompt tokens (a lone row: prefill_step). Decode rows therefore stall
-   for at most one such chunk, max(prefill_step, 64 B) tokens, per token. A row
-   whose prompt is read (all but its last token) joins the decode batch; the
-   last prompt token is its first decode input.
+   "prefill group"): one batched forward, right-padded to the longest row's
+   piece, in which each of the B rows reads up to max(prefill_step / B, 64)
+   prompt tokens (a lone row: prefill_step). Decode rows therefore stall
+   for at most one such chunk, max(prefill_step, 64 B) tokens, per token.
+   Rows admitted while a group reads join it at its next chunk, and every
+   reading row's remaining pieces are cut again for the new B. A row whose
+   prompt is read (all but its last token) joins the decode batch; the last
+   prompt token is its first decode input.
 
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
@@ -171,9 +173,8 @@ class TokenGenerator:
         return sum(c.nbytes for c in (self._cache, self._group) if c is not None)
 
     def start(self, rows: list[Row]) -> None:
-        """Starts reading the rows' prompts, as one prefill group; only when
-        no group is reading (rows admitted later wait for the next group)."""
-        assert not self.prefilling, "one prefill group at a time"
+        """Starts reading the rows' prompts: as a prefill group, or in the
+        one that is reading, which they join at its next chunk."""
         caches, cuts = [], []
         for row in rows:
             # Chunks end at message starts, with or without a prefix cache, so
@@ -188,8 +189,12 @@ class TokenGenerator:
         # share it, so running rows wait no longer for a bigger group; a
         # row's piece stays at least MIN_PIECE tokens, so short prompts
         # arriving together are read in one forward.
-        readers = sum(1 for row in rows if row.cached < len(row.ids) - 1)
+        # The rows of a group that is reading take the new step from where
+        # they are, so a forward of the larger group reads no more.
+        readers = sum(1 for row in self.prefilling if row.ends) + sum(1 for row in rows if row.cached < len(row.ids) - 1)
         step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
+        for row in self.prefilling:
+            row.ends = chunk_ends(len(row.ids) - 1, message_starts(row.ids, self.chat_marker), step, row.pos)
         for row, row_cuts in zip(rows, cuts):
             row.ends = chunk_ends(len(row.ids) - 1, row_cuts, step, row.cached)
         # Rows whose whole prompt was resumed join now, unless the batch has
@@ -200,8 +205,15 @@ class TokenGenerator:
             self._join([rows[i] for i in ready], BatchCache.of_rows([caches[i] for i in ready]))
         reading = [i for i in range(len(rows)) if i not in ready]
         if reading:
-            self.prefilling = [rows[i] for i in reading]
-            self._group = BatchCache.of_rows([caches[i] for i in reading])
+            group = BatchCache.of_rows([caches[i] for i in reading])
+            if self._group is None:
+                self._group = group
+            else:
+                try:
+                    self._group = self._group.extend(group)
+                except Exception as exc:  # extended in place: the group's state is gone
+                    raise BatchFailed(self._lose(decode=False, group=True), exc) from exc
+            self.prefilling = self.prefilling + [rows[i] for i in reading]
 
     def remove(self, rows: list[Row]) -> None:
         """Drops rows (finished, cancelled or failed) and frees their state."""

@@ -285,7 +285,7 @@ class Scheduler:
         lengths = [len(row.ids) + len(self.streams[row].generated) for row in active]
         start: list[tuple[Waiting, Version | None]] = []
         scanned: deque[Waiting] = deque()
-        full = bool(self.generator.prefilling)  # one prefill group at a time
+        full = False
         behind_starved = False
         while self.waiting and (sweep or not full):
             w = self.waiting.popleft()
@@ -332,7 +332,8 @@ class Scheduler:
         except Exception as exc:  # e.g. out of memory restoring a snapshot
             log.exception("requests could not start")
             self.generator.remove(rows)
-            for row in rows:
+            # Joining the group that was reading can take that group down too.
+            for row in rows + (exc.rows if isinstance(exc, BatchFailed) else []):
                 self._fail(row, exc)
 
     def _projected_bytes(self, lengths: list[int]) -> int:
