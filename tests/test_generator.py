@@ -197,7 +197,8 @@ def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     """A short request that comes after a long prompt started reading joins
     that prefill group at its next chunk: its first token comes long before
     the long prompt's, and a forward still reads about prefill_step prompt
-    tokens (the long row's pieces shrink while the short one reads)."""
+    tokens (the long row's pieces shrink while the short one reads, and
+    grow back once it has left)."""
     loaded, _ = qwen35
     shapes: list[tuple[int, int]] = []
 
@@ -220,6 +221,9 @@ def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     chunks = [(rows, width) for rows, width in shapes if width > 1]
     assert any(rows == 2 for rows, _ in chunks), "the short prompt was read in the long one's group"
     assert max(rows * width for rows, width in chunks) <= 128, chunks
+    # Once the short one has left, the long one reads prefill_step pieces again.
+    joint = [i for i, (rows, _) in enumerate(chunks) if rows == 2]
+    assert chunks[joint[-1] + 1] == (1, 128), chunks
 
 
 PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"

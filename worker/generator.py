@@ -11,10 +11,11 @@ ids come out; nothing here knows about text or events. Each `step()`:
    piece, in which each of the B rows reads up to max(prefill_step / B, 64)
    prompt tokens (a lone row: prefill_step). Decode rows therefore stall
    for at most one such chunk, max(prefill_step, 64 B) tokens, per token.
-   Rows admitted while a group reads join it at its next chunk, and every
-   reading row's remaining pieces are cut again for the new B. A row whose
-   prompt is read (all but its last token) joins the decode batch; the last
-   prompt token is its first decode input.
+   Rows admitted while a group reads join it at its next chunk; whenever
+   rows join or leave, every reading row's remaining pieces are cut again
+   for the new B. A row whose prompt is read (all but its last token)
+   joins the decode batch; the last prompt token is its first decode
+   input.
 
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
@@ -90,6 +91,7 @@ class Row:
     slot: int | None = None  # its adapter's slot in the LoRA layers
     cached: int = 0  # prompt tokens resumed from the prefix cache
     pos: int = 0  # prompt tokens in the row's cache
+    cuts: list[int] = field(default_factory=list)  # its message starts, where chunks end
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
     fresh: bool = True  # its decode input is still its last prompt token
@@ -175,28 +177,17 @@ class TokenGenerator:
     def start(self, rows: list[Row]) -> None:
         """Starts reading the rows' prompts: as a prefill group, or in the
         one that is reading, which they join at its next chunk."""
-        caches, cuts = [], []
+        caches = []
         for row in rows:
             # Chunks end at message starts, with or without a prefix cache, so
             # a prompt resumed from a snapshot there computes what a cold one
             # does (greedy output is the same with and without the cache).
-            cuts.append(message_starts(row.ids, self.chat_marker))
-            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, cuts[-1])
+            row.cuts = message_starts(row.ids, self.chat_marker)
+            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
             row.pos = row.cached
-            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), cuts[-1])
+            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), row.cuts)
             caches.append(cache)
-        # A forward reads about prefill_step prompt tokens however many rows
-        # share it, so running rows wait no longer for a bigger group; a
-        # row's piece stays at least MIN_PIECE tokens, so short prompts
-        # arriving together are read in one forward.
-        # The rows of a group that is reading take the new step from where
-        # they are, so a forward of the larger group reads no more.
-        readers = sum(1 for row in self.prefilling if row.ends) + sum(1 for row in rows if row.cached < len(row.ids) - 1)
-        step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
-        for row in self.prefilling:
-            row.ends = chunk_ends(len(row.ids) - 1, message_starts(row.ids, self.chat_marker), step, row.pos)
-        for row, row_cuts in zip(rows, cuts):
-            row.ends = chunk_ends(len(row.ids) - 1, row_cuts, step, row.cached)
+        self._cut(self.prefilling + rows)
         # Rows whose whole prompt was resumed join now, unless the batch has
         # run ahead: then they are not at its step and join with the group's
         # first chunk (_prefill_chunk), after a step that does not run ahead.
@@ -214,6 +205,18 @@ class TokenGenerator:
                 except Exception as exc:  # extended in place: the group's state is gone
                     raise BatchFailed(self._lose(decode=False, group=True), exc) from exc
             self.prefilling = self.prefilling + [rows[i] for i in reading]
+
+    def _cut(self, rows: list[Row]) -> None:
+        """Plans the remaining prefill chunks of a group's rows, from where
+        each is. A forward reads about prefill_step prompt tokens however
+        many rows share it, so running rows wait no longer for a bigger
+        group; a row's piece stays at least MIN_PIECE tokens, so short
+        prompts arriving together are read in one forward. Cut again
+        whenever rows join or leave the group."""
+        readers = sum(1 for row in rows if row.pos < len(row.ids) - 1)
+        step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
+        for row in rows:
+            row.ends = chunk_ends(len(row.ids) - 1, row.cuts, step, row.pos)
 
     def remove(self, rows: list[Row]) -> None:
         """Drops rows (finished, cancelled or failed) and frees their state."""
@@ -238,6 +241,7 @@ class TokenGenerator:
             self._group.filter(keep)
             if not keep:
                 self._group = None
+            self._cut(self.prefilling)
 
     def force(self, row: Row, token: int) -> None:
         """Replaces the row's pending token (sampled, not yet fed to the
@@ -416,3 +420,4 @@ class TokenGenerator:
             self.prefilling = [row for row in rows if row.ends]
             if not self.prefilling:
                 self._group = None
+            self._cut(self.prefilling)
