@@ -226,6 +226,36 @@ def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     assert chunks[joint[-1] + 1] == (1, 128), chunks
 
 
+def test_a_row_leaving_a_group_mid_prefill_leaves_the_others_reading(qwen35):
+    """The long prompt is cancelled while a row that joined its group still
+    reads: the joiner reads on alone, in prefill_step pieces again, and
+    ends as it would alone."""
+    loaded, _ = qwen35
+    shapes: list[tuple[int, int]] = []
+
+    class Inputs(Recorder):
+        def __call__(self, inputs, cache=None):
+            shapes.append(inputs.shape)
+            return super().__call__(inputs, cache)
+
+    medium = "<|im_start|>user\n" + "Herons wait by the bridge. " * 40 + "<|im_end|>\n<|im_start|>assistant\n"
+    long = "<|im_start|>user\n" + "Tell me about the river and the mill. " * 150 + "<|im_end|>\n<|im_start|>assistant\n"
+    s, lines = scheduler_for(loaded, Inputs(loaded.model), prefill_step=128, compile_decode=False)
+    s.submit(Generate(rid=1, prompt=long, id_json='"long"', max_tokens=4, temperature=0.0), 0.0)
+    s.step()
+    s.submit(Generate(rid=2, prompt=medium, id_json='"medium"', max_tokens=6, temperature=0.0), 0.0)
+    s.step()
+    assert len(s.generator.prefilling) == 2, "the medium prompt reads in the long one's group"
+    s.cancel(1)
+    after = len(shapes)
+    while s.has_work:
+        s.step()
+    ends = {e["id"]: e for e in events(lines) if e.get("done") or e["ev"] == "error"}
+    assert ends["long"]["finish_reason"] == "cancelled"
+    assert ends["medium"]["finish_reason"] == "length" and ends["medium"]["gen_tokens"] == 6
+    assert (1, 128) in shapes[after:], shapes
+
+
 PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
 
 
