@@ -193,6 +193,18 @@ def submit(s, n: int, start: int = 0, **kw) -> None:
         s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **kw), 0.0)
 
 
+class InputShapes(Recorder):
+    """A model that keeps the shape of every call's inputs: (rows, tokens)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, inputs, cache=None):
+        self.shapes.append(inputs.shape)
+        return super().__call__(inputs, cache)
+
+
 def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     """A short request that comes after a long prompt started reading joins
     that prefill group at its next chunk: its first token comes long before
@@ -200,14 +212,9 @@ def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     tokens (the long row's pieces shrink while the short one reads, and
     grow back once it has left)."""
     loaded, _ = qwen35
-    shapes: list[tuple[int, int]] = []
-
-    class Inputs(Recorder):
-        def __call__(self, inputs, cache=None):
-            shapes.append(inputs.shape)
-            return super().__call__(inputs, cache)
-
-    s, lines = scheduler_for(loaded, Inputs(loaded.model), prefill_step=128, compile_decode=False)
+    model = InputShapes(loaded.model)
+    shapes = model.shapes
+    s, lines = scheduler_for(loaded, model, prefill_step=128, compile_decode=False)
     long = "<|im_start|>user\n" + "Tell me about the river and the mill. " * 150 + "<|im_end|>\n<|im_start|>assistant\n"
     s.submit(Generate(rid=1, prompt=long, id_json='"long"', max_tokens=4, temperature=0.0), 0.0)
     s.step()
@@ -231,16 +238,11 @@ def test_a_row_leaving_a_group_mid_prefill_leaves_the_others_reading(qwen35):
     reads: the joiner reads on alone, in prefill_step pieces again, and
     ends as it would alone."""
     loaded, _ = qwen35
-    shapes: list[tuple[int, int]] = []
-
-    class Inputs(Recorder):
-        def __call__(self, inputs, cache=None):
-            shapes.append(inputs.shape)
-            return super().__call__(inputs, cache)
-
     medium = "<|im_start|>user\n" + "Herons wait by the bridge. " * 40 + "<|im_end|>\n<|im_start|>assistant\n"
     long = "<|im_start|>user\n" + "Tell me about the river and the mill. " * 150 + "<|im_end|>\n<|im_start|>assistant\n"
-    s, lines = scheduler_for(loaded, Inputs(loaded.model), prefill_step=128, compile_decode=False)
+    model = InputShapes(loaded.model)
+    shapes = model.shapes
+    s, lines = scheduler_for(loaded, model, prefill_step=128, compile_decode=False)
     s.submit(Generate(rid=1, prompt=long, id_json='"long"', max_tokens=4, temperature=0.0), 0.0)
     s.step()
     s.submit(Generate(rid=2, prompt=medium, id_json='"medium"', max_tokens=6, temperature=0.0), 0.0)
