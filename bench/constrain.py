@@ -32,6 +32,8 @@ from pathlib import Path
 from bench.common import MODELS, demo_model, load_average, machine, summary, tagged, write_result
 from tests.schemas import PET, PET_VALUE
 
+# The prompt of every decode measurement here.
+PROMPT = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
 REAL_VOCAB = 151_936  # Qwen2/3's padded vocabulary
 # Tokens per row in the in-engine overlap check: the first ones of a LONG
 # reply are inside a length-bounded string, llguidance's costliest steps.
@@ -244,7 +246,6 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
         return real_apply(logits, bits)
 
     modes = {"none": side_thread, "overlapped": side_thread, "ahead": side_thread, "masks_first": on_this_thread, "probed": probed}
-    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
     rid = iter(range(1, 1 << 30))
 
@@ -255,7 +256,7 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
         engine.generator.run_ahead = run_ahead
         engine.generator.hand_over_at_once = default_hand_over if at_once is None else at_once
         for seed in range(rows):
-            engine.submit(Generate(rid=next(rid), prompt=prompt, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
+            engine.submit(Generate(rid=next(rid), prompt=PROMPT, max_tokens=tokens, seed=seed, response_format=text if constrained else None), 0.0)
         while len(engine.generator.decoding) < rows or any(not s.generated for s in engine.streams.values()):
             if not engine.waiting and len(engine.streams) < rows:
                 raise RuntimeError("a row failed (see the log above)")
@@ -362,7 +363,6 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
 
     from harness.worker import WorkerProc
 
-    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
     sides = ("none", "json_schema")
     runs: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in sides} for n in batches}
@@ -373,20 +373,20 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
         client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0", *threads)
         proc = psutil.Process(client.proc.pid)
         try:
-            first = client.generate(prompt=prompt, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
+            first = client.generate(prompt=PROMPT, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
             ttft["first_constrained_request"].append(first["ttft_ms"])
             for n in batches:
                 for i in range(pairs):
                     for side in sides if i % 2 == 0 else sides[::-1]:
                         cpu, main = sum(proc.cpu_times()[:2]), _main_thread_cpu(proc)
-                        run = client.generate_many([dict(prompt=prompt, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)])
+                        run = client.generate_many([dict(prompt=PROMPT, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)])
                         run["cpu_s"] = sum(proc.cpu_times()[:2]) - cpu
                         run["main_cpu_s"] = _main_thread_cpu(proc) - main
                         runs[n][side].append(run)
             for _ in range(5):
                 new = schema_format(LONG, f"new{next(names)}")
                 for name, fmt in (("none", None), ("new_schema", new), ("cached_schema", new)):
-                    ttft[name].append(client.generate(prompt=prompt, max_tokens=2, response_format=fmt)["ttft_ms"])
+                    ttft[name].append(client.generate(prompt=PROMPT, max_tokens=2, response_format=fmt)["ttft_ms"])
         finally:
             client.close()
 
@@ -432,11 +432,10 @@ def engine_thread_profile(model_dir: Path, tokens: int, runs: int, rows: int, to
     from harness.worker import WorkerProc
     from ipc.messages import Shutdown
 
-    prompt = "<|im_start|>user\nList sixteen notes about the river.<|im_end|>\n<|im_start|>assistant\n"
     text = schema_format(LONG)
 
     def batch(n_tokens: int, constrained: bool) -> list[dict]:
-        return [dict(prompt=prompt, max_tokens=n_tokens, seed=s, response_format=text if constrained else None) for s in range(rows)]
+        return [dict(prompt=PROMPT, max_tokens=n_tokens, seed=s, response_format=text if constrained else None) for s in range(rows)]
 
     def profiled(path: Path, side: str | None) -> tuple[dict[str, float], int]:
         client = WorkerProc.started(model_dir, "--max-batch", str(rows), "--prefix-cache-bytes", "0", profile=path)

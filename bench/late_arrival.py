@@ -32,7 +32,7 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     from bench.common import backend, demo_model, load_average, machine, summary, tagged, write_result
-    from harness.worker import WorkerProc, stream_figures
+    from harness.worker import WorkerProc
     from ipc.framing import encode_frame
     from ipc.messages import Generate
 
@@ -57,7 +57,7 @@ def main() -> int:
             for name, prompt in (("short_alone", SHORT), ("long_alone", long)):
                 data, key = frame(prompt)
                 w.send_raw(data)
-                times[name].append(stream_figures(w._stamped_event_line, [key], 0.0)["worker_ttft_total_tokens"][0][0])
+                times[name].append(w.figures([key], 0.0)["worker_ttft_total_tokens"][0][0])
             long_frame, long_key = frame(long)
             w.send_raw(long_frame)
             busy = 0
@@ -66,7 +66,7 @@ def main() -> int:
                 busy += line.startswith(b'@@lattice {"ev":"heartbeat","busy":true')
             short_frame, short_key = frame(SHORT)
             w.send_raw(short_frame)
-            figures = stream_figures(w._stamped_event_line, [long_key, short_key], 0.0)["worker_ttft_total_tokens"]
+            figures = w.figures([long_key, short_key], 0.0)["worker_ttft_total_tokens"]
             times["long_with_short"].append(figures[0][0])
             times["short_behind_long"].append(figures[1][0])
     finally:

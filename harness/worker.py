@@ -190,6 +190,11 @@ class WorkerProc:
             frames.append(encode_frame(Generate(rid=self._rid, id_json=str(self._rid), **kw)))
         t0 = time.monotonic()
         self.send_raw(b"".join(frames))
+        return self.figures(ids, t0)
+
+    def figures(self, ids: list[bytes], t0: float) -> dict:
+        """stream_figures of the requests `ids` (their ids as JSON text), sent
+        at t0, from this worker's lines."""
         return stream_figures(self._stamped_event_line, ids, t0)
 
     def _stamped_event_line(self) -> tuple[bytes, float]:

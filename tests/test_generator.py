@@ -193,6 +193,9 @@ def submit(s, n: int, start: int = 0, **kw) -> None:
         s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **kw), 0.0)
 
 
+PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+
+
 class InputShapes(Recorder):
     """A model that keeps the shape of every call's inputs: (rows, tokens)."""
 
@@ -256,9 +259,6 @@ def test_a_row_leaving_a_group_mid_prefill_leaves_the_others_reading(qwen35):
     assert ends["long"]["finish_reason"] == "cancelled"
     assert ends["medium"]["finish_reason"] == "length" and ends["medium"]["gen_tokens"] == 6
     assert (1, 128) in shapes[after:], shapes
-
-
-PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
 
 
 class Failing(Recorder):
