@@ -5,10 +5,12 @@ masks overlap the forward pass inside the engine; and llguidance's own
 costs per step (mask fill, apply, compile). Each on the demo tokenizer and
 on a 151k-token byte-level BPE, every comparison in the same run.
 `--parts profile` adds where a worker's engine thread spends its time per
-step, free and constrained (under cProfile).
+step, free and constrained (under cProfile); `--parts gil`, how late a
+batch's masks come back while the engine thread is busy in Python, at
+several GIL switch intervals.
 
-    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker,profile]
-                              [--models demo,bpe-151k] [--mask-threads 2,4] [--tag X]
+    python -m bench.constrain [--size small|0.8b] [--tokens 128] [--rounds 3] [--batches 1,8] [--parts masks,overlap,worker,profile,gil]
+                              [--models demo,bpe-151k] [--mask-threads 2,4] [--gil-switch-ms 5,0.5] [--schema bounded|free] [--tag X]
 
 The 151k tokenizer is trained locally on this Python's standard library
 sources (nothing downloaded) and cached beside the demo models; the
@@ -20,6 +22,7 @@ LM head are both real-sized.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -52,6 +55,12 @@ LONG = {
     "required": ["notes"],
     "additionalProperties": False,
 }
+
+
+# --schema: the bounded one above; free text (every row still runs to
+# max_tokens: a random-weight model all but never closes an unbounded string).
+FREE = {**LONG, "properties": {"notes": {**LONG["properties"]["notes"], "items": {"type": "string"}}}}
+SCHEMAS = {"bounded": LONG, "free": FREE}
 
 
 def schema_format(schema: dict, name: str = "bench") -> str:
@@ -212,10 +221,13 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
     import mlx.core as mx
 
     from ipc.messages import Generate
+    from worker.defaults import GIL_SWITCH_MS
     from worker.loader import load
     from worker.scheduler import Scheduler
     from worker.text import TextCodec
 
+    # As in a worker (worker/defaults.py, GIL_SWITCH_MS).
+    sys.setswitchinterval(GIL_SWITCH_MS / 1000)
     loaded = load(model_dir)
     engine = Scheduler(loaded, TextCodec(model_dir, loaded.config), lambda line: None, batch_memory=1 << 34, max_batch=rows, prefix_cache_bytes=0)
     engine.warm_up()
@@ -348,7 +360,80 @@ def _main_thread_cpu(proc) -> float:
     return 0.0
 
 
-def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches: list[int], mask_threads: int | None = None) -> dict:
+def gil_handover(model_dir: Path, steps: int, rows: int = 8, busy_ms: float = 4.0, intervals: tuple[float, ...] = (5, 1, 0.5, 0.2)) -> dict:
+    """How late a batch's masks come back while the engine thread is busy in
+    Python (on a GPU a small model's engine thread builds its step's graph
+    for most of the step): the worker's BatchMasks filling `rows` rows of the
+    bounded schema on its side thread, each row advanced by a random allowed
+    token (seeded) every step, at several GIL switch intervals (worker
+    --gil-switch-ms). Steps alternate between the engine thread waiting for
+    the masks at once (`alone`) and running `busy_ms` of Python first
+    (`busy`); a fill's time ends when its result is set on the side thread,
+    which takes the GIL."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from worker.constrain import BatchMasks, Constraints
+
+    tok_json = (model_dir / "tokenizer.json").read_text()
+    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    tokenizer = Tokenizer.from_str(tok_json)
+    eos = {tokenizer.token_to_id("<|im_end|>")}
+    constraints = Constraints(tok_json, vocab, eos, lexers=rows)
+    masks = BatchMasks(vocab, eos)  # as a worker's: default_mask_threads()
+    text = schema_format(LONG)
+    rng = np.random.default_rng(0)
+    real = tokenizer.get_vocab_size()
+
+    def busy(seconds: float) -> int:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += sum(range(50))
+        return n
+
+    before = sys.getswitchinterval()
+    out: dict = {"model": model_dir.name, "rows": rows, "busy_ms": busy_ms, "steps": steps, "mask_threads": masks.threads, "unit": "ms from submitting a batch's masks to its result being set", "by_switch_ms": {}}
+    try:
+        for interval in intervals:
+            sys.setswitchinterval(interval / 1000)
+            live = [constraints.row(text, []) for _ in range(rows)]
+            took: dict[str, list[float]] = {"alone": [], "busy": []}
+            for step in range(steps):
+                side = ("alone", "busy")[step % 2]
+                done_at: list[float] = []
+                t = time.perf_counter()
+                pending = masks.fill_async(live)
+                pending.add_done_callback(lambda _, at=done_at: at.append(time.perf_counter()))
+                if side == "busy":
+                    busy(busy_ms / 1000)
+                bits = pending.result()
+                while not done_at:  # set_result() wakes result() before it runs the callbacks
+                    time.sleep(0)
+                took[side].append((done_at[0] - t) * 1000)
+                allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :real]
+                for i, row in enumerate(live):
+                    ids = np.flatnonzero(allowed[i])
+                    if row.done or ids.size == 0:
+                        live[i] = constraints.row(text, [])
+                    else:
+                        row.advance(int(rng.choice(ids)))
+            out["by_switch_ms"][f"{interval:g}"] = {side: summary(v, 3) for side, v in took.items()}
+            print(f"switch {interval:g} ms: {json.dumps(out['by_switch_ms'][f'{interval:g}'])}", file=sys.stderr)
+    finally:
+        sys.setswitchinterval(before)
+    return out
+
+
+def worker_decode(
+    model_dir: Path,
+    tokens: int,
+    rounds: int,
+    pairs: int,
+    batches: list[int],
+    mask_threads: int | None = None,
+    switch_ms: float | None = None,
+    schema: dict = LONG,
+) -> dict:
     """Through a real worker process and its pipes, as the pool drives it:
     decode tok/s of N rows with a JSON-schema constraint vs none, the same
     prompt and seeds; then the first-token cost of a constraint (TTFT of a
@@ -363,17 +448,18 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
 
     from harness.worker import WorkerProc
 
-    text = schema_format(LONG)
+    text = schema_format(schema)
     sides = ("none", "json_schema")
     runs: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in sides} for n in batches}
     ttft: dict[str, list[float]] = {"none": [], "new_schema": [], "cached_schema": [], "first_constrained_request": []}
     names = iter(range(1 << 30))
-    threads = ("--mask-threads", str(mask_threads)) if mask_threads else ()
+    flags = ("--mask-threads", str(mask_threads)) if mask_threads else ()
+    flags += ("--gil-switch-ms", str(switch_ms)) if switch_ms else ()
     for _ in range(rounds):
-        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0", *threads)
+        client = WorkerProc.started(model_dir, "--max-batch", str(max(batches)), "--prefix-cache-bytes", "0", *flags)
         proc = psutil.Process(client.proc.pid)
         try:
-            first = client.generate(prompt=PROMPT, max_tokens=2, response_format=schema_format(LONG, f"first{next(names)}"))
+            first = client.generate(prompt=PROMPT, max_tokens=2, response_format=schema_format(schema, f"first{next(names)}"))
             ttft["first_constrained_request"].append(first["ttft_ms"])
             for n in batches:
                 for i in range(pairs):
@@ -384,7 +470,7 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
                         run["main_cpu_s"] = _main_thread_cpu(proc) - main
                         runs[n][side].append(run)
             for _ in range(5):
-                new = schema_format(LONG, f"new{next(names)}")
+                new = schema_format(schema, f"new{next(names)}")
                 for name, fmt in (("none", None), ("new_schema", new), ("cached_schema", new)):
                     ttft[name].append(client.generate(prompt=PROMPT, max_tokens=2, response_format=fmt)["ttft_ms"])
         finally:
@@ -395,7 +481,15 @@ def worker_decode(model_dir: Path, tokens: int, rounds: int, pairs: int, batches
         n = len(run["ttft_ms"])
         return (run["tokens"] - n) / ((max(run["done_ms"]) - max(run["ttft_ms"])) / 1000)
 
-    out: dict = {"model": model_dir.name, "tokens": tokens, "rounds": rounds, "pairs_per_round": pairs, "mask_threads": mask_threads or "default"}
+    out: dict = {
+        "model": model_dir.name,
+        "tokens": tokens,
+        "rounds": rounds,
+        "pairs_per_round": pairs,
+        "mask_threads": mask_threads or "default",
+        "gil_switch_ms": switch_ms or "default",
+        "schema": next(name for name, s in SCHEMAS.items() if s is schema),
+    }
     for n in batches:
         rates = {side: [decode_rate(r) for r in runs[n][side]] for side in sides}
         cpu_ms = {side: [r["cpu_s"] * 1000 / r["tokens"] for r in runs[n][side]] for side in sides}
@@ -479,9 +573,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh worker or engine (default 3)")
     p.add_argument("--pairs", type=int, default=4, help="back-to-back pairs of constrained and free runs per round (default 4)")
     p.add_argument("--batches", default="1,8", help="concurrent rows (default 1,8)")
-    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker; also: profile)")
+    p.add_argument("--parts", default="masks,overlap,worker", help="what to measure (default all: masks,overlap,worker; also: profile, gil)")
     p.add_argument("--models", default="demo,bpe-151k", help="tokenizers the worker part runs (default demo,bpe-151k)")
     p.add_argument("--mask-threads", default="", help="worker part: comma-separated --mask-threads values to compare (default: the worker's own)")
+    p.add_argument("--gil-switch-ms", default="", help="worker part: comma-separated --gil-switch-ms values to compare (default: the worker's own)")
+    p.add_argument("--schema", default="bounded", choices=sorted(SCHEMAS), help="the worker part's schema (default bounded: llguidance's costliest steps)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -508,17 +604,21 @@ def main() -> int:
         result["masks"][label] = masks
         print(f"{label}: {json.dumps(masks)}", file=sys.stderr)
         write_result(name, result)  # each part as it ends: a later failure keeps it ("complete": false)
+    if "gil" in parts:
+        result["gil_handover"] = gil_handover(real, args.rounds * args.pairs * 20)
+        write_result(name, result)
     if "overlap" in parts:
         result["engine_overlap"] = {f"rows{n}": engine_overlap(real, OVERLAP_TOKENS, args.rounds * args.pairs, n) for n in batches}
         print(f"engine overlap: {json.dumps(result['engine_overlap'])}", file=sys.stderr)
         write_result(name, result)
     threads = [int(t) for t in args.mask_threads.split(",") if t] or [None]
+    switches = [float(t) for t in args.gil_switch_ms.split(",") if t] or [None]
     for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "worker" in parts else ():
         if label not in args.models.split(","):
             continue
-        for n in threads:
-            key = label if len(threads) == 1 else f"{label}-threads{n}"
-            result["worker"][key] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches, n)
+        for n, switch in itertools.product(threads, switches):
+            key = label + (f"-threads{n}" if len(threads) > 1 else "") + (f"-switch{switch:g}ms" if len(switches) > 1 else "")
+            result["worker"][key] = worker_decode(model_dir, args.tokens, args.rounds, args.pairs, batches, n, switch, SCHEMAS[args.schema])
             write_result(name, result)
     for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "profile" in parts else ():
         if label in args.models.split(","):

@@ -1,6 +1,7 @@
 """The worker as a real process: real MLX model, real pipes."""
 
 import json
+import re
 import subprocess
 import sys
 import pytest
@@ -175,6 +176,28 @@ def test_the_worker_refuses_a_prompt_over_its_limit_before_tokenizing(tiny_model
         assert terminal(w.collect())["gen_tokens"] == 2
     finally:
         assert w.close() == 0
+
+
+def test_the_worker_sets_the_gil_switch_interval_it_is_given(tiny_model):
+    # The token-mask thread needs the GIL before and after each batch of
+    # masks (worker/defaults.py, GIL_SWITCH_MS): the worker's own interval,
+    # not Python's 5 ms.
+    w = WorkerProc(tiny_model, "--gil-switch-ms", "0.25", "--mask-threads", "3")
+    try:
+        w.wait_ready()
+    finally:
+        assert w.close() == 0
+    assert re.search(rb"ready: .* mask_threads=3 gil_switch_ms=0.25\n", w.stderr), w.stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize("given", ["0", "-1", "nan", "1001"])
+def test_a_gil_switch_interval_out_of_bounds_is_refused(given):
+    from worker.__main__ import parse_args
+    from worker.defaults import GIL_SWITCH_MS
+
+    assert parse_args(["--model", "m"]).gil_switch_ms == GIL_SWITCH_MS
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--gil-switch-ms", given])
 
 
 def test_stats_reply_has_measured_memory(worker):

@@ -101,6 +101,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="threads that fill structured-output token masks (default: a quarter of the cores, 1 to 4)",
     )
+    p.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=defaults.GIL_SWITCH_MS,
+        help="ms the engine thread may keep the GIL from a side thread waiting for it (sys.setswitchinterval; default %(default)s, Python's own 5)",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -120,13 +126,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
+        p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     # load_ms counts the imports too: they are most of a small model's start.
     t0 = time.perf_counter()
     args = parse_args(argv)
+    sys.setswitchinterval(args.gil_switch_ms / 1000)
     model_dir = args.model.expanduser().resolve()
     name = args.name or model_dir.name
     logging.basicConfig(
@@ -237,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = loaded.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
-        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d",
-        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.batch_memory,
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d mask_threads=%d gil_switch_ms=%g",
+        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.batch_memory, scheduler.masks.threads, sys.getswitchinterval() * 1000,
     )
     if group is not None:
         progress(weights, weights)
