@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from ipc.paths import pool_cache_dir
 from supervisor.child import child_env, python_module
 
 log = logging.getLogger("lattice.demo")
@@ -15,8 +16,7 @@ DEMO_NAME = "demo"
 
 
 def demo_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "lattice-pool" / "demo-model"
+    return pool_cache_dir(os.environ) / "demo-model"
 
 
 def ensure_demo_model() -> Path:

@@ -28,3 +28,15 @@ def test_without_cuda_nothing_is_set(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert keep_kernels() is None
     assert ENV not in os.environ and not (tmp_path / "lattice-pool").exists()
+
+
+def test_the_demo_model_and_the_kernels_share_one_cache_root(monkeypatch, tmp_path):
+    from supervisor.demo import demo_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert demo_dir() == tmp_path / "lattice-pool" / "demo-model"
+    assert kernel_cache_dir(os.environ, "0.32.4", "gpu").parents[2] == tmp_path / "lattice-pool"
+    # The XDG spec ignores a relative path: it would move with the working directory.
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert demo_dir() == Path.home() / ".cache" / "lattice-pool" / "demo-model"
+    assert kernel_cache_dir(os.environ, "0.32.4", "gpu") == Path.home() / ".cache" / "lattice-pool" / "mlx-kernels" / "0.32.4" / "gpu"

@@ -19,6 +19,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from ipc.paths import pool_cache_dir
+
 log = logging.getLogger("worker")
 
 ENV = "MLX_PTX_CACHE_DIR"
@@ -28,9 +30,8 @@ def kernel_cache_dir(env: Mapping[str, str], mlx_version: str, gpu: str) -> Path
     """The directory for this mlx and GPU, or None when the user chose one."""
     if env.get(ENV):
         return None
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", gpu).strip("-.") or "gpu"
-    return Path(base).expanduser() / "lattice-pool" / "mlx-kernels" / mlx_version / slug
+    return pool_cache_dir(env) / "mlx-kernels" / mlx_version / slug
 
 
 def keep_kernels() -> Path | None:
