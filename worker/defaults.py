@@ -31,8 +31,8 @@ IDLE_RELEASE_S = 60.0
 # for it (sys.setswitchinterval, in ms; Python's own is 5). The token-mask
 # thread needs the GIL for a moment before and after each batch of masks,
 # and a small model's engine thread on a GPU is busy in Python for most of a
-# step, giving the GIL up only when the interval runs out: with 5 ms a
-# constrained step's masks came back late. H200, 0.8b, 8 rows, 151k
+# step, giving the GIL up only when it blocks or the interval runs out: with
+# 5 ms a constrained step's masks came back late. H200, 0.8b, 8 rows, 151k
 # vocabulary, JSON schema vs none: 0.826-1.034x with 5 ms, 0.91-0.959x with
 # 0.5 (docs/performance.md §9, "Sixteenth to eighteenth leases").
 GIL_SWITCH_MS = 0.5
