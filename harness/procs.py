@@ -3,6 +3,7 @@ in it, so that leaks are found even after re-parenting to init."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -54,6 +55,18 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, message: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message}")
         time.sleep(interval)
+
+
+async def async_wait_for(predicate, timeout: float, interval: float = 0.01, message: str = "condition"):
+    """wait_for inside an event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(interval)
 
 
 def pid_alive(pid: int) -> bool:

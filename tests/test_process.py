@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from harness.procs import child_env, pid_alive
+from harness.procs import async_wait_for, child_env, pid_alive
 from ipc.messages import Generate, Stats
 from supervisor.child import ChildProcess
 
@@ -55,8 +55,7 @@ def test_overlong_line_is_reported_once_and_never_delivered():
         proc = rec.process()
         code = "import os, time; os.write(1, b'ok\\n'); os.write(1, b'x' * (5 << 20)); os.write(1, b'\\nafter\\n'); time.sleep(60)"
         await proc.start(python(code), child_env())
-        while not rec.overflows:
-            await asyncio.sleep(0.01)
+        await async_wait_for(lambda: rec.overflows, 30, message="the overflow report")
         proc.kill()
         await asyncio.wait_for(proc.exited.wait(), 30)
         proc.close()
@@ -120,11 +119,8 @@ def test_a_line_that_arrives_during_the_spawn_can_be_answered():
 
             proc.on_lines = on_lines
             await proc.start(["/bin/sh", "-c", "echo ready; head -c 4 >/dev/null; echo got; cat >/dev/null"], child_env())
-            for _ in range(3000):
-                if b"got\n" in b"".join(rec.lines):
-                    answered += 1
-                    break
-                await asyncio.sleep(0.01)
+            await async_wait_for(lambda: b"got\n" in b"".join(rec.lines), 30, message="the child's answer")
+            answered += 1
             await proc.stop(timeout=5)
         return answered
 
