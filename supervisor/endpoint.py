@@ -12,13 +12,14 @@ next line is read.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
 
 from ipc.events import BAD_REQUEST, INTERNAL
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.requests import BadRequest, ClientLine, parse_line, scan_id
 
 log = logging.getLogger("lattice.endpoint")
 
@@ -29,21 +30,36 @@ READ_SIZE = 256 * 1024
 READ_AHEAD = 4
 
 
-class _TooLong:
-    pass
+# Of a line over the limit, the start kept to read its id from, so that
+# its error still reaches the request it answers.
+TOO_LONG_HEAD = 4096
 
 
-TOO_LONG = _TooLong()
+@dataclasses.dataclass(frozen=True)
+class TooLong:
+    """A line over the limit: only its first bytes."""
+
+    head: bytes
 
 
 class LineSplitter:
-    """Bytes in, complete lines out; an over-long line becomes TOO_LONG once
+    """Bytes in, complete lines out; an over-long line becomes one TooLong
     and is skipped up to its newline."""
 
     def __init__(self, max_line: int = MAX_LINE):
         self.max_line = max_line
+        self._head = min(TOO_LONG_HEAD, max_line)
         self._buf = bytearray()
         self._skipping = False
+
+    @property
+    def partial(self) -> bool:
+        """Whether a line has begun and not yet ended."""
+        return bool(self._buf) or self._skipping
+
+    def _too_long(self, more: bytes = b"") -> TooLong:
+        head = bytes(self._buf[: self._head])
+        return TooLong(head + more[: self._head - len(head)])
 
     def feed(self, chunk: bytes) -> list:
         out: list = []
@@ -55,7 +71,7 @@ class LineSplitter:
             if self._skipping:
                 self._skipping = False
             elif len(self._buf) + nl - start > self.max_line:
-                out.append(TOO_LONG)
+                out.append(self._too_long(chunk[start:nl]))
             else:
                 self._buf += chunk[start:nl]
                 out.append(bytes(self._buf))
@@ -64,9 +80,9 @@ class LineSplitter:
         if not self._skipping:
             self._buf += chunk[start:]
             if len(self._buf) > self.max_line:
+                out.append(self._too_long())
                 self._buf.clear()
                 self._skipping = True
-                out.append(TOO_LONG)
         return out
 
     def finish(self) -> list:
@@ -98,8 +114,8 @@ def start_reader(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, fd: int 
 def read_line(line, max_line: int = MAX_LINE) -> ClientLine | None:
     """A splitter's line as a request or op; None for a blank line. Raises
     BadRequest for anything invalid, an over-long line included."""
-    if line is TOO_LONG:
-        raise BadRequest(f"request line longer than {max_line} bytes")
+    if isinstance(line, TooLong):
+        raise BadRequest(f"request line longer than {max_line} bytes", scan_id(line.head))
     if not line.strip():
         return None
     return parse_line(line)

@@ -66,6 +66,10 @@ class _IdProbe(msgspec.Struct):
     id: Any = None
 
 
+class _FormatKind(msgspec.Struct):
+    type: Any = None
+
+
 class BadRequest(Exception):
     def __init__(self, msg: str, id_json: str | None = None):
         super().__init__(msg)
@@ -88,18 +92,39 @@ _decoder = msgspec.json.Decoder(ClientLine)
 _strict = msgspec.json.Decoder(_StrictLine)
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _probe = msgspec.json.Decoder(_IdProbe)
+_format_kind = msgspec.json.Decoder(_FormatKind)
 _float_encoder = msgspec.json.Encoder()
 
 
+# The worker repeats a request's id on every token line it writes: a long
+# id would multiply every answer (an 8 MiB one outgrew the worker's pipe
+# and killed it). docs/cli.md states both bounds.
+MAX_ID_BYTES = 256
+# The integers every JSON reader holds exactly (JavaScript's safe integers);
+# beyond them two ids could read as one.
+MAX_ID_INT = 2**53 - 1
+
+
 def encode_id(value: str | int | float | None) -> str | None:
-    """The id as the JSON fragment echoed on every line of its request."""
+    """The id as the JSON fragment echoed on every line of its request, in
+    one canonical form per value: 7 and 7.0 are the same id (JSON does not
+    tell them apart), echoed 7. Raises BadRequest, which never carries the
+    refused id itself: the refusal must not repeat what it refuses."""
     if value is None:
         return None
     if isinstance(value, str):
+        if not value:
+            raise BadRequest("id must not be empty")
+        if utf8_len(value, MAX_ID_BYTES) > MAX_ID_BYTES:
+            raise BadRequest(f"id is longer than {MAX_ID_BYTES} bytes")
         return json_str(value)
     if isinstance(value, bool):  # bool is an int subclass; never a valid id
         raise BadRequest("id must be a string or a number")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int):
+        if abs(value) > MAX_ID_INT:
+            raise BadRequest(f"a numeric id must be an integer within ±{MAX_ID_INT} (or a fraction); send a larger one as a string")
         return str(value)
     return _float_encoder.encode(value).decode()
 
@@ -108,13 +133,16 @@ def _probe_id(line: bytes) -> str | None:
     try:
         value = _probe.decode(line).id
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return _scan_id(line)
+        return scan_id(line)
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return encode_id(value)
+        try:
+            return encode_id(value)
+        except BadRequest:
+            return None
     return None
 
 
-# What _scan_id steps over: a JSON string (escapes included), or a run of
+# What scan_id steps over: a JSON string (escapes included), or a run of
 # opening or of closing brackets (so nesting depth costs nothing).
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{][\[{\s]*|[\]}][\]}\s]*')
 # The value after a top-level "id" key: a string or a number, then , or }.
@@ -126,7 +154,7 @@ _ID_VALUE = re.compile(rb'\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?
 _SCAN_TOKENS = 100_000
 
 
-def _scan_id(line: bytes) -> str | None:
+def scan_id(line: bytes) -> str | None:
     """The top-level "id" of a line that is no valid JSON as a whole
     (truncated, nested deeper than the decoder goes, a stray comma), found
     by stepping over its strings and brackets, so that the error still
@@ -198,9 +226,9 @@ def parse_line(line: bytes) -> ClientLine:
     except msgspec.ValidationError as exc:
         raise BadRequest(f"malformed request: {_friendly(exc)}", _probe_id(line)) from exc
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"malformed request: {exc}", _scan_id(line)) from exc
+        raise BadRequest(f"malformed request: {exc}", scan_id(line)) from exc
     except RecursionError:
-        raise BadRequest("malformed request: JSON nested too deeply", _scan_id(line)) from None
+        raise BadRequest("malformed request: JSON nested too deeply", scan_id(line)) from None
     id_json = msg.id_json
     if msg.op is not None:
         if msg.op not in OPS:
@@ -217,12 +245,25 @@ def parse_line(line: bytes) -> ClientLine:
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
     text = response_format_text(msg)
+    if text is not None and _format_type(text) == "text":
+        # OpenAI's default, sent by clients that set it explicitly: plain
+        # text, no constraint, as if absent.
+        msg.response_format = msgspec.Raw()
+        text = None
     if text is not None:
         try:
             decode_response_format(text)
         except ValueError as exc:
             raise BadRequest(str(exc), id_json) from exc
     return msg
+
+
+def _format_type(text: str) -> object:
+    """response_format's "type"; None when it has none (decode_response_format says what is wrong)."""
+    try:
+        return _format_kind.decode(text).type
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def prompt_bytes(msg: ClientLine, limit: int) -> int:

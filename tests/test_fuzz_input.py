@@ -19,8 +19,8 @@ from harness.fakes import FAKE_ENV, FakeModels
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.config import Config
-from supervisor.endpoint import LineSplitter, TOO_LONG
-from supervisor.requests import BadRequest, ClientLine, OPS, encode_id, parse_line, stop_list
+from supervisor.endpoint import TOO_LONG_HEAD, LineSplitter, TooLong, read_line
+from supervisor.requests import MAX_ID_BYTES, BadRequest, ClientLine, OPS, encode_id, parse_line, stop_list
 from supervisor.resolve import Resolver, UnknownModel
 
 # Seeded and without an example database, so every run checks the same cases.
@@ -76,7 +76,9 @@ def check(line: bytes, resolver: Resolver) -> BadRequest | None:
     assert isinstance(msg, ClientLine)
     id_json = encode_id(msg.id)
     if id_json is not None:
-        assert json.loads(id_json) == msg.id and type(json.loads(id_json)) is type(msg.id)
+        # One canonical echo per value (7.0 is 7), and a short one.
+        assert json.loads(id_json) == msg.id and encode_id(json.loads(id_json)) == id_json
+        assert len(id_json.encode()) <= 6 * MAX_ID_BYTES + 2
     try:
         resolver.resolve(msg.model, msg.lora)
     except UnknownModel:
@@ -178,6 +180,54 @@ def test_the_id_of_an_undecodable_line_is_still_echoed(resolver, line, id_json):
     assert error is not None and error.id_json == id_json
 
 
+@pytest.mark.parametrize(
+    "value, id_json",
+    [(7, "7"), (7.0, "7"), (-0.0, "0"), (7.25, "7.25"), (2**53 - 1, str(2**53 - 1)), (-(2**53 - 1), str(-(2**53 - 1))), ("é" * 128, '"' + "é" * 128 + '"')],
+)
+def test_ids_have_one_canonical_echo(value, id_json):
+    """7 and 7.0 are one id (JSON cannot tell them apart, and a client
+    cancelling 7.0 means 7); integers within JavaScript's safe range."""
+    assert parse_line(json.dumps({"prompt": "x", "id": value}).encode()).id_json == id_json
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("", "empty"),
+        ("x" * 257, "longer than 256 bytes"),
+        ("é" * 129, "longer than 256 bytes"),  # 258 bytes of UTF-8
+        ("y" * (8 << 20), "longer than 256 bytes"),
+        (123456789012345678901234567890, "integer within"),
+        (2**53, "integer within"),
+        (1e300, "integer within"),
+    ],
+)
+def test_an_empty_long_or_huge_id_is_refused_without_echoing_it(resolver, value, why):
+    """The worker repeats a request's id on every line it writes: an 8 MiB
+    id outgrew its pipe and killed it. The refusal never repeats the id."""
+    line = json.dumps({"prompt": "x", "id": value}).encode()
+    for probe in (line, line[:-1]):  # decodable, and cut short (the id is then scanned for)
+        error = check(probe, resolver)
+        assert error is not None and error.id_json is None
+    error = check(line, resolver)
+    assert why in error.msg and len(error.msg) < 200
+
+
+def test_an_over_long_line_is_answered_with_the_id_at_its_start():
+    splitter = LineSplitter(1000)
+    lines = splitter.feed(b'{"id":"head","prompt":"' + b"x" * 5000 + b'"}\n{"prompt":"' + b"x" * 5000 + b'","id":"tail"}\n')
+    lines += splitter.feed(b'{"prompt":"say \\"id\\":\\"fake\\",' + b"x" * 5000 + b'"}\n')
+    assert [type(line) for line in lines] == [TooLong] * 3
+    ids = []
+    for line in lines:
+        with pytest.raises(BadRequest) as exc:
+            read_line(line, 1000)
+        assert "longer than 1000 bytes" in exc.value.msg
+        ids.append(exc.value.id_json)
+    # The second id is past the part kept; the third "id" is prompt text.
+    assert ids == ['"head"', None, None]
+
+
 def test_the_valid_lines_are_valid(resolver):
     for line in VALID:
         parse_line(line)
@@ -188,9 +238,10 @@ def reference_split(stream: bytes, max_line: int) -> list:
     """What the splitter must produce for the whole stream at once."""
     parts = stream.split(b"\n")
     lines, tail = parts[:-1], parts[-1]
-    out = [TOO_LONG if len(x) > max_line else x for x in lines]
+    head = min(TOO_LONG_HEAD, max_line)
+    out = [TooLong(x[:head]) if len(x) > max_line else x for x in lines]
     if tail:
-        out.append(TOO_LONG if len(tail) > max_line else tail)
+        out.append(TooLong(tail[:head]) if len(tail) > max_line else tail)
     return out
 
 
@@ -198,7 +249,8 @@ def reference_split(stream: bytes, max_line: int) -> list:
 @given(st.lists(st.binary(max_size=12) | st.sampled_from([b"\n", b"\n\n", b"abcdefgh\n"]), max_size=20), st.integers(1, 10), st.data())
 def test_line_splitter_is_chunking_independent(pieces, max_line, data):
     """Any chunking of a stream gives the same lines; a line longer than the
-    limit becomes TOO_LONG exactly once, even when it ends at EOF."""
+    limit becomes one TooLong (holding the line's start) exactly once, even
+    when it ends at EOF."""
     stream = b"".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
     splitter = LineSplitter(max_line)
@@ -235,6 +287,39 @@ def test_a_model_reference_that_is_no_path_does_not_end_the_pool(tmp_path, spawn
     assert pool.close() == 0
 
 
+def test_an_8mib_id_is_refused_and_7_and_7_0_are_one_id(tiny_model, tmp_path, spawn_pool):
+    """An 8 MiB id used to be repeated on every token line: over 4 MiB the
+    worker was killed, retried and killed again, and the model ended
+    `failed`. 7 and 7.0 ran as two requests at once."""
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n')
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="tiny")
+    huge = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    pool.send(json.dumps({**huge, "id": "h" * (8 << 20)}).encode() + b"\n")
+    refused = pool.wait_ev("error")
+    assert refused["code"] == "bad_request" and "longer than 256 bytes" in refused["msg"] and "id" not in refused
+    assert len(refused["_line"]) < 300
+    pool.send(b'{"model":"tiny","prompt":"hi","id":""}\n')
+    empty = pool.wait_ev("error")
+    assert empty["code"] == "bad_request" and "empty" in empty["msg"] and "id" not in empty
+    # In one write, so the first is surely still running when the others come.
+    pool.send(
+        b'{"model":"tiny","prompt":"hi","max_tokens":4000,"id":7}\n'
+        b'{"model":"tiny","prompt":"hi","max_tokens":4,"id":7.0}\n'
+        b'{"op":"cancel","id":7.0}\n'
+    )
+    pool.sent_ids.append(7)
+    duplicate = pool.wait_ev("error")
+    assert duplicate["code"] == "bad_request" and "duplicate id 7" in duplicate["msg"]
+    assert pool.terminal(7)["finish_reason"] == "cancelled"
+    assert pool.generate({**huge, "id": "after"})["gen_tokens"] == 4
+    assert not [e for e in pool.events if e["ev"] in ("restarting", "failed")]
+    pool.send({"op": "status"})
+    assert [m["state"] for m in pool.wait_ev("status")["models"]] == ["ready"]
+    assert pool.close() == 0
+
+
 def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
     """Lines for a pool serving model "a" (and "looped", whose path is a
     loop), and the ids of those that must each end with one terminal line."""
@@ -253,8 +338,14 @@ def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
         json.dumps({"op": "reload", "model": loops[0]}).encode(),
         b'{"id":"tr","prompt":"x"',
         b'{"id":"u8","prompt":"\xff\xfe"}',
+        # Ids refused without being echoed, and a line longer than the
+        # control socket takes whose id is still read from its start.
+        b'{"id":"","model":"a","prompt":"x"}',
+        b'{"id":123456789012345678901234567890,"model":"a","prompt":"x"}',
+        b'{"id":"' + b"i" * (2 << 20) + b'","model":"a","prompt":"x"}',
+        b'{"id":"big","model":"a","max_tokens":1,"prompt":"' + b"p" * (3 << 19) + b'"}',
     ]
-    return lines, ["r1", 7, "dn3", "dn4", "lp1", "lp2", "lp3", "lp4", "tr", "u8"]
+    return lines, ["r1", 7, "dn3", "dn4", "lp1", "lp2", "lp3", "lp4", "tr", "u8", "big"]
 
 
 def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
@@ -283,6 +374,8 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
                 *done, buf = buf.split(b"\n")
                 replies += [json.loads(line[10:]) for line in done]
             assert len(replies) == len(lines) + 1 and replies[-1]["ev"] == "status", replies
+            too_long = [r for r in replies if "longer than 1048576 bytes" in r.get("msg", "")]
+            assert [r.get("id") for r in too_long] == [None, "big"]
         # On stdin, every line with an id ends once, and the pool serves on.
         writer = threading.Thread(target=pool.proc.stdin.write, args=(b"".join(line + b"\n" for line in lines),))
         writer.start()
