@@ -59,7 +59,7 @@ async def sse_request(port: int, path: str, body: dict, pause: float = 0.0) -> d
     every event, the usage, the finish reason and whether [DONE] came."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
-    writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (path.encode(), len(data), data))
+    writer.write(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (path.encode(), len(data), data))
     await writer.drain()
     if pause:
         await asyncio.sleep(pause)

@@ -120,7 +120,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_adapter_bytes: Size = DEFAULT_MAX_ADAPTER_BYTES
     max_control_clients: Annotated[int, Meta(ge=1)] = 32
     control_idle_timeout: Duration | None = "5m"
+    # An op line on the control socket, and a request to /metrics, must
+    # arrive whole within this long of its first byte.
+    control_request_timeout: Duration = "10s"
     max_metrics_connections: Annotated[int, Meta(ge=1)] = 8
+    metrics_request_timeout: Duration = "10s"
     # The OpenAI-compatible HTTP surface (docs/http.md): "HOST:PORT" or
     # "PORT" (on 127.0.0.1); port 0 picks a free port (logged). A host
     # that is not loopback needs api_key (or $LATTICE_API_KEY).
@@ -130,6 +134,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_http_body_bytes: Size = "8MiB"
     http_stream_buffer: Size = "256KiB"
     http_idle_timeout: Duration = "30s"
+    # A request's head and body must arrive whole within this long of its
+    # first byte, however it trickles in.
+    http_request_timeout: Duration = "60s"
+    # Web pages (their Origin, e.g. "http://localhost:3000") allowed to
+    # call a pool without an API key; none by default.
+    http_allowed_origins: list[str] = []
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 
@@ -148,8 +158,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be at least 1 byte")
         for value in (self.keep_alive, self.stats_interval, self.control_idle_timeout, self.idle_release, *(m.keep_alive for m in self.models)):
             parse_duration(value)
-        if parse_duration(self.http_idle_timeout) is None:
-            raise ValueError("http_idle_timeout must be a duration: an idle connection is never kept forever")
+        for name in ("http_idle_timeout", "http_request_timeout", "control_request_timeout", "metrics_request_timeout"):
+            if parse_duration(getattr(self, name)) is None:
+                raise ValueError(f"{name} must be a duration: a connection is never kept waiting forever")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is blank: give a key, or leave api_key out")
 
 
 def split_address(text: str) -> tuple[str, int]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -208,7 +210,7 @@ def test_a_reader_too_slow_is_cut_off(served):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", served.port))
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1_000_000, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     sock.settimeout(60)
     assert sock.recv(12) == b"HTTP/1.1 200"
     wait_for(lambda: b"http_stream_buffer" in served.stderr, 120, interval=0.2, message="the slow reader to be cut off")
@@ -323,16 +325,85 @@ def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
     assert pool.close() == 0
 
 
-def test_idle_connections_and_trickled_bodies_are_closed(tiny_model, tmp_path, spawn_pool):
-    pool = bare_pool(spawn_pool, tiny_model, tmp_path, 'http_idle_timeout = "1s"')
-    with socket.create_connection(("127.0.0.1", pool.port)) as idle, socket.create_connection(("127.0.0.1", pool.port)) as trickle:
-        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
-        for sock in (idle, trickle):
-            sock.settimeout(30)
-        assert idle.recv(4096) == b""
-        # The head and the body may come in separate segments.
-        answer = read_to_end(trickle)
-    assert answer.startswith(b"HTTP/1.1 408") and b"http_idle_timeout" in answer
+HEAD = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+# Longer than any deadline below lets through at one byte per TRICKLE.
+PAD = b"x-pad: " + b"a" * 400 + b"\r\n"
+TRICKLE = 0.1
+# A client still open after this long was never cut off.
+NEVER = 30.0
+
+
+def trickle(port: int, first: bytes, drip: bytes, replied: bytes, answers: list) -> None:
+    """A slow client: sends `first` at once, waits for `replied` (b"": none;
+    a keep-alive connection's first answer), then `drip` one byte per
+    TRICKLE until the server closes the connection. Appends (what came
+    back, seconds from the first dripped byte to the close, or None if it
+    never closed)."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(first)
+        sock.settimeout(NEVER)
+        while replied not in answer:
+            answer += sock.recv(65536)
+        start = time.monotonic()
+        for byte in drip:
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            readable, _, _ = select.select([sock], [], [], TRICKLE)
+            if readable:
+                try:
+                    chunk = sock.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                answer += chunk
+                if not chunk:
+                    break
+            if time.monotonic() - start > NEVER:
+                answers.append((answer, None))
+                return
+        else:
+            answers.append((answer, None))
+            return
+    answers.append((answer, time.monotonic() - start))
+
+
+def test_idle_and_trickling_clients_are_cut_off_while_others_are_served(tiny_model, tmp_path, spawn_pool):
+    """uvicorn timed out only a keep-alive connection that sent nothing,
+    and the body's time limit was per chunk: a request trickled a byte at a
+    time held its connection for ever (128 such filled the pool's
+    connections). Now each request, the first or a later one on its
+    connection, must arrive whole, head and body, within
+    http_request_timeout."""
+    pool = bare_pool(spawn_pool, tiny_model, tmp_path, 'http_idle_timeout = "1s"\nhttp_request_timeout = "2s"')
+    post_head = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    slow = {
+        "head": (b"", HEAD + PAD, b""),
+        "body": (post_head, b"{" + b" " * 999, b""),
+        "second request": (HEAD + b"\r\n", HEAD + PAD, b'{"status":"ok"}'),
+    }
+    answers = {name: [] for name in slow}
+    threads = [threading.Thread(target=trickle, args=(pool.port, *args, answers[name])) for name, args in slow.items()]
+    for thread in threads:
+        thread.start()
+    with socket.create_connection(("127.0.0.1", pool.port)) as idle:
+        # Meanwhile the pool serves others, and a keep-alive connection that
+        # sends nothing after its answer is closed.
+        for _ in range(3):
+            with urllib.request.urlopen(pool.url.removesuffix("/v1") + "/health", timeout=30) as response:
+                assert response.status == 200
+        idle.sendall(HEAD + b"\r\n")
+        idle.settimeout(NEVER)
+        assert read_to_end(idle).startswith(b"HTTP/1.1 200")
+    for thread in threads:
+        thread.join(NEVER + 30)
+    for name, ((answer, closed_after),) in answers.items():
+        assert closed_after is not None, f"the {name} trickle was never cut off"
+        assert closed_after < 15, f"the {name} trickle was cut off after {closed_after:.1f}s; the deadline is 2s"
+        late = answer[answer.rfind(b"HTTP/1.1 ") :]
+        assert late.startswith(b"HTTP/1.1 408") and b"http_request_timeout" in late, (name, answer)
+    assert answers["second request"][0][0].startswith(b"HTTP/1.1 200")
     with socket.create_connection(("127.0.0.1", pool.port)) as sock:  # not HTTP at all: answered in OpenAI's shape too
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         sock.settimeout(30)
@@ -340,6 +411,69 @@ def test_idle_connections_and_trickled_bodies_are_closed(tiny_model, tmp_path, s
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "bad_request"
     assert pool.close() == 0
+
+
+def get(pool, path: str, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(pool.url.removesuffix("/v1") + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_pool_without_a_key_refuses_what_a_web_page_could_send(tiny_model, tmp_path, spawn_pool):
+    """Any web page could make a browser POST text/plain to the pool, and
+    through DNS rebinding (a name of the attacker's that resolves to
+    127.0.0.1) read the answers. Without an API key a foreign Host, a
+    foreign Origin and a body not typed application/json are refused."""
+    pool = bare_pool(spawn_pool, tiny_model, tmp_path, 'http_allowed_origins = ["http://localhost:3000"]')
+    body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 1}).encode()
+    refusals = [
+        post(pool, "/chat/completions", body, {"origin": "https://evil.example"}),
+        post(pool, "/chat/completions", body, {"host": f"evil.example:{pool.port}"}),
+        get(pool, "/v1/models", {"host": "rebound.evil.example"}),
+        get(pool, "/health", {"origin": "null"}),
+        post(pool, "/chat/completions", body, {"content-type": "text/plain"}),
+        post(pool, "/completions", body, {"content-type": "application/x-www-form-urlencoded"}),
+    ]
+    codes = [answer["error"]["code"] for _, answer in refusals]
+    assert [status for status, _ in refusals] == [403] * 6
+    assert codes == ["forbidden_origin", "forbidden_host", "forbidden_host", "forbidden_origin", "forbidden_content_type", "forbidden_content_type"]
+    assert all(answer["error"]["type"] == "permission_error" and answer["error"]["message"] for _, answer in refusals)
+    assert "http_allowed_origins" in refusals[0][1]["error"]["message"]
+    # A body with no content-type at all (a page's fetch of a Blob sends none).
+    with socket.create_connection(("127.0.0.1", pool.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        sock.settimeout(30)
+        assert read_to_end(sock).startswith(b"HTTP/1.1 403")
+    # Names of this machine, an allowed origin, and a JSON body with a charset pass.
+    for host in (f"localhost:{pool.port}", f"127.0.0.1:{pool.port}", "LOCALHOST.", "[::1]:1", "127.0.0.2"):
+        assert get(pool, "/health", {"host": host})[0] == 200, host
+    assert get(pool, "/v1/models", {"origin": "http://localhost:3000"})[0] == 200
+    status_code, answer = post(pool, "/chat/completions", b"[", {"content-type": "Application/JSON; charset=utf-8"})
+    assert status_code == 400 and "not valid JSON" in answer["error"]["message"]
+    assert pool.close() == 0
+
+
+def test_a_blank_api_key_is_refused(tiny_model):
+    """A key of spaces let a pool listen beyond loopback guarded by nothing."""
+    env = {k: v for k, v in child_env().items() if k != "LATTICE_API_KEY"}
+    runs = [
+        (["--api-key", "   "], env),
+        ([], {**env, "LATTICE_API_KEY": " \t "}),
+    ]
+    for flags, run_env in runs:
+        proc = subprocess.run(
+            [sys.executable, "-m", "supervisor", "serve", "--model-dir", str(tiny_model), "--http", "0.0.0.0:0", "--no-control-socket", *flags],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=run_env,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert b"blank" in proc.stderr.strip().splitlines()[-1] and b"Traceback" not in proc.stderr
 
 
 def test_refuses_a_host_beyond_loopback_without_a_key(tiny_model):

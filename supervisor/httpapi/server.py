@@ -7,10 +7,17 @@ which we get by waiting on ASGI's `http.disconnect` beside every response
 
 Bounds (config keys, docs/http.md): at most `max_http_connections` open
 connections (one more is answered 429 and closed at once), a connection
-with no request for `http_idle_timeout` is closed, a request head of at
-most 64 KiB (h11), a body of at most `max_http_body_bytes` (413), and
-per stream `http_stream_buffer` bytes not yet taken by the client
-(supervisor.httpapi.exchange).
+with no request for `http_idle_timeout` is closed (before its first
+request and between any two), a request's head and body must arrive
+whole within `http_request_timeout` of its first byte (408), a request
+head of at most 64 KiB (h11), a body of at most `max_http_body_bytes`
+(413), and per stream `http_stream_buffer` bytes not yet taken by the
+client (supervisor.httpapi.exchange).
+
+Without an API key the pool listens on loopback only, and what a web page
+could make a browser send there is refused (403): a `Host` that is not
+this machine's (DNS rebinding), an `Origin` not in `http_allowed_origins`,
+a body that is not `application/json` (a "simple" cross-site POST).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import socket
 import time
 from typing import Any
 
+import h11
 import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -63,21 +71,35 @@ class _ClientGone(Exception):
 
 
 class Connection(H11Protocol):
-    """uvicorn's h11 protocol with our bounds: a connection count, a first
-    request within the idle timeout (uvicorn times out only idle keep-alive
-    connections), and `abort` for a stream whose reader fell too far behind."""
+    """uvicorn's h11 protocol with our bounds: a connection count, a time
+    limit on each wait for the client, and `abort` for a stream whose
+    reader fell too far behind.
+
+    uvicorn times out only a keep-alive connection that sends nothing at
+    all, and stops counting at its first byte: a request trickled a byte
+    at a time held a connection for ever. Here one timer follows each
+    connection through its requests: idle (no byte of a request yet) for
+    at most idle_timeout, receiving (a request begun, not yet whole: its
+    head, then its body) until request_deadline, then serving, unbounded
+    (a long answer streams), and idle again."""
 
     max_connections = 0
     idle_timeout = 0.0
+    request_timeout = 0.0
     send_buffer = 0
     refusal = b""
+    too_slow = b""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # scope["state"] is a copy of app_state per request: a request finds
         # its own connection there.
         self.app_state = {**self.app_state, CONNECTION: self}
-        self._first_request: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase = ""
+        # Loop time by which the request being received must be whole; the
+        # app reads its body against it. None while idle or serving.
+        self.request_deadline: float | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -92,23 +114,59 @@ class Connection(H11Protocol):
             # (tcp_wmem): bounded, that is the kernel's share of what a
             # client that does not read can make us hold.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
-        self._first_request = self.loop.call_later(self.idle_timeout, self._idle)
+        self._follow()
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.cycle is not None and self._first_request is not None:
-            self._first_request.cancel()
-            self._first_request = None
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Sets the timer for where the connection now stands (h11 says)."""
+        if self.transport.is_closing():
+            return
+        theirs = self.conn.their_state
+        if theirs is h11.IDLE and not self.conn.trailing_data[0]:
+            if self._phase != "idle":
+                self._phase, self.request_deadline = "idle", None
+                self._arm(self.idle_timeout, self._idle)
+        elif theirs in (h11.IDLE, h11.SEND_BODY):
+            if self._phase != "receiving":
+                self._phase, self.request_deadline = "receiving", self.loop.time() + self.request_timeout
+                self._arm(self.request_timeout, self._late)
+        elif self._phase != "serving":
+            self._phase, self.request_deadline = "serving", None
+            self._arm(None, None)
+
+    def _arm(self, delay: float | None, callback) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None if delay is None else self.loop.call_later(delay, callback)
 
     def _idle(self) -> None:
-        self._first_request = None
-        if self.cycle is None and not self.transport.is_closing():
+        self._timer = None
+        if not self.transport.is_closing():
             self.transport.close()
 
+    def _late(self) -> None:
+        """The request being received is not whole by its deadline."""
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self.conn.their_state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
+            # The app is reading this body against the same deadline and
+            # answers 408 itself.
+            return
+        if self.conn.their_state is h11.IDLE and (cycle is None or cycle.response_complete):
+            self.transport.write(self.too_slow)  # the head never came whole
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._first_request is not None:
-            self._first_request.cancel()
-            self._first_request = None
+        self._arm(None, None)
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -122,15 +180,22 @@ class Connection(H11Protocol):
         self.transport.abort()
 
 
+def _closing_answer(status: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(body), body)
+
+
 def connection_class(config: Config) -> type[Connection]:
     limit = config.max_http_connections
-    body = error_body(f"{limit} HTTP connections are open (max_http_connections); try again later", "rate_limit_error", OVERLOADED)
-    refusal = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+    request_timeout = parse_duration(config.http_request_timeout)
+    busy = error_body(f"{limit} HTTP connections are open (max_http_connections); try again later", "rate_limit_error", OVERLOADED)
+    slow = error_body(f"the request did not arrive whole within {request_timeout:g}s (http_request_timeout)", "invalid_request_error", "request_timeout")
     settings = {
         "max_connections": limit,
         "idle_timeout": parse_duration(config.http_idle_timeout),
+        "request_timeout": request_timeout,
         "send_buffer": parse_size(config.http_stream_buffer),
-        "refusal": refusal,
+        "refusal": _closing_answer(b"429 Too Many Requests", busy),
+        "too_slow": _closing_answer(b"408 Request Timeout", slow),
     }
     return type("BoundedConnection", (Connection,), settings)
 
@@ -170,6 +235,15 @@ def listen(address: str, api_key: str | None) -> socket.socket:
     return sock
 
 
+def api_key_of(config: Config) -> str | None:
+    """api_key, else $LATTICE_API_KEY (set but empty: no key). A key of
+    blanks would guard nothing; spaces around one can never be sent."""
+    key = config.api_key if config.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    if key and not key.strip():
+        raise ConfigError(f"the API key (${API_KEY_ENV}) is blank: give a key, or unset it")
+    return key.strip() or None
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -187,13 +261,17 @@ async def _read_body(scope: dict, receive, limit: int, timeout: float) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise HttpError(413, f"request body is {int(value)} bytes; the limit is {limit} (max_http_body_bytes)", code="request_too_large")
+    connection: Connection | None = scope.get("state", {}).get(CONNECTION)
+    loop = asyncio.get_running_loop()
     body = bytearray()
     while True:
+        # uvicorn waits for a body without a bound; the whole request has
+        # one deadline, however it trickles (None: it has all arrived).
+        deadline = connection.request_deadline if connection is not None else None
         try:
-            message = await asyncio.wait_for(receive(), timeout)
+            message = await asyncio.wait_for(receive(), None if deadline is None else max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            # uvicorn waits for a body without a bound; a trickle must not hold a connection.
-            raise HttpError(408, f"no more of the request body came for {timeout:g}s (http_idle_timeout)", code="request_timeout") from None
+            raise HttpError(408, f"the request did not arrive whole within {timeout:g}s (http_request_timeout)", code="request_timeout") from None
         if message["type"] == "http.disconnect":
             raise _ClientGone()
         body += message.get("body", b"")
@@ -209,15 +287,38 @@ async def _disconnected(receive) -> None:
         pass
 
 
-class App:
-    """The ASGI application: routes, the API key, errors in OpenAI's shape."""
+def _header(scope: dict, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)
 
-    def __init__(self, pool: Pool, config: Config, api_key: str | None):
+
+def _host_name(host: bytes) -> str:
+    """The name in a Host header: no port, no brackets, no final dot."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        text = text[1 : text.find("]")] if "]" in text else text[1:]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    return text.rstrip(".")
+
+
+def _forbidden(message: str, code: str) -> HttpError:
+    return HttpError(403, message, "permission_error", code)
+
+
+class App:
+    """The ASGI application: routes, the API key or the browser guard,
+    errors in OpenAI's shape."""
+
+    def __init__(self, pool: Pool, config: Config, api_key: str | None, local_names: set[str]):
         self.pool = pool
         self.api_key = api_key.encode() if api_key else None
         self.max_body = parse_size(config.max_http_body_bytes)
         self.stream_buffer = parse_size(config.http_stream_buffer)
-        self.idle_timeout = parse_duration(config.http_idle_timeout)
+        self.request_timeout = parse_duration(config.http_request_timeout)
+        self.allowed_origins = frozenset(config.http_allowed_origins)
+        # Host names that mean this pool: "localhost" and the address it
+        # listens on, as configured and as bound.
+        self.local_names = {"localhost", *local_names}
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
@@ -230,11 +331,17 @@ class App:
             await send(message)
 
         try:
-            self._authorize(scope)
+            if self.api_key is None:
+                self._guard(scope)
+            else:
+                self._authorize(scope)
             await self._route(scope, receive, tracked)
         except HttpError as exc:
             if not started:
                 extra = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
+                if exc.status in (408, 413):
+                    # The rest of the body is not wanted: do not wait for it.
+                    extra.append((b"connection", b"close"))
                 await _send_json(send, exc.status, exc.body(), *extra)
         except _ClientGone:
             pass
@@ -243,10 +350,45 @@ class App:
             if not started:
                 await _send_json(send, 500, error_body("internal error; the pool logged it and goes on", "server_error", INTERNAL))
 
-    def _authorize(self, scope: dict) -> None:
-        if self.api_key is None:
+    def _guard(self, scope: dict) -> None:
+        """Without a key, any program on this machine may call the pool, but
+        no web page: a page can make a browser send requests here, and with
+        DNS rebinding read the answers. Browsers always send Host and, for
+        a request from another site, Origin."""
+        host = _header(scope, b"host")
+        if host is not None and not self._is_local(host):
+            raise _forbidden(
+                f"Host {host.decode('latin-1')[:100]!r} does not name this machine; a pool without an API key answers only requests addressed to localhost or the address it listens on",
+                "forbidden_host",
+            )
+        origin = _header(scope, b"origin")
+        if origin is not None and origin.decode("latin-1") not in self.allowed_origins:
+            raise _forbidden(
+                f"requests from web pages (Origin {origin.decode('latin-1')[:100]!r}) are refused by a pool without an API key; allow an origin with http_allowed_origins",
+                "forbidden_origin",
+            )
+
+    def _is_local(self, host: bytes) -> bool:
+        name = _host_name(host)
+        if name in self.local_names:
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
+
+    def _json_body(self, scope: dict) -> None:
+        """A JSON route's body must say it is JSON: a page may POST text/plain
+        (or a type-less blob) to any site without asking the browser first."""
+        if self.api_key is not None:
             return
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        given = _header(scope, b"content-type") or b""
+        if given.partition(b";")[0].strip().lower() != b"application/json":
+            shown = given.decode("latin-1")[:100] or "none"
+            raise _forbidden(f"content-type {shown!r}: a pool without an API key takes only 'application/json' bodies", "forbidden_content_type")
+
+    def _authorize(self, scope: dict) -> None:
+        given = _header(scope, b"authorization")
         if given is None:
             raise HttpError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="missing_api_key")
         scheme, _, key = given.partition(b" ")
@@ -333,7 +475,8 @@ class App:
         await self._generate(scope, receive, send, chat=False)
 
     async def _generate(self, scope: dict, receive, send, *, chat: bool) -> None:
-        body = await _read_body(scope, receive, self.max_body, self.idle_timeout)
+        self._json_body(scope)
+        body = await _read_body(scope, receive, self.max_body, self.request_timeout)
         request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         msg, opts = (chat_request if chat else completion_request)(body, request_id, self._model_name)
         id_json = msg.id_json
@@ -416,9 +559,9 @@ class HttpServer:
 
     @classmethod
     async def start(cls, pool: Pool, config: Config) -> "HttpServer":
-        api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+        api_key = api_key_of(config)
         sock = listen(config.http, api_key)
-        app = App(pool, config, api_key)
+        app = App(pool, config, api_key, {split_address(config.http)[0].lower(), sock.getsockname()[0]})
         uv = uvicorn.Config(
             app,
             http=connection_class(config),

@@ -98,6 +98,8 @@ class HttpFields(msgspec.Struct):
     logprobs: Any = None
     echo: bool | None = None
     tools: list | None = None
+    # The older name of tools (with function_call for tool_choice).
+    functions: list | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -145,6 +147,8 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
         raise bad("echo is not supported", "echo")
     if fields.tools:
         raise bad("tools are not supported", "tools")
+    if fields.functions:
+        raise bad("functions (the older form of tools) are not supported", "functions")
     return data, fields
 
 
