@@ -8,6 +8,13 @@ while the connection stays open, a copy of every lifecycle event the pool
 writes to stdout, so a client that sent `load` can wait for `ready`.
 Token streams never go to the socket: generation belongs to stdin.
 
+Bounds (docs/monitoring.md): `max_control_clients` connections, and
+CONTROL_RESERVE more kept for one-off commands such as `ps` and `stop`
+(those must send their op within `control_request_timeout` and are closed
+once quiet that long); an op line must arrive whole within
+`control_request_timeout` of its first byte, however it trickles; a
+connection quiet both ways for `control_idle_timeout` is closed.
+
 The socket is created mode 0600 inside a private directory and only then
 linked to its public name, so it is never reachable by others, not even
 for an instant; a stale socket left by a killed pool is replaced, a live
@@ -42,6 +49,9 @@ MAX_LINE = 1024 * 1024
 # can never grow the supervisor's memory.
 MAX_BACKLOG = 1024 * 1024
 ACCEPT_RETRY_DELAY = 1.0
+# Connections let in beyond max_control_clients, each for a short while, so
+# that clients holding every slot cannot lock `ps` and `stop` out.
+CONTROL_RESERVE = 2
 
 
 def default_socket_path() -> Path:
@@ -126,8 +136,10 @@ def bind_private(path: Path) -> socket.socket:
 
 
 class _Client:
-    def __init__(self, writer: asyncio.StreamWriter):
+    def __init__(self, writer: asyncio.StreamWriter, reserved: bool):
         self.writer = writer
+        # Let in beyond max_control_clients: bounded by the request timeout alone.
+        self.reserved = reserved
         self.pending: set[asyncio.Task] = set()
         self.last_active = time.monotonic()
 
@@ -143,11 +155,12 @@ class _Client:
 
 
 class ControlServer:
-    def __init__(self, path: Path, sock: socket.socket, max_clients: int = 32, idle_timeout: float | None = None):
+    def __init__(self, path: Path, sock: socket.socket, max_clients: int = 32, idle_timeout: float | None = None, request_timeout: float = 10.0):
         self.pool: Pool | None = None
         self.path = path
         self.max_clients = max_clients
         self.idle_timeout = idle_timeout
+        self.request_timeout = request_timeout
         self._sock = sock
         st = os.stat(path)
         self._identity = (st.st_dev, st.st_ino)
@@ -170,7 +183,7 @@ class ControlServer:
                 log.warning("%s; running without a control socket", exc)
                 return None
             raise
-        return cls(path, sock, config.max_control_clients, parse_duration(config.control_idle_timeout))
+        return cls(path, sock, config.max_control_clients, parse_duration(config.control_idle_timeout), parse_duration(config.control_request_timeout))
 
     async def start(self, pool: Pool) -> None:
         self.pool = pool
@@ -219,26 +232,32 @@ class ControlServer:
                     client.write(line)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._clients) >= self.max_clients:
+        if len(self._clients) >= self.max_clients + CONTROL_RESERVE:
             # Every connection holds a descriptor: past the bound, refuse one
             # rather than let idle clients use up what workers need to start.
-            log.warning("control socket: %d clients connected (max_control_clients); refusing another", len(self._clients))
+            log.warning("control socket: %d clients connected (max_control_clients and %d kept for ps and stop); refusing another", len(self._clients), CONTROL_RESERVE)
             writer.write(encode_error(f"{len(self._clients)} control clients are connected (max_control_clients); try again later", OVERLOADED))
             writer.close()
             return
-        client = _Client(writer)
+        client = _Client(writer, reserved=len(self._clients) >= self.max_clients)
         self._clients.add(client)
         splitter = LineSplitter(MAX_LINE)
+        line_started: float | None = None
         try:
             while True:
-                data = await self._read(reader, client)
+                data = await self._read(reader, client, line_started)
                 if data is None:
-                    log.info("control socket: closing a connection idle for %gs (control_idle_timeout)", self.idle_timeout)
                     return
-                for line in splitter.feed(data) if data else splitter.finish():
+                had_partial = splitter.partial
+                lines = splitter.feed(data) if data else splitter.finish()
+                for line in lines:
                     self._dispatch(client, line)
                 if not data:
                     break
+                if not splitter.partial:
+                    line_started = None
+                elif lines or not had_partial:
+                    line_started = time.monotonic()  # a new line began in this chunk
             # The client may half-close after its last op and still read:
             # replies still being measured are owed to it.
             if client.pending:
@@ -252,14 +271,26 @@ class ControlServer:
             self._clients.discard(client)
             writer.close()
 
-    async def _read(self, reader: asyncio.StreamReader, client: _Client) -> bytes | None:
-        """The next bytes from the client (b"" at EOF), or None once nothing
-        went either way for idle_timeout."""
+    async def _read(self, reader: asyncio.StreamReader, client: _Client, line_started: float | None) -> bytes | None:
+        """The next bytes from the client (b"" at EOF), or None once a time
+        limit has passed: nothing went either way for the idle timeout, or
+        the line begun at `line_started` is not whole within the request
+        timeout (a client trickling bytes is not kept for ever)."""
         while True:
-            if self.idle_timeout is None:
+            idle = self.request_timeout if client.reserved else self.idle_timeout
+            limits = [] if idle is None else [(client.last_active + idle, False)]
+            if line_started is not None:
+                limits.append((line_started + self.request_timeout, True))
+            if not limits:
                 return await reader.read(65536)
-            left = client.last_active + self.idle_timeout - time.monotonic()
+            at, late_line = min(limits)
+            left = at - time.monotonic()
             if left <= 0:
+                if late_line:
+                    log.warning("control socket: closing a connection whose op line did not arrive whole within %gs (control_request_timeout)", self.request_timeout)
+                    client.write(encode_error(f"an op line must arrive whole within {self.request_timeout:g}s of its first byte (control_request_timeout); closing the connection", BAD_REQUEST))
+                else:
+                    log.info("control socket: closing a connection idle for %gs (%s)", idle, "control_request_timeout" if client.reserved else "control_idle_timeout")
                 return None
             try:
                 data = await asyncio.wait_for(reader.read(65536), left)

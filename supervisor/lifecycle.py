@@ -14,7 +14,7 @@ import logging
 import signal
 from typing import Callable
 
-from supervisor.config import Config, ConfigError
+from supervisor.config import Config, ConfigError, parse_duration
 from supervisor.control import ControlServer
 from supervisor.endpoint import serve_stdin
 from supervisor.pool import Pool
@@ -60,7 +60,7 @@ class RunningPool:
             if monitor and config.metrics_port is not None:
                 from supervisor.metrics import MetricsServer  # prometheus-client only when asked for
 
-                metrics = MetricsServer.start(pool, config.metrics_port, config.max_metrics_connections)
+                metrics = MetricsServer.start(pool, config.metrics_port, config.max_metrics_connections, parse_duration(config.metrics_request_timeout))
             if monitor and config.http is not None:
                 from supervisor.httpapi.server import HttpServer  # uvicorn only when asked for
 

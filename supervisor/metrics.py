@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import io
 import logging
+import socket
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -37,7 +39,6 @@ log = logging.getLogger("lattice.metrics")
 # status_fields waits at most 2 s for a worker's stats reply; a scrape that
 # still gets nothing (the loop is wedged or gone) shows counters only.
 SCRAPE_TIMEOUT = 5.0
-CONNECTION_TIMEOUT = 10.0
 LABELS = ("model", "adapter")
 
 # StatusRow field -> (metric name, help)
@@ -172,10 +173,46 @@ class PoolMetrics:
         self.restarts.labels(*_labels(spec)).inc()
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads under one deadline: a socket timeout alone bounds
+    each recv, and a client sending a byte every few seconds kept one of
+    the few threads for ever."""
+
+    def __init__(self, sock: socket.socket, deadline: float, timeout: float):
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout = timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive whole in time")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        finally:
+            self._sock.settimeout(self._timeout)  # writing the answer: per send
+
+
 class _QuietHandler(WSGIRequestHandler):
-    # A connection that sends no complete request within this many seconds
-    # is dropped, so an idle client cannot keep one of the few threads.
-    timeout = CONNECTION_TIMEOUT
+    """A request must arrive whole within the server's request_timeout of
+    the connection, so an idle or trickling client cannot keep one of the
+    few threads."""
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout
+        super().setup()
+        self.rfile.close()  # the socket's own file, whose every recv had its own limit
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout, self.timeout))
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            log.info("metrics: closing a connection whose request did not arrive whole within %gs (metrics_request_timeout)", self.timeout)
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -188,8 +225,9 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int, request_timeout: float):
         self.max_connections = max_connections
+        self.request_timeout = request_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, handler)
 
@@ -222,9 +260,9 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
 
 
 class MetricsServer:
-    def __init__(self, metrics: PoolMetrics, port: int, max_connections: int = 8):
+    def __init__(self, metrics: PoolMetrics, port: int, max_connections: int = 8, request_timeout: float = 10.0):
         self.metrics = metrics
-        server_class = functools.partial(_BoundedServer, max_connections=max_connections)
+        server_class = functools.partial(_BoundedServer, max_connections=max_connections, request_timeout=request_timeout)
         try:
             self._server = make_server("127.0.0.1", port, make_wsgi_app(metrics.registry), server_class, _QuietHandler)
         except OSError as exc:
@@ -235,10 +273,10 @@ class MetricsServer:
         log.info("metrics on http://127.0.0.1:%d/metrics", self.port)
 
     @classmethod
-    def start(cls, pool: Pool, port: int, max_connections: int = 8) -> "MetricsServer":
+    def start(cls, pool: Pool, port: int, max_connections: int = 8, request_timeout: float = 10.0) -> "MetricsServer":
         metrics = PoolMetrics(pool, asyncio.get_running_loop())
         pool.observers.append(metrics)
-        return cls(metrics, port, max_connections)
+        return cls(metrics, port, max_connections, request_timeout)
 
     async def close(self) -> None:
         # shutdown() waits for the serve loop's next poll: not on the event loop.

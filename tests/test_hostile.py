@@ -11,9 +11,12 @@ import json
 import logging
 import re
 import resource
+import select
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import psutil
 import pytest
@@ -22,6 +25,7 @@ from harness.fakes import FAKE_ENV, FakeModels
 from harness.pool import RawPool
 from harness.procs import ROOT, child_env, wait_for
 from supervisor.config import Config, ModelEntry
+from supervisor.control import CONTROL_RESERVE
 from supervisor.endpoint import dispatch
 from supervisor.pool import Pool
 from supervisor.terminal import EventSink
@@ -108,12 +112,43 @@ def read_all(client: socket.socket) -> bytes:
     return data
 
 
+# A slow client drips a byte this often; one still open after NEVER
+# seconds was never cut off.
+DRIP = 0.1
+NEVER = 30.0
+
+
+def drip(sock: socket.socket, data: bytes) -> tuple[bytes, float | None]:
+    """Sends `data` one byte per DRIP until the peer closes the connection:
+    what came back, and the seconds from the first byte to the close (None
+    if it never closed)."""
+    answer = b""
+    start = time.monotonic()
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return answer, time.monotonic() - start
+        readable, _, _ = select.select([sock], [], [], DRIP)
+        if readable:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return answer, time.monotonic() - start
+            answer += chunk
+        if time.monotonic() - start > NEVER:
+            break
+    return answer, None
+
+
 def test_control_clients_are_bounded_and_idle_ones_closed(fakes, spawn_pool, ctl):
     fakes.add("a")
     config = fakes.config(f'control_socket = "{ctl}"\nmax_control_clients = 3\ncontrol_idle_timeout = "1s"', preload=False)
     pool = spawn_pool("--config", config, env=FAKE_ENV)
     wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
-    idle = [connect(ctl) for _ in range(3)]
+    idle = [connect(ctl) for _ in range(3 + CONTROL_RESERVE)]  # the last two in the room kept for ps and stop
     for client in idle:  # each is in: it gets answers
         client.sendall(b'{"op":"status"}\n')
         assert b'"ev":"status"' in client.recv(65536)
@@ -126,6 +161,69 @@ def test_control_clients_are_bounded_and_idle_ones_closed(fakes, spawn_pool, ctl
     with connect(ctl) as client:
         client.sendall(b'{"op":"status"}\n')
         assert b'"ev":"status"' in client.recv(65536)
+    assert pool.close() == 0
+
+
+def test_slow_control_and_metrics_clients_are_cut_off_and_ps_still_works(fakes, spawn_pool, ctl):
+    """The control socket's and /metrics' time limits were per recv: a
+    client sending a byte every few seconds held its connection for ever,
+    and clients holding every connection locked out scrapes, `ps` and
+    `stop`. Now a request (an op line, a scrape) must arrive whole within
+    its request timeout, and two connections beyond max_control_clients
+    are kept for one-off commands."""
+    fakes.add("a")
+    settings = (
+        f'control_socket = "{ctl}"\nmax_control_clients = 2\ncontrol_idle_timeout = "5m"\ncontrol_request_timeout = "1s"\n'
+        'max_metrics_connections = 2\nmetrics_request_timeout = "1s"'
+    )
+    pool = spawn_pool("--config", fakes.config(settings, preload=False), "--metrics-port", "0", env=FAKE_ENV)
+    found = wait_for(lambda: re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", pool.stderr), 60, message="the metrics port")
+    port = int(found.group(1))
+    wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
+    results: dict[str, tuple[bytes, float | None]] = {}
+
+    def drip_on(name: str, sock: socket.socket, data: bytes) -> None:
+        with sock:
+            results[name] = drip(sock, data)
+
+    silent = [connect(ctl) for _ in range(2)]  # they take both of max_control_clients' slots
+    for client in silent:
+        client.sendall(b'{"op":"status"}\n')
+        assert b'"ev":"status"' in client.recv(65536)
+    slow = [
+        ("control", connect(ctl), b'{"op":"status","pad":"' + b"x" * 1000),
+        *((f"metrics {n}", socket.create_connection(("127.0.0.1", port)), b"GET /metrics HTTP/1.1\r\nx-pad: " + b"a" * 1000) for n in range(2)),
+    ]
+    threads = [threading.Thread(target=drip_on, args=args) for args in slow]
+    for thread in threads:
+        thread.start()
+    try:
+        # While the slow ones drip: `ps` comes in through the room kept for it.
+        out = cli("ps", "--control-socket", str(ctl))
+        assert out.returncode == 0 and b"NAME" in out.stdout, out.stderr
+        # A client let into that room that says nothing is closed soon.
+        with connect(ctl) as quiet:
+            assert read_all(quiet) == b""
+    finally:
+        for thread in threads:
+            thread.join(NEVER + 30)
+    for name, (answer, closed_after) in results.items():
+        assert closed_after is not None and closed_after < 15, f"the slow {name} client was not cut off ({closed_after})"
+    assert b"control_request_timeout" in results["control"][0]
+
+    def scrape() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            try:
+                client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                return b"lattice_supervisor_rss_bytes" in read_all(client)
+            except ConnectionError:
+                return False
+
+    wait_for(scrape, 30, interval=0.2, message="a scrape to be served")
+    for client in silent:  # quiet, but within control_idle_timeout: still served
+        client.sendall(b'{"op":"status"}\n')
+        assert b'"ev":"status"' in client.recv(65536)
+        client.close()
     assert pool.close() == 0
 
 

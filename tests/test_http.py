@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import select
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 from harness.pool import PoolProc
 from harness.procs import ROOT, child_env, wait_for
 from tests.conftest import keep_alive_across_tests, release
+from tests.test_hostile import NEVER, drip
 from tests.test_monitoring import metrics_port, scrape
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
@@ -326,47 +326,22 @@ def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
 
 
 HEAD = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-# Longer than any deadline below lets through at one byte per TRICKLE.
+# Longer than any deadline below lets through at one byte per drip.
 PAD = b"x-pad: " + b"a" * 400 + b"\r\n"
-TRICKLE = 0.1
-# A client still open after this long was never cut off.
-NEVER = 30.0
 
 
-def trickle(port: int, first: bytes, drip: bytes, replied: bytes, answers: list) -> None:
+def trickle(port: int, first: bytes, data: bytes, replied: bytes, answers: list) -> None:
     """A slow client: sends `first` at once, waits for `replied` (b"": none;
-    a keep-alive connection's first answer), then `drip` one byte per
-    TRICKLE until the server closes the connection. Appends (what came
-    back, seconds from the first dripped byte to the close, or None if it
-    never closed)."""
+    a keep-alive connection's first answer), then drips `data`. Appends
+    what drip returns, with the answer to `first` in front."""
     answer = b""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(first)
         sock.settimeout(NEVER)
         while replied not in answer:
             answer += sock.recv(65536)
-        start = time.monotonic()
-        for byte in drip:
-            try:
-                sock.sendall(bytes([byte]))
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            readable, _, _ = select.select([sock], [], [], TRICKLE)
-            if readable:
-                try:
-                    chunk = sock.recv(65536)
-                except ConnectionResetError:
-                    chunk = b""
-                answer += chunk
-                if not chunk:
-                    break
-            if time.monotonic() - start > NEVER:
-                answers.append((answer, None))
-                return
-        else:
-            answers.append((answer, None))
-            return
-    answers.append((answer, time.monotonic() - start))
+        more, closed_after = drip(sock, data)
+    answers.append((answer + more, closed_after))
 
 
 def test_idle_and_trickling_clients_are_cut_off_while_others_are_served(tiny_model, tmp_path, spawn_pool):
