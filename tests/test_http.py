@@ -273,6 +273,22 @@ def test_response_format_gives_json(served):
     assert set(json.loads(reply.choices[0].message.content)) == {"name"}
 
 
+def test_response_format_text_is_plain_text_and_functions_are_refused(served):
+    """{"type": "text"} is OpenAI's default, which some clients send: it was
+    a 400. The legacy `functions` field was silently ignored; like `tools`,
+    it is refused, naming the field."""
+    plain, _ = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 6, **GREEDY})
+    text, _ = stdin_answer(served, {"prompt": PROMPT, "max_tokens": 6, "response_format": {"type": "text"}, **GREEDY})
+    with client(served) as c:
+        reply = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, extra_body={"response_format": {"type": "text"}}, **GREEDY)
+        chat = c.chat.completions.create(model="tiny", messages=HI, max_tokens=2, response_format={"type": "text"}, **GREEDY)
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.chat.completions.create(model="tiny", messages=HI, extra_body={"functions": [{"name": "f", "parameters": {"type": "object"}}]})
+    assert reply.choices[0].text == text == plain and plain
+    assert chat.choices[0].finish_reason == "length"
+    assert exc.value.body["param"] == "functions" and "not supported" in exc.value.body["message"]
+
+
 # -- a pool with an API key and tight connection bounds (no worker needed) --------
 
 
@@ -308,6 +324,8 @@ def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
     assert status_code == 401 and body["error"]["code"] == "missing_api_key"
     with client(pool, api_key="s3cret") as c:
         assert [(m.id, m.loaded) for m in c.models.list().data] == [("tiny", False)]
+    # With a key, the pool may sit behind any name (a browser cannot send the key on a page's behalf).
+    assert get(pool, "/v1/models", {"host": "pool.example", "origin": "https://app.example", "authorization": "Bearer s3cret"})[0] == 200
 
     # Three open connections fill max_http_connections: a fourth is answered 429 and closed.
     wait_for(lambda: not [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_ESTABLISHED], 30, message="earlier connections to close")
