@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ipc.files import FileRefused, read_capped
 from ipc.messages import Message
 
 
@@ -48,7 +49,11 @@ class TextCodec:
         config_path = tokenizer_dir / "tokenizer_config.json"
         if config_path.is_file():
             try:
-                tok_config = json.loads(config_path.read_text("utf-8"))
+                tok_config = json.loads(read_capped(config_path))
+            except FileRefused as exc:
+                raise TokenizerError(f"tokenizer config {exc}") from None
+            except OSError as exc:
+                raise TokenizerError(f"cannot read {config_path}: {exc.strerror}") from None
             except ValueError as exc:
                 raise TokenizerError(f"cannot parse {config_path}: {exc}") from exc
         self.vocab_size = self.tokenizer.get_vocab_size()
@@ -75,8 +80,8 @@ class TextCodec:
         gen_path = tokenizer_dir / "generation_config.json"
         if gen_path.is_file():
             try:
-                gen_config = json.loads(gen_path.read_text("utf-8"))
-            except ValueError:
+                gen_config = json.loads(read_capped(gen_path))
+            except (OSError, FileRefused, ValueError):
                 gen_config = {}
         for source in (model_config, model_config.get("text_config") or {}, gen_config):
             value = source.get("eos_token_id")
