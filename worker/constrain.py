@@ -33,7 +33,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, decode_response_format
-from ipc.schema_refs import too_deep, unmatchable_ref
+from worker.schema_refs import too_deep, unmatchable_ref
 
 # Compiled grammars kept per worker, least recently used out. One takes about
 # a millisecond to compile and ~25 KB (the test schema, 151k vocabulary), so
