@@ -78,6 +78,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # one worker per (model, adapter) pair sends nothing and gets what it
     # always got.
     lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # Special-token text (`<|im_start|>`) in `messages` contents is read as
+    # the token only when this is set; otherwise as the characters it is.
+    allow_special_tokens: bool = False
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

@@ -39,6 +39,7 @@ class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     reasoning_budget: Annotated[int, Meta(ge=0)] | None = None
+    allow_special_tokens: bool | None = None
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):

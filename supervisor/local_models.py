@@ -19,6 +19,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.files import FileRefused, check_regular, read_capped
+
 # A Hub repo id: `org/name` (huggingface_hub validates it again).
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # What a model needs and nothing else: no PyTorch .bin, no GGUF.
@@ -66,6 +68,7 @@ class LocalModel:
 
 
 def _safetensors_dtypes(path: Path, counts: dict[str, int]) -> None:
+    check_regular(path)  # a FIFO would block `list` for good
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -89,7 +92,7 @@ def model_format(model_dir: Path) -> str:
     """As the worker's `ready` says it: `q4`/`q8` for MLX-quantized dirs,
     else the dtype most weights have (from the safetensors headers)."""
     try:
-        config = json.loads((model_dir / "config.json").read_text("utf-8"))
+        config = json.loads(read_capped(model_dir / "config.json"))
         quant = config.get("quantization") or {} if isinstance(config, dict) else {}
         if quant:
             mode = quant.get("mode", "affine")
@@ -97,7 +100,7 @@ def model_format(model_dir: Path) -> str:
         counts: dict[str, int] = {}
         for weights in sorted(model_dir.glob("model*.safetensors")):
             _safetensors_dtypes(weights, counts)
-    except (OSError, ValueError, RecursionError, struct.error, AttributeError, TypeError):
+    except (OSError, FileRefused, ValueError, RecursionError, struct.error, AttributeError, TypeError):
         return "?"
     return max(counts, key=counts.get) if counts else "?"
 

@@ -15,7 +15,7 @@ from ipc.worker_events import EX_CONFIG
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    base_delay: float = 0.5
+    base_delay: float = 0.5  # the delay before the second restart of a streak
     max_delay: float = 30.0
     jitter: float = 0.2  # +/- fraction of the delay, so crashed siblings don't restart in lockstep
     reset_after: float = 60.0  # this long up resets the backoff
@@ -51,15 +51,23 @@ def on_crash(
     exit_code: int | None,
     rng: random.Random,
 ) -> Restart | GiveUp:
-    """What to do about a worker that died `uptime` seconds after it started."""
+    """What to do about a worker that died `uptime` seconds after it started.
+
+    The first crash of a streak (the first ever, or the first after
+    `reset_after` up) restarts at once: one crash says nothing about the
+    next start, and waiting only adds to the outage. Backoff guards against
+    a crash loop, so it starts from the second crash in a row."""
     times = tuple(t for t in history.times if now - t <= policy.window) + (now,)
     if exit_code == EX_CONFIG:
         return GiveUp("the worker exited with code 78: a bad model dir, adapter or resource limit keeps it from starting", CrashHistory(times, history.streak))
     if len(times) > policy.max_crashes:
         return GiveUp(f"{len(times)} crashes within {policy.window:g}s", CrashHistory(times, history.streak))
     streak = 0 if uptime >= policy.reset_after else history.streak
-    delay = min(policy.base_delay * (2**streak), policy.max_delay)
-    delay *= 1.0 + rng.uniform(-policy.jitter, policy.jitter)
+    if streak == 0:
+        delay = 0.0
+    else:
+        delay = min(policy.base_delay * (2 ** (streak - 1)), policy.max_delay)
+        delay *= 1.0 + rng.uniform(-policy.jitter, policy.jitter)
     return Restart(delay=delay, attempt=streak + 1, history=CrashHistory(times, streak + 1))
 
 

@@ -252,7 +252,7 @@ class Pool:
     def _generate(self, msg: ClientLine, spec: ModelSpec, rid: int) -> Generate:
         d = self.config.defaults
         fields = {}
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "reasoning_budget"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "reasoning_budget", "allow_special_tokens"):
             value = getattr(msg, name)
             if value is None:
                 value = getattr(d, name)

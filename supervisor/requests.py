@@ -53,6 +53,9 @@ class ClientLine(msgspec.Struct, dict=True):
     # Kept as the client's JSON text and forwarded as such; its shape is
     # checked in parse_line, the grammar itself compiled by the worker.
     response_format: msgspec.Raw = msgspec.Raw()
+    # Special-token text in `messages` contents read as the tokens (default:
+    # as text, so a message cannot open a turn of another role).
+    allow_special_tokens: bool | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:

@@ -40,8 +40,8 @@ class TestCrash:
     def test_mid_stream_crash_ends_the_request_and_the_worker_restarts(self, fakes, fake_pool):
         """A worker killed after 3 tokens: the request ends with worker_crashed
         naming model and signal, the line cut off by the death is never
-        relayed, `restarting` comes with attempt and delay, and the next
-        request runs on the new worker."""
+        relayed, `restarting` comes with attempt and delay (none: a first
+        crash restarts at once), and the next request runs on the new worker."""
         fakes.add("a", [{"crash_after": 3, "partial": PARTIAL}, {}])
         pool = fake_pool()
         first = pool.wait_ev("ready", model="a")
@@ -51,7 +51,7 @@ class TestCrash:
         assert "'a'" in err["msg"] and "SIGKILL" in err["msg"]
         assert len(tokens_of(pool, "r1")) == 3
         restarting = pool.wait_ev("restarting", model="a")
-        assert restarting["attempt"] == 1 and 0 < restarting["delay_s"] <= 1.0
+        assert restarting["attempt"] == 1 and restarting["delay_s"] == 0
         second = pool.wait_ev("ready", model="a")
         assert second["pid"] != first["pid"] and not pid_alive(first["pid"])
         pool.send({"model": "a", "id": "r2", "prompt": "x", "max_tokens": 5})
@@ -312,15 +312,17 @@ class TestGivingUp:
         assert pool.close() == 0
 
     def test_a_crash_loop_ends_in_failed_while_other_models_serve(self, fakes, fake_pool):
-        """Six crashes at boot within 300 s: five restarts with doubling,
-        jittered delays, then `failed`; requests get model_failed until a load."""
+        """Six crashes at boot within 300 s: the first restarts at once, the
+        next four after doubling, jittered delays, then `failed`; requests get
+        model_failed until a load."""
         fakes.add("a", [{"boot_exit": 1}] * 6 + [{}])
         fakes.add("b", {"token_interval": 0.01})
         pool = fake_pool()
         pool.send({"model": "b", "id": "steady", "prompt": "x", "max_tokens": 1000})
         restarts = [pool.wait_ev("restarting", model="a", timeout=60) for _ in range(5)]
         assert [r["attempt"] for r in restarts] == [1, 2, 3, 4, 5]
-        for n, r in enumerate(restarts):
+        assert restarts[0]["delay_s"] == 0
+        for n, r in enumerate(restarts[1:]):
             assert 0.8 * 0.5 * 2**n <= r["delay_s"] <= 1.2 * 0.5 * 2**n
         failed = pool.wait_ev("failed", model="a", timeout=60)
         assert "6 crashes within 300s" in failed["reason"]
@@ -429,11 +431,14 @@ class TestMalformedOutput:
 
 class TestOpsDuringRecovery:
     def test_unload_during_backoff_and_load_during_loading_spawn_nothing_extra(self, fakes, fake_pool):
-        """Unloaded while waiting to restart: no restart comes. Loaded twice
-        while loading (slowly, for longer than that backoff): one worker."""
-        fakes.add("a", [{"exit_after_ready": 1}, {"load_delay": 2}])
+        """Unloaded while waiting to restart (the second crash in a row, so
+        with backoff): no restart comes. Loaded twice while loading (slowly,
+        for longer than that backoff): one worker."""
+        fakes.add("a", [{"exit_after_ready": 1}, {"exit_after_ready": 1}, {"load_delay": 2}])
         pool = fake_pool()
+        assert pool.wait_ev("restarting", model="a")["delay_s"] == 0
         restarting = pool.wait_ev("restarting", model="a")
+        assert restarting["delay_s"] > 0
         pool.send({"op": "unload", "model": "a"})
         pool.wait_ev("unloaded", model="a")
         pool.send({"op": "load", "model": "a"})
@@ -442,7 +447,7 @@ class TestOpsDuringRecovery:
         ready = pool.wait_for(lambda e: e["ev"] == "ready" and e["load_ms"] == 2000)
         assert restarting["delay_s"] < 2
         assert pool.terminal("r1")["gen_tokens"] == 2
-        assert fakes.starts("a") == [fakes.starts("a")[0], ready["pid"]]
+        assert fakes.starts("a") == [*fakes.starts("a")[:2], ready["pid"]]
         assert pool.close() == 0
 
 

@@ -54,7 +54,8 @@ def wait_terminals(pool, n: int) -> None:
 
 
 def test_sigkill_of_a_busy_worker(real_pool):
-    """Its request ends with worker_crashed, the request queued behind it
+    """Its request ends with worker_crashed, the worker restarts at once (a
+    first crash), the request queued behind it
     (max_batch 1: waiting in the pool) runs on the restarted worker, and the
     other model never notices. tests/test_serve_batching.py kills one mid-batch."""
     pool = real_pool("heartbeat_interval = 0.5\nmax_batch = 1")
@@ -67,7 +68,9 @@ def test_sigkill_of_a_busy_worker(real_pool):
     err = pool.terminal("long")
     assert err["ev"] == "error" and err["code"] == "worker_crashed"
     assert "'a'" in err["msg"] and "SIGKILL" in err["msg"]
-    assert pool.wait_ev("restarting", model="a")["attempt"] == 1
+    restarting = pool.wait_ev("restarting", model="a")
+    # A first crash restarts at once: no backoff on the way back to ready.
+    assert restarting["attempt"] == 1 and restarting["delay_s"] == 0
     pool.wait_ev("ready", model="a")
     assert pool.terminal("queued")["gen_tokens"] == 5
     assert pool.terminal("other")["gen_tokens"] == 200

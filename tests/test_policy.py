@@ -41,7 +41,8 @@ class FakeClock:
 
 
 def nominal(attempt: int) -> float:
-    return min(POLICY.base_delay * 2 ** (attempt - 1), POLICY.max_delay)
+    """The first restart of a streak is at once; backoff doubles from the second."""
+    return 0.0 if attempt == 1 else min(POLICY.base_delay * 2 ** (attempt - 2), POLICY.max_delay)
 
 
 def within_jitter(delay: float, attempt: int) -> bool:
@@ -49,27 +50,41 @@ def within_jitter(delay: float, attempt: int) -> bool:
 
 
 class TestRestartPolicy:
+    def test_the_first_crash_ever_restarts_at_once(self):
+        for uptime in (0.1, 2.0, POLICY.reset_after, 3600.0):
+            decision = FakeClock().crash_after(uptime=uptime)
+            assert isinstance(decision, Restart) and decision.attempt == 1 and decision.delay == 0.0
+
     def test_quick_crashes_double_the_delay_then_give_up_on_the_sixth(self):
         clock = FakeClock()
         decisions = [clock.crash_after(uptime=2.0) for _ in range(6)]
         restarts, last = decisions[:5], decisions[5]
         assert [d.attempt for d in restarts] == [1, 2, 3, 4, 5]
-        assert all(within_jitter(d.delay, d.attempt) for d in restarts)
+        assert restarts[0].delay == 0.0 and all(within_jitter(d.delay, d.attempt) for d in restarts)
+        assert [round(nominal(d.attempt), 3) for d in restarts] == [0.0, 0.5, 1.0, 2.0, 4.0]
         assert isinstance(last, GiveUp) and last.reason == "6 crashes within 300s"
 
     def test_jitter_is_seeded_and_varies(self):
         """Same seed, same delays; siblings with different seeds spread out."""
-        assert FakeClock(seed=1).crash_after(2.0).delay == FakeClock(seed=1).crash_after(2.0).delay
-        spread = {round(FakeClock(seed=s).crash_after(2.0).delay, 6) for s in range(20)}
-        assert len(spread) == 20 and all(within_jitter(d, 1) for d in spread)
 
-    def test_a_run_of_60s_resets_the_backoff(self):
+        def second_delay(seed: int) -> float:
+            clock = FakeClock(seed=seed)
+            clock.crash_after(2.0)
+            return clock.crash_after(2.0).delay
+
+        assert second_delay(1) == second_delay(1)
+        spread = {round(second_delay(s), 6) for s in range(20)}
+        assert len(spread) == 20 and all(within_jitter(d, 2) for d in spread)
+
+    def test_a_run_of_60s_resets_the_backoff_and_the_next_crash_restarts_at_once(self):
         clock = FakeClock()
         for _ in range(3):
             clock.crash_after(uptime=1.0)
         after_stable_run = clock.crash_after(uptime=POLICY.reset_after)
         assert isinstance(after_stable_run, Restart) and after_stable_run.attempt == 1
-        assert within_jitter(after_stable_run.delay, 1)
+        assert after_stable_run.delay == 0.0
+        again = clock.crash_after(uptime=1.0)
+        assert again.attempt == 2 and within_jitter(again.delay, 2) and again.delay > 0
 
     def test_59s_runs_do_not_reset_it_and_the_delay_caps_at_30s(self):
         clock = FakeClock()

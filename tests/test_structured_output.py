@@ -183,6 +183,16 @@ BAD_FORMATS = [
     ({"type": "regex", "pattern": "([a-z"}, "invalid regex in response_format"),
     ({"type": "regex", "pattern": 7}, "invalid response_format field 'pattern': Expected `str`, got `int`"),
     ({"type": "grammar", "grammar": "start: undefined_rule"}, 'unknown name: "undefined_rule"'),
+    # $ref loops no value can get out of: llguidance compiled them to "end at once" (empty replies, finish stop).
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}, "loops back with no way out: no JSON value can match the schema"),
+    (
+        {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}},
+        "the \"$ref\" '#/$defs/a' at # loops back with no way out",
+    ),
+    (
+        {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}},
+        "the \"$ref\" '#' at #/properties/next loops back with no way out",
+    ),
 ]
 
 
@@ -358,6 +368,42 @@ def test_a_whole_resumed_prompt_joins_a_batch_that_ran_ahead(tiny_model):
     assert piped == plain and plain_ahead == 0 and piped_ahead > 0
     n = len(TextCodec(tiny_model, loaded.config).encode(prompt))
     assert plain[3][1] == ("length", 20, n - 1)
+
+
+def ref_chain(n: int, last: dict) -> dict:
+    """A schema of n `$defs`, each naming the next: as deep as n nested objects,
+    though the JSON nests three deep."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = last
+    return {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/d0", "$defs": defs}}}
+
+
+TREE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "required": ["v", "kids"],
+    "additionalProperties": False,
+}
+
+
+def test_ref_loops_and_ref_chains_are_refused_through_serve_and_recursion_with_a_way_out_is_not(tiny_model, spawn_pool):
+    """A `$ref` loop with no way out was accepted and answered with an empty
+    reply and finish_reason stop; a chain of 2,500 `$defs` overflowed
+    llguidance's stack and killed the worker (SIGSEGV), twice with the retry."""
+    pool = spawn_pool("--model-dir", str(tiny_model))
+    pool.send({"id": "loop", "prompt": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}})
+    pool.send({"id": "chain", "prompt": CHAT, "response_format": ref_chain(2500, {"type": "string"})})
+    pool.send({"id": "tree", "prompt": CHAT, "seed": 2, "max_tokens": 200, "response_format": {"type": "json_schema", "json_schema": {"schema": TREE}}})
+    for request_id, message in (("loop", "no JSON value can match the schema"), ("chain", "nests more than 1000 subschemas deep")):
+        pool.terminal(request_id)
+        [error] = pool.of(request_id)
+        assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
+    tree = pool.terminal("tree")
+    assert tree["ev"] == "gen_token" and tree["gen_tokens"] > 0, tree
+    if tree["finish_reason"] == "stop":  # a random model may nest until max_tokens
+        jsonschema.validate(json.loads(pool.text("tree")), TREE)
+    assert pool.close() == 0
+    assert not [e for e in pool.events if e["ev"] == "restarting"]
 
 
 def test_response_format_through_serve(tiny_model, spawn_pool):

@@ -33,6 +33,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, decode_response_format
+from worker.schema_refs import too_deep, unmatchable_ref
 
 # Compiled grammars kept per worker, least recently used out. One takes about
 # a millisecond to compile and ~25 KB (the test schema, 151k vocabulary), so
@@ -85,6 +86,11 @@ def grammar_of(text: str) -> tuple[str, str]:
         if isinstance(fmt, JsonObjectFormat):
             grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
         elif isinstance(fmt, JsonSchemaFormat):
+            # Before llguidance sees it: it would overflow its stack on the
+            # one, and compile the other to a grammar that allows only the end.
+            problem = too_deep(fmt.json_schema.schema) or unmatchable_ref(fmt.json_schema.schema)
+            if problem:
+                raise ConstraintError(f"invalid response_format: {problem}")
             grammar = matcher.grammar_from_json_schema(fmt.json_schema.schema, defaults=_JSON_DEFAULTS)
         elif isinstance(fmt, RegexFormat):
             grammar = matcher.grammar_from_regex(fmt.pattern)

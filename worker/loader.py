@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ipc.files import FileRefused, check_regular, read_capped
+
 Progress = Callable[[int, int], None]
 
 _DTYPE_NAMES = {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}
@@ -33,10 +35,14 @@ def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise ModelDirError(f"model dir {path} does not exist or is not a directory")
     config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ModelDirError(f"{path} has no config.json")
     try:
-        config = json.loads(config_path.read_text("utf-8"))
+        config = json.loads(read_capped(config_path))
+    except FileNotFoundError:
+        raise ModelDirError(f"{path} has no config.json") from None
+    except FileRefused as exc:
+        raise ModelDirError(f"config {exc}") from None
+    except OSError as exc:
+        raise ModelDirError(f"cannot read {config_path}: {exc.strerror}") from None
     except ValueError as exc:
         raise ModelDirError(f"cannot parse {config_path}: {exc}") from exc
     except RecursionError:
@@ -44,8 +50,18 @@ def read_config(path: Path) -> dict:
         raise ModelDirError(f"cannot parse {config_path}: it nests too deeply") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelDirError(f"{config_path} has no model_type")
-    if not any(path.glob("model*.safetensors")):
+    weights = sorted(path.glob("model*.safetensors"))
+    if not weights:
         raise ModelDirError(f"{path} has no model*.safetensors weights")
+    for weight in weights:
+        # Refused before mlx opens it: a FIFO would block the load until the
+        # watchdog kills it, and a device would be read without end.
+        try:
+            check_regular(weight)
+        except FileRefused as exc:
+            raise ModelDirError(f"weight file {exc}") from None
+        except OSError as exc:
+            raise ModelDirError(f"cannot read weight file {weight}: {exc.strerror}") from None
     return config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ipc.events import BAD_REQUEST
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate, utf8_len
-from worker.text import TextCodec
+from worker.text import SpecialTextError, TextCodec
 
 
 class RequestError(Exception):
@@ -31,11 +31,17 @@ class PromptReader:
     def ids(self, req: Generate) -> list[int]:
         """The prompt's token ids; RequestError when there is none, the chat
         template fails, or the prompt or the model's context is too small for it."""
+        kept_as_text: list[tuple[int, int]] = []
         if req.prompt is not None:
-            text = req.prompt
+            text = req.prompt  # the client's own template: its special tokens are meant
         elif req.messages is not None:
             try:
-                text = self.codec.render(req.messages)
+                if req.allow_special_tokens:
+                    text = self.codec.render(req.messages)
+                else:
+                    text, kept_as_text = self.codec.render_marked(req.messages)
+            except SpecialTextError as exc:
+                raise RequestError(BAD_REQUEST, str(exc)) from None
             except Exception as exc:  # a user's template may raise anything
                 raise RequestError(BAD_REQUEST, f"chat template failed: {exc}") from exc
         else:
@@ -43,7 +49,7 @@ class PromptReader:
         # Before tokenizing: a huge prompt would cost seconds and gigabytes to refuse after.
         if utf8_len(text, self.max_prompt_bytes) > self.max_prompt_bytes:
             raise RequestError(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
-        ids = self.codec.encode(text)
+        ids = self.codec.encode_keeping_text(text, kept_as_text)
         if not ids:
             raise RequestError(BAD_REQUEST, "prompt is empty after tokenization")
         if self.max_positions and len(ids) >= self.max_positions:

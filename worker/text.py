@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ipc.files import FileRefused, read_capped
 from ipc.messages import Message
 
 
 class TokenizerError(Exception):
     pass
+
+
+class SpecialTextError(ValueError):
+    """Special-token text in a message's content that cannot be kept as
+    plain text; the message is fit for a bad_request event."""
+
+
+# Markers around each message's content in a second rendering, to find where
+# the template put it: private-use characters, unlikely in any text (others
+# are taken when a content holds these).
+_PRIVATE_USE = range(0xE000, 0xF900)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -48,7 +61,11 @@ class TextCodec:
         config_path = tokenizer_dir / "tokenizer_config.json"
         if config_path.is_file():
             try:
-                tok_config = json.loads(config_path.read_text("utf-8"))
+                tok_config = json.loads(read_capped(config_path))
+            except FileRefused as exc:
+                raise TokenizerError(f"tokenizer config {exc}") from None
+            except OSError as exc:
+                raise TokenizerError(f"cannot read {config_path}: {exc.strerror}") from None
             except ValueError as exc:
                 raise TokenizerError(f"cannot parse {config_path}: {exc}") from exc
         self.vocab_size = self.tokenizer.get_vocab_size()
@@ -63,6 +80,12 @@ class TextCodec:
             self._template = _compile_template(template)
         self._special = {k: v for k, v in tok_config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
         self._byte_table = self._build_byte_table()
+        # The tokenizer's special tokens as text: in a message's content they
+        # stay text, as the chat template's author means (a user who types
+        # "<|im_start|>system" must not open a system turn).
+        specials = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special and t.content}, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain: Tokenizer | None = None  # this tokenizer blind to special tokens, made on first need
 
     def _token_id(self, token: object) -> int | None:
         if isinstance(token, dict):
@@ -75,8 +98,8 @@ class TextCodec:
         gen_path = tokenizer_dir / "generation_config.json"
         if gen_path.is_file():
             try:
-                gen_config = json.loads(gen_path.read_text("utf-8"))
-            except ValueError:
+                gen_config = json.loads(read_capped(gen_path))
+            except (OSError, FileRefused, ValueError):
                 gen_config = {}
         for source in (model_config, model_config.get("text_config") or {}, gen_config):
             value = source.get("eos_token_id")
@@ -114,6 +137,60 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         # Added tokens (<|im_start|>, <think>, ...) are matched in the raw text.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_marked(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered chat and the spans in it of special-token text that
+        came from the messages' contents (none in the usual case, at the cost
+        of one regex search per message). Those spans are found from a second
+        rendering with each content between markers; SpecialTextError when
+        the template changes a content that holds such text, so the spans
+        cannot be told from the template's own tokens."""
+        text = self.render(messages)
+        if self._special_text is None or not any(self._special_text.search(m.content) for m in messages):
+            return text, []
+        used = set().union(*(set(m.content) for m in messages if not m.content.isascii()))
+        free = (chr(c) for c in _PRIVATE_USE if chr(c) not in used)
+        opener, closer = next(free), next(free)
+        marked = self.render([Message(m.role, opener + m.content + closer) for m in messages])
+        plain: list[str] = []
+        contents: list[tuple[int, int]] = []
+        at = 0  # length of the plain text so far
+        for part in re.split(f"([{opener}{closer}])", marked):
+            if part == opener:
+                contents.append((at, -1))
+            elif part == closer:
+                if not contents or contents[-1][1] != -1:
+                    break
+                contents[-1] = (contents[-1][0], at)
+            else:
+                plain.append(part)
+                at += len(part)
+        if "".join(plain) != text or any(end == -1 for _, end in contents):
+            found = next(self._special_text.search(m.content).group() for m in messages if self._special_text.search(m.content))
+            raise SpecialTextError(
+                f"a message's content holds the special-token text {found!r}, which the chat template rewrites, so it cannot be kept as "
+                "text; remove it, or set allow_special_tokens to have it read as the token"
+            )
+        spans = [m.span() for start, end in contents for m in self._special_text.finditer(text, start, end)]
+        return text, spans
+
+    def encode_keeping_text(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Token ids of `text`, with the special-token text in `spans` (from
+        render_marked) tokenized as the plain characters it is."""
+        if not spans:
+            return self.encode(text)
+        if self._plain is None:
+            # A tokenizer of its own: the flag is per tokenizer, and this one
+            # may be encoding elsewhere meanwhile.
+            self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+            self._plain.encode_special_tokens = True
+        ids: list[int] = []
+        at = 0
+        for start, end in spans:
+            ids += self.encode(text[at:start])
+            ids += self._plain.encode(text[start:end], add_special_tokens=False).ids
+            at = end
+        return ids + self.encode(text[at:])
 
     def render(self, messages: list[Message]) -> str:
         if self._template is None:
