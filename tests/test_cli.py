@@ -169,3 +169,44 @@ def test_run_exits_when_its_reader_goes_away(tiny_model):
             break
     proc.stdout.close()  # like `| head`
     assert proc.wait(timeout=60) == 0
+
+
+def prompt_tokens(out: subprocess.CompletedProcess) -> int:
+    assert out.returncode == 0, out.stderr
+    return next(e["prompt_tokens"] for e in events(out.stdout) if e.get("done"))
+
+
+def test_run_prompt_gets_the_chat_template_and_prompt_is_sent_verbatim(tiny_model):
+    from ipc.messages import Message
+    from supervisor.httpapi.reasoning import ThinkSplitter
+    from worker.text import TextCodec
+
+    codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
+    base = ("--model-dir", str(tiny_model), "--max-tokens", "12", "--seed", "2", "--reasoning-budget", "4")
+    # A positional PROMPT is a user message in the model's chat template
+    # (as `ollama run` and mlx_lm.generate send it) ...
+    templated = cli("run", "Hello", *base, "--json")
+    assert prompt_tokens(templated) == len(codec.encode(codec.render([Message("user", "Hello")])))
+    # ... --prompt is chat_metal's text, verbatim.
+    assert prompt_tokens(cli("run", "--prompt", "Hello", *base, "--json")) == len(codec.encode("Hello"))
+    # Without PROMPT, stdin is the message; --system joins the template;
+    # --no-think closes the think block at once.
+    piped = cli("run", "--model-dir", str(tiny_model), "--max-tokens", "3", "--system", "Be brief.", "--no-think", "--json", input=b"Hello\n")
+    assert prompt_tokens(piped) == len(codec.encode(codec.render([Message("system", "Be brief."), Message("user", "Hello")])))
+    assert next(e["token"] for e in events(piped.stdout) if e["ev"] == "gen_token") == "</think>"
+
+    # As text, run prints the answer only; --think shows the thinking apart.
+    splitter = ThinkSplitter(inside=True)
+    pieces = [p for e in events(templated.stdout) if e["ev"] == "gen_token" for p in splitter.feed(e["token"])] + splitter.flush()
+    thought = "".join(t for reasoning, t in pieces if reasoning).lstrip("\n")
+    answer = "".join(t for reasoning, t in pieces if not reasoning)
+    assert thought and answer
+    plain = cli("run", "Hello", *base)
+    assert plain.returncode == 0 and plain.stdout.decode() == answer + "\n", plain.stdout
+    shown = cli("run", "Hello", *base, "--think")
+    assert shown.stdout.decode() == f"Thinking...\n{thought}\n...done thinking.\n\n{answer}\n"
+
+    both = cli("run", "Hello", "--prompt", "Hello", "--model-dir", str(tiny_model))
+    assert both.returncode == 2 and b"not both" in both.stderr
+    empty = cli("run", "--model-dir", str(tiny_model), input=b"\n")
+    assert empty.returncode == 2 and b"stdin was empty" in empty.stderr
