@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
-from supervisor import local_models, ps, stderr
+from supervisor import local_models, preflight, ps, stderr
 from supervisor.chat import chat
 from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, parse_size, validate
@@ -100,6 +100,18 @@ def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora:
     config.default_model = name
 
 
+def check_start(config: Config, args: argparse.Namespace, *, lora: bool) -> None:
+    """What can be checked before any model loads (supervisor.preflight):
+    every problem found, each said once. lora: --lora must be readable now
+    (`chat` lets an adapter appear later: its /load retries)."""
+    problems = preflight.config_paths(config)
+    if lora and getattr(args, "lora", None):
+        problem = preflight.lora_problem(args.lora)
+        problems += [problem] if problem else []
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 # -- commands ------------------------------------------------------------------------------
 
 
@@ -107,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = base_config(args)
     if args.model or args.model_dir or not config.models:
         add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=True)
     if args.no_stdin and config.http is None:
         raise UsageError("--no-stdin leaves the pool no requests but HTTP ones: add --http HOST:PORT")
     return asyncio.run(serve(config, eof_grace=config.shutdown_grace, read_stdin=not args.no_stdin))
@@ -115,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     config = base_config(args)
     add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=True)
     if args.serve:
         if not args.json:
             raise UsageError("--serve speaks the event protocol: add --json")
@@ -190,12 +204,16 @@ def json_schema_format(path: Path) -> dict:
         raise UsageError(f"--json-schema {path} is not JSON: {exc}") from exc
     if not isinstance(schema, dict):
         raise UsageError(f"--json-schema {path} must hold a JSON object (a JSON Schema)")
+    problem = preflight.schema_problem(schema)
+    if problem:
+        raise UsageError(f"--json-schema {path}: not a schema the pool can compile: {problem}")
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     config = base_config(args)
     add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=False)
     return asyncio.run(chat(config, args))
 
 
@@ -414,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, UsageError) as exc:
-        print(f"lattice-pool: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"lattice-pool: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
