@@ -187,6 +187,9 @@ class Chat:
         self.quitting = False
         self.sink = EventSink(self.on_event)
         self.pool = None
+        # The adapter error last shown for each model: a message that tries
+        # the name again gets the same one, which is not said again.
+        self.adapter_errors: dict[str, str] = {}
 
     # -- the pool's lines ------------------------------------------------------------
 
@@ -194,6 +197,8 @@ class Chat:
         ev = event["ev"]
         if ev in ("loading", "ready", "failed", "adapter_error"):
             self.progress.update(event)
+        if ev in ("ready", "adapter_loaded"):
+            self.adapter_errors.pop(event.get("model"), None)
         if ev == "gen_token" and self.answers(event):
             self.on_token(event)
         elif ev == "error":
@@ -220,7 +225,10 @@ class Chat:
             self.end_wait("error")
         elif self.answers(event):
             hint = "  (type /load to retry)" if event.get("code") in ("model_failed", "load_failed", "adapter_error") else ""
-            self.screen.note(error_line(event) + hint)
+            if event.get("code") == "adapter_error" and event.get("msg") in self.adapter_errors.values():
+                self.screen.note("error (adapter_error): the bad adapter above" + hint)
+            else:
+                self.screen.note(error_line(event) + hint)
             self.turn_done.set()
 
     def on_model_change(self, event: dict) -> None:
@@ -231,8 +239,12 @@ class Chat:
         elif ev == "adapter_error":
             # The base model runs; the name's adapter could not be read (at
             # its load, or a later change of its file, which keeps the old one).
+            waited = self.awaited is not None and self.awaited[0] == name
+            if self.adapter_errors.get(name) == event.get("msg", "") and not waited:
+                return
+            self.adapter_errors[name] = event.get("msg", "")
             self.screen.note(f"model {name!r}: bad adapter: {event.get('msg', '')}")
-            if self.awaited is not None and self.awaited[0] == name:
+            if waited:
                 self.screen.note("  /load retries, /model NAME switches to another model, /bye quits")
         elif ev == "restarting":
             self.screen.note(f"model {name!r} restarting: {cause(event.get('reason', ''))}")

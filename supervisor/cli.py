@@ -13,10 +13,10 @@ from pathlib import Path
 import msgspec
 
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
-from supervisor import local_models, ps, stderr
+from supervisor import local_models, preflight, ps, stderr
 from supervisor.chat import chat
 from supervisor.child import child_env, python_module
-from supervisor.config import Config, ConfigError, ModelEntry, load_config, validate
+from supervisor.config import Config, ConfigError, ModelEntry, load_config, parse_size, validate
 from supervisor.control import socket_path
 from supervisor.control_client import ControlConnection, NoPool
 from supervisor.demo import DEMO_NAME, ensure_demo_model
@@ -100,6 +100,18 @@ def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora:
     config.default_model = name
 
 
+def check_start(config: Config, args: argparse.Namespace, *, lora: bool) -> None:
+    """What can be checked before any model loads (supervisor.preflight):
+    every problem found, each said once. lora: --lora must be readable now
+    (`chat` lets an adapter appear later: its /load retries)."""
+    problems = preflight.config_paths(config)
+    if lora and getattr(args, "lora", None):
+        problem = preflight.lora_problem(args.lora)
+        problems += [problem] if problem else []
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 # -- commands ------------------------------------------------------------------------------
 
 
@@ -107,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = base_config(args)
     if args.model or args.model_dir or not config.models:
         add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=True)
     if args.no_stdin and config.http is None:
         raise UsageError("--no-stdin leaves the pool no requests but HTTP ones: add --http HOST:PORT")
     return asyncio.run(serve(config, eof_grace=config.shutdown_grace, read_stdin=not args.no_stdin))
@@ -115,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     config = base_config(args)
     add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=True)
     if args.serve:
         if not args.json:
             raise UsageError("--serve speaks the event protocol: add --json")
@@ -122,17 +136,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError("--json-schema applies to --prompt; with --serve, give each request a response_format")
         # chat_metal finished every request it had read before exiting at EOF.
         return asyncio.run(serve(config, eof_grace=None, settle_first=True))
-    if args.prompt is None:
-        raise UsageError("give --prompt TEXT, or --json --serve to read requests from stdin")
+    prompt, templated = run_prompt(args, parse_size(config.max_prompt_bytes))
+    if args.no_think and args.reasoning_budget is not None:
+        raise UsageError("--no-think is --reasoning-budget 0: give one of them")
+    if args.think and (args.no_think or not templated):
+        raise UsageError("--think shows the thinking of a templated reply: not with --no-think or --prompt")
     fields = {
-        "prompt": args.prompt,
+        **prompt,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
         "repetition_penalty": args.repetition_penalty,
         "seed": args.seed,
-        "reasoning_budget": args.reasoning_budget,
+        "reasoning_budget": 0 if args.no_think else args.reasoning_budget,
         "stop": args.stop,
         "response_format": json_schema_format(args.json_schema) if args.json_schema else None,
     }
@@ -141,7 +158,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         request = parse_line(msgspec.json.encode({k: v for k, v in fields.items() if v is not None}))
     except BadRequest as exc:
         raise UsageError(exc.msg) from exc
-    return asyncio.run(run_once(config, request, as_json=args.json))
+    think = None if not templated else "on" if args.think else "off" if args.no_think else "hidden"
+    return asyncio.run(run_once(config, request, as_json=args.json, think=think))
+
+
+def run_prompt(args: argparse.Namespace, limit: int) -> tuple[dict, bool]:
+    """`run`'s prompt as request fields, and whether it gets the model's
+    chat template: PROMPT (or stdin) does, as with `ollama run` and
+    mlx_lm.generate; --prompt is chat_metal's text, sent verbatim."""
+    if args.prompt is not None:
+        if args.text is not None:
+            raise UsageError("give PROMPT (templated) or --prompt TEXT (verbatim), not both")
+        if args.system is not None:
+            raise UsageError("--system goes into the chat template: give PROMPT instead of --prompt, which is sent verbatim")
+        return {"prompt": args.prompt}, False
+    text = args.text
+    if text is None:
+        if sys.stdin.isatty():
+            raise UsageError("give a PROMPT (or pipe one in), --prompt TEXT to send text verbatim, or --json --serve to read requests from stdin")
+        data = sys.stdin.buffer.read(limit + 1)
+        if len(data) > limit:
+            raise UsageError(f"the prompt on stdin is longer than max_prompt_bytes ({limit} bytes)")
+        try:
+            text = data.decode("utf-8").rstrip("\n")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"the prompt on stdin is not UTF-8: {exc}") from exc
+        if not text.strip():
+            raise UsageError("no prompt: stdin was empty; give a PROMPT")
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+    return {"messages": messages}, True
 
 
 def json_schema_format(path: Path) -> dict:
@@ -159,12 +204,16 @@ def json_schema_format(path: Path) -> dict:
         raise UsageError(f"--json-schema {path} is not JSON: {exc}") from exc
     if not isinstance(schema, dict):
         raise UsageError(f"--json-schema {path} must hold a JSON object (a JSON Schema)")
+    problem = preflight.schema_problem(schema)
+    if problem:
+        raise UsageError(f"--json-schema {path}: not a schema the pool can compile: {problem}")
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     config = base_config(args)
     add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+    check_start(config, args, lora=False)
     return asyncio.run(chat(config, args))
 
 
@@ -306,7 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_monitor_flags(run)
     add_model_flags(run)
     add_sampling_flags(run)
-    run.add_argument("--prompt", help="ChatML prompt text, used verbatim")
+    run.add_argument("text", nargs="?", metavar="PROMPT", help="a message, sent with the model's chat template (as `ollama run` and mlx_lm.generate do); read from stdin when left out and stdin is not a terminal")
+    run.add_argument("--prompt", help="prompt text sent verbatim, without the chat template (chat_metal's flag)")
+    run.add_argument("--system", help="system prompt (with PROMPT)")
+    run.add_argument("--think", action="store_true", help="also print the model's thinking, apart from the answer")
+    run.add_argument("--no-think", action="store_true", help="ask the model not to think (a reasoning budget of 0 closes its think block at once)")
     run.add_argument("--json", action="store_true", help="print @@lattice event lines instead of text")
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
     run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema)")
@@ -379,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, UsageError) as exc:
-        print(f"lattice-pool: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"lattice-pool: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

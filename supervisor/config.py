@@ -6,6 +6,7 @@ a silently ignored typo (`keep_alvie`) is worse than a refusal to start.
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from pathlib import Path
@@ -60,6 +61,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # False keeps the embedding and LM head whole on every rank: more memory
     # per rank, no logits between ranks at each token (docs/scaling.md).
     split_vocab: bool = True
+    # True: `path` may appear after the pool starts (a volume mounted later,
+    # a download in progress); otherwise a missing path refuses the start.
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks == 1:
@@ -234,6 +238,34 @@ def validate(config: Config) -> Config:
         raise ConfigError(_describe(exc)) from exc
 
 
+def _unknown_keys(raw: object) -> list[str]:
+    """Every key the config's tables do not know, each with the nearest
+    known one: all of them at once, where the decoder stops at the first."""
+    found: list[str] = []
+
+    def check(table: object, struct: type, where: str) -> None:
+        if not isinstance(table, dict):
+            return
+        known = struct.__struct_fields__
+        for key in table:
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            found.append(f"unknown key `{key}`" + (f" in [{where}]" if where else "") + hint)
+
+    check(raw, Config, "")
+    if isinstance(raw, dict):
+        check(raw.get("defaults"), GenerationDefaults, "defaults")
+        models = raw.get("models")
+        for i, entry in enumerate(models if isinstance(models, list) else []):
+            check(entry, ModelEntry, f"models[{i}]")
+            hosts = entry.get("hosts") if isinstance(entry, dict) else None
+            for j, host in enumerate(hosts if isinstance(hosts, list) else []):
+                check(host, HostSpec, f"models[{i}].hosts[{j}]")
+    return sorted(found)
+
+
 def load_config(path: Path) -> Config:
     try:
         raw = tomllib.loads(path.read_text("utf-8"))
@@ -241,6 +273,9 @@ def load_config(path: Path) -> Config:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    unknown = _unknown_keys(raw)
+    if unknown:
+        raise ConfigError("\n".join(f"{path}: {line}" for line in unknown))
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:

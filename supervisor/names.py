@@ -29,6 +29,9 @@ class Name:
     since: float = 0.0  # when it began to come up (time.monotonic)
     last_used: float = 0.0  # its last request or load (time.monotonic)
     ready_line: bytes | None = None
+    # Why its adapter could not be loaded, while it never was (a failed
+    # reload of a loaded one keeps the old version and is no error here).
+    adapter_error: str | None = None
 
     @property
     def name(self) -> str:

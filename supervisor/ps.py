@@ -88,7 +88,7 @@ def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
     """A name's cells; `under` another name of its worker, indented, with
     the bytes its adapter adds to the worker as its MEMORY."""
     running = row.pid is not None
-    if not running:
+    if not running or row.error is not None:
         memory = "-"
     elif under:
         memory = "+" + human_bytes(row.adapter_bytes)
@@ -133,10 +133,14 @@ def columns(rows: list[tuple[str, ...]]) -> str:
 
 def table(status: Status) -> str:
     lines = [COLUMNS]
+    errors = []
     for group in by_worker(status.models):
         for i, row in enumerate(group):
             lines += [cells(row, under=i > 0), *rank_cells(row)]
-    return columns(lines)
+            if row.error is not None:
+                errors.append(f"{row.model} ({_adapter(row.lora)}): {row.error}\n")
+    # Below the table: a reason would stretch its columns.
+    return columns(lines) + "".join(errors)
 
 
 def as_json(status: Status) -> str:

@@ -543,6 +543,10 @@ class WorkerSlot:
         names = [n for n in self.names.values() if n.lora == lora]
         coming = [n for n in names if not n.up] if loaded and self.state in (State.READY, State.BUSY) else []
         told = [n for n in names if n not in coming]
+        failed = None if loaded else str(parse_event(line).get("msg") or "the adapter could not be loaded")
+        for name in names:
+            if loaded or not name.up:
+                name.adapter_error = failed
         for name in told:
             self.lines.write(renamed(line, name.name, self.name))
         if not names:

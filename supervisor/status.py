@@ -16,7 +16,7 @@ import time
 import msgspec
 import psutil
 
-from ipc.events import encode_event
+from ipc.events import ADAPTER_ERROR, encode_event
 from ipc.worker_events import RankFigures, WorkerStats, rss_uss
 from supervisor.names import Name
 from supervisor.slot import WorkerSlot
@@ -62,6 +62,9 @@ class StatusRow(msgspec.Struct):
     # and memory; the memory fields above are their sums. None for a
     # single process.
     ranks: list[RankFigures] | None = None
+    # State `adapter_error`: the base model runs but this name's adapter
+    # could not be loaded; why, in the worker's words.
+    error: str | None = None
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -98,10 +101,11 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
     queued, in_flight = slot.waiting(name.spec)
+    failed = name.adapter_error is not None and state in (State.READY, State.BUSY)
     return StatusRow(
         model=name.name,
         lora=name.lora,
-        state=state.value,
+        state=ADAPTER_ERROR if failed else state.value,
         pid=pid,
         format=s.format,
         rss_bytes=s.rss_bytes,
@@ -126,6 +130,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         processor=s.processor,
         expires_in_s=expires_in(slot),
         ranks=s.ranks,
+        error=name.adapter_error if failed else None,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 from ipc.worker_events import parse_event
 from supervisor import stderr
 from supervisor.config import Config
+from supervisor.httpapi.reasoning import ThinkSplitter
 from supervisor.lifecycle import RunningPool, first_set
 from supervisor.requests import ClientLine
 from supervisor.screen import Screen
@@ -76,6 +77,62 @@ class LoadProgress:
             self.screen.end_bar()
 
 
+# How a reply's thinking is shown: "on" apart from the answer (dimmed on a
+# terminal, between Ollama's "Thinking..." and "...done thinking."),
+# "hidden" not at all, "off": the model is asked not to think (a reasoning
+# budget of 0 closes its think block at once).
+THINK_MODES = ("on", "off", "hidden")
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+class ReplyText:
+    """One templated reply for a person: its thinking (text inside
+    <think>...</think>, supervisor.httpapi.reasoning) shown apart or left
+    out, then the answer. `answer` collects the answer's text."""
+
+    def __init__(self, write: Callable[[str], None], opens_think: bool, show_thinking: bool, tty: bool):
+        self.write = write
+        self.splitter = ThinkSplitter(opens_think)
+        self.show_thinking = show_thinking
+        self.tty = tty
+        self.thinking = False  # the thinking header is shown, its footer not yet
+        self.answer: list[str] = []
+
+    def _dim(self, text: str) -> str:
+        # Each piece closes its own dimming: a reply cut short never leaves
+        # the terminal dim.
+        return f"{DIM}{text}{RESET}" if self.tty and text else text
+
+    def feed(self, text: str) -> None:
+        self._show(self.splitter.feed(text))
+
+    def finish(self) -> None:
+        self._show(self.splitter.flush())
+        self._end_thinking()
+
+    def _end_thinking(self) -> None:
+        if self.thinking:
+            self.thinking = False
+            self.write(self._dim("\n...done thinking.") + "\n\n")
+
+    def _show(self, pieces: list[tuple[bool, str]]) -> None:
+        for reasoning, text in pieces:
+            if reasoning:
+                if self.show_thinking:
+                    if not self.thinking:
+                        self.thinking = True
+                        self.write(self._dim("Thinking...") + "\n")
+                        text = text.lstrip("\n")
+                    self.write(self._dim(text))
+                continue
+            self._end_thinking()
+            if not self.answer:
+                text = text.lstrip("\n")
+            if text:
+                self.answer.append(text)
+                self.write(text)
+
+
 def stats_line(done: dict) -> str:
     return (
         f"[{done['prompt_tokens']} prompt tokens, {done['gen_tokens']} generated in {done['total_ms']} ms, "
@@ -107,20 +164,32 @@ def error_line(event: dict) -> str:
     return f"error ({event.get('code')}): {readable(event.get('msg', ''))}"
 
 
-async def run_once(config: Config, request: ClientLine, *, as_json: bool) -> int:
+async def run_once(config: Config, request: ClientLine, *, as_json: bool, think: str | None = None) -> int:
+    """One request. think (THINK_MODES): the request is templated, and its
+    reply's thinking is shown so; None: the text is printed as it comes
+    (a verbatim --prompt, chat_metal's meaning)."""
     finished = asyncio.Event()
     outcome = {"rc": 0}
     screen = Screen()
     progress = LoadProgress(screen)
     out = sys.stdout.buffer
+    reply: list[ReplyText] = []
+    opens_think = [False]
 
     def on_event(event: dict, line: bytes) -> None:
         ev = event["ev"]
+        if ev == "ready":
+            opens_think[0] = bool(event.get("opens_think"))
         if as_json:
             out.write(line)
             out.flush()
         elif ev == "gen_token" and not event["done"]:
-            screen.reply(event["token"])
+            if think is None:
+                screen.reply(event["token"])
+                return
+            if not reply:
+                reply.append(ReplyText(screen.reply, opens_think[0], think == "on", sys.stdout.isatty()))
+            reply[0].feed(event["token"])
         elif ev in ("loading", "ready", "failed"):
             progress.update(event)
         if ev == "error" or (ev == "gen_token" and event["done"]):
@@ -131,6 +200,8 @@ async def run_once(config: Config, request: ClientLine, *, as_json: bool) -> int
                     # model too: one line, not one per event.
                     screen.note(error_line(event))
             elif not as_json:
+                if reply:
+                    reply[0].finish()
                 screen.reply("\n")
                 screen.note(stats_line(event))
             finished.set()

@@ -169,3 +169,86 @@ def test_run_exits_when_its_reader_goes_away(tiny_model):
             break
     proc.stdout.close()  # like `| head`
     assert proc.wait(timeout=60) == 0
+
+
+def prompt_tokens(out: subprocess.CompletedProcess) -> int:
+    assert out.returncode == 0, out.stderr
+    return next(e["prompt_tokens"] for e in events(out.stdout) if e.get("done"))
+
+
+def test_run_prompt_gets_the_chat_template_and_prompt_is_sent_verbatim(tiny_model):
+    from ipc.messages import Message
+    from supervisor.httpapi.reasoning import ThinkSplitter
+    from worker.text import TextCodec
+
+    codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
+    base = ("--model-dir", str(tiny_model), "--max-tokens", "12", "--seed", "2", "--reasoning-budget", "4")
+    # A positional PROMPT is a user message in the model's chat template
+    # (as `ollama run` and mlx_lm.generate send it) ...
+    templated = cli("run", "Hello", *base, "--json")
+    assert prompt_tokens(templated) == len(codec.encode(codec.render([Message("user", "Hello")])))
+    # ... --prompt is chat_metal's text, verbatim.
+    assert prompt_tokens(cli("run", "--prompt", "Hello", *base, "--json")) == len(codec.encode("Hello"))
+    # Without PROMPT, stdin is the message; --system joins the template;
+    # --no-think closes the think block at once.
+    piped = cli("run", "--model-dir", str(tiny_model), "--max-tokens", "3", "--system", "Be brief.", "--no-think", "--json", input=b"Hello\n")
+    assert prompt_tokens(piped) == len(codec.encode(codec.render([Message("system", "Be brief."), Message("user", "Hello")])))
+    assert next(e["token"] for e in events(piped.stdout) if e["ev"] == "gen_token") == "</think>"
+
+    # As text, run prints the answer only; --think shows the thinking apart.
+    splitter = ThinkSplitter(inside=True)
+    pieces = [p for e in events(templated.stdout) if e["ev"] == "gen_token" for p in splitter.feed(e["token"])] + splitter.flush()
+    thought = "".join(t for reasoning, t in pieces if reasoning).lstrip("\n")
+    answer = "".join(t for reasoning, t in pieces if not reasoning)
+    assert thought and answer
+    plain = cli("run", "Hello", *base)
+    assert plain.returncode == 0 and plain.stdout.decode() == answer + "\n", plain.stdout
+    shown = cli("run", "Hello", *base, "--think")
+    assert shown.stdout.decode() == f"Thinking...\n{thought}\n...done thinking.\n\n{answer}\n"
+
+    both = cli("run", "Hello", "--prompt", "Hello", "--model-dir", str(tiny_model))
+    assert both.returncode == 2 and b"not both" in both.stderr
+    empty = cli("run", "--model-dir", str(tiny_model), input=b"\n")
+    assert empty.returncode == 2 and b"stdin was empty" in empty.stderr
+
+
+def test_problems_at_start_are_refused_before_any_model_loads(tiny_model, tmp_path):
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        f'[[models]]\nname = "b"\npath = "{tmp_path / "gone-b"}"\n\n[[models]]\nname = "a"\npath = "{tmp_path / "gone-a"}"\n\n'
+        f'[[models]]\nname = "later"\npath = "{tmp_path / "mounted-later"}"\noptional = true\n\n[[models]]\nname = "ok"\npath = "{tiny_model}"\n'
+    )
+    out = cli("serve", "--config", str(config), "--no-control-socket", input=b"")
+    lines = out.stderr.decode().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    # Every problem at once, each said once, in order; `optional` is not one.
+    assert lines[0].startswith("lattice-pool: error: model 'a': path ") and lines[1].startswith("lattice-pool: error: model 'b': path ")
+    assert all("no such directory" in line and "optional = true" in line for line in lines)
+    config.write_text(f'[[models]]\nname = "later"\npath = "{tmp_path / "mounted-later"}"\noptional = true\n')
+    assert cli("serve", "--config", str(config), "--no-control-socket", input=b"").returncode == 0
+
+    # A --lora that is not there, a schema that does not compile: said
+    # before the model loads (no progress line).
+    nope = cli("run", "Hi", "--model-dir", str(tiny_model), "--lora", "/nope")
+    assert nope.returncode == 2 and nope.stderr == b"lattice-pool: error: --lora /nope: no such file or directory\n", nope.stderr
+    schema = tmp_path / "bad.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "strin"}}}))
+    bad = cli("run", "Hi", "--model-dir", str(tiny_model), "--json-schema", str(schema))
+    assert bad.returncode == 2 and b"not a schema the pool can compile: Invalid type: strin" in bad.stderr, bad.stderr
+    assert b"loading" not in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_config_typos_are_all_reported_with_the_nearest_key(tmp_path):
+    config = tmp_path / "pool.toml"
+    config.write_text('max_loded = 2\nkeep_alvie = "5m"\n[defaults]\ntemprature = 0.2\n[[models]]\nname = "a"\npath = "/m"\npreloud = true\n')
+    out = cli("serve", "--config", str(config), "--no-control-socket", input=b"")
+    assert out.returncode == 2
+    assert out.stderr.decode().splitlines() == [
+        f"lattice-pool: error: {config}: {line}"
+        for line in (
+            "unknown key `keep_alvie` (did you mean `keep_alive`?)",
+            "unknown key `max_loded` (did you mean `max_loaded`?)",
+            "unknown key `preloud` in [models[0]] (did you mean `preload`?)",
+            "unknown key `temprature` in [defaults] (did you mean `temperature`?)",
+        )
+    ]

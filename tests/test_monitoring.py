@@ -297,6 +297,29 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
     assert not path.exists()
 
 
+def test_ps_shows_a_name_whose_adapter_failed_until_it_is_unloaded(tiny_model, tmp_path, spawn_pool):
+    path = tmp_path / "ctl.sock"
+    missing = tmp_path / "style.safetensors"  # a configured adapter may appear later: the base runs meanwhile
+    pool = spawn_pool("--config", write_config(tmp_path, {"base": (tiny_model, None), "styled": (tiny_model, missing)}, f'control_socket = "{path}"'))
+    pool.wait_ev("ready", model="base")
+    failed = pool.wait_ev("adapter_error", model="styled")
+    listed = {r["model"]: r for r in json.loads(cli("ps", "--json", "--control-socket", str(path)).stdout)["models"]}
+    assert listed["base"]["state"] == "ready" and listed["base"]["error"] is None
+    assert listed["styled"]["state"] == "adapter_error" and listed["styled"]["error"] == failed["msg"] and str(missing) in failed["msg"]
+    table = cli("ps", "--control-socket", str(path)).stdout.decode()
+    rows, reasons = table.split("\n")[:3], table.split("\n")[3:]
+    shown = ps_table("\n".join(rows).encode())
+    assert shown["styled"]["STATE"] == "adapter_error" and shown["styled"]["MEMORY"] == "-"
+    assert reasons[0] == f"styled ({missing}): {failed['msg']}"
+
+    with ControlClient(path) as client:
+        client.send({"op": "unload", "model": "styled"})
+        client.wait_ev("unloaded", model="styled")
+    after = json.loads(cli("ps", "--json", "--control-socket", str(path)).stdout)
+    assert [r["model"] for r in after["models"]] == ["base"]
+    assert pool.close() == 0
+
+
 def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_pool):
     path = tmp_path / "ctl.sock"
     extra = f'control_socket = "{path}"\nshutdown_grace = 600'

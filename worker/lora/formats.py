@@ -298,7 +298,7 @@ def _key_style(tensors: Mapping[str, np.ndarray]) -> str:
     if peft and mlx:
         raise AdapterError(f"mixes PEFT keys ({_names(peft)}) with MLX keys ({_names(mlx)})")
     if not peft and not mlx:
-        raise AdapterError(f"no LoRA tensors (.lora_A.weight/.lora_B.weight or .lora_a/.lora_b); unmapped keys: {_names(tensors)}")
+        raise AdapterError(f"no LoRA tensors (.lora_A.weight/.lora_B.weight or .lora_a/.lora_b); unmapped keys: {_names(sorted(tensors))}")
     return "peft" if peft else "mlx"
 
 
@@ -318,7 +318,7 @@ def _pairs(tensors: Mapping[str, np.ndarray], style: str, targets: Targets) -> d
         else:
             pair.b = key
     if unmapped:
-        raise AdapterError(f"unmapped keys (no linear layer of that name in the model's decoder layers): {_names(unmapped)}")
+        raise AdapterError(f"unmapped keys (no linear layer of that name in the model's decoder layers): {_names(sorted(unmapped))}")
     no_b = [p.a for p in pairs.values() if p.b is None]
     no_a = [p.b for p in pairs.values() if p.a is None]
     if no_b or no_a:
