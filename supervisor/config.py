@@ -130,6 +130,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_http_body_bytes: Size = "8MiB"
     http_stream_buffer: Size = "256KiB"
     http_idle_timeout: Duration = "30s"
+    # Which `model` values HTTP clients may name: "any" model the pool can
+    # resolve except paths (configured names, model-cache dirs, Hugging Face
+    # cache ids), or "configured" names only, for a machine shared with
+    # people who should not load whatever is on its disk.
+    http_models: Literal["any", "configured"] = "any"
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 
