@@ -90,3 +90,40 @@ def test_http_models_configured_restricts_to_configured_names(tiny_model, tmp_pa
     status, body = post(pool, "/chat/completions", json.dumps({"model": "tiny2", "messages": HI}).encode())
     assert status == 404 and "not configured" in body["error"]["message"]
     assert pool.close() == 0
+
+
+# -- thinking never hides the answer -----------------------------------------------
+
+
+def test_a_reply_that_never_closes_think_is_content(agents):
+    """The demo's template opens <think>; cut off before </think>, the
+    reply is the answer (README's snippet prints text), not reasoning."""
+    with client(agents) as c:
+        for seed in range(4):
+            reply = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, seed=seed)
+            message = reply.choices[0].message
+            assert message.content and getattr(message, "reasoning_content", None) is None, message
+        # Closed by the budget: the split as before.
+        split = c.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0, extra_body={"reasoning_budget": 3})
+        assert split.choices[0].message.reasoning_content is not None
+
+
+def test_response_format_json_lands_in_content(agents):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    with client(agents) as c:
+        for seed in range(3):
+            reply = c.chat.completions.create(
+                model="tiny", messages=HI, max_tokens=80, seed=seed, temperature=1.0,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            )
+            assert set(json.loads(reply.choices[0].message.content)) == {"n", "ok"}
+        # Thinking first when asked for.
+        thought = c.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=60, temperature=0, extra_body={"reasoning_budget": 4}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+        assert thought.choices[0].message.reasoning_content and json.loads(thought.choices[0].message.content)
+        # reasoning_effort is a reasoning_budget: "minimal" thinks not at all.
+        minimal = c.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0, reasoning_effort="minimal")
+        assert minimal.choices[0].message.reasoning_content == "" and minimal.choices[0].message.content
+    status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "reasoning_effort": "lots"}).encode())
+    assert status == 400 and body["error"]["param"] == "reasoning_effort"
