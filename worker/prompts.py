@@ -35,7 +35,7 @@ class PromptReader:
             text = req.prompt
         elif req.messages is not None:
             try:
-                text = self.codec.render(req.messages)
+                text = self.codec.render(req.messages, req.tools)
             except Exception as exc:  # a user's template may raise anything
                 raise RequestError(BAD_REQUEST, f"chat template failed: {exc}") from exc
         else:

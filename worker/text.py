@@ -33,6 +33,17 @@ def _plain_chatml(messages: list[Message]) -> str:
     return text + "<|im_start|>assistant\n"
 
 
+def _message_dict(m: Message) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls is not None:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
 class TextCodec:
     """Everything the engine needs to turn text into ids and back."""
 
@@ -115,13 +126,16 @@ class TextCodec:
         # Added tokens (<|im_start|>, <think>, ...) are matched in the raw text.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render(self, messages: list[Message]) -> str:
+    def render(self, messages: list[Message], tools: list[dict] | None = None) -> str:
         if self._template is None:
             return _plain_chatml(messages)
+        # Templates test `tools is defined` / `if tools`: only pass them when given.
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[_message_dict(m) for m in messages],
             add_generation_prompt=True,
             **self._special,
+            **extra,
         )
 
     def decode(self, ids: list[int]) -> str:
