@@ -47,9 +47,14 @@ def utf8_len(text: str, limit: int) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-class Message(msgspec.Struct, frozen=True):
+class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    # OpenAI's tool-calling fields (an assistant's calls, a tool result's
+    # call id and function name), handed to the chat template as they are.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -59,6 +64,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     rid: int
     prompt: str | None = None
     messages: list[Message] | None = None
+    # Function tools in OpenAI's shape ({"type":"function","function":{...}}),
+    # rendered by the chat template (its `tools` variable) with `messages`.
+    tools: list[dict[str, Any]] | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_k: int = DEFAULT_TOP_K

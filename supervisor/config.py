@@ -145,6 +145,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Web pages (their Origin, e.g. "http://localhost:3000") allowed to
     # call a pool without an API key; none by default.
     http_allowed_origins: list[str] = []
+    # Which `model` values HTTP clients may name: "any" model the pool can
+    # resolve except paths (configured names, model-cache dirs, Hugging Face
+    # cache ids), or "configured" names only, for a machine shared with
+    # people who should not load whatever is on its disk.
+    http_models: Literal["any", "configured"] = "any"
     defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
     models: list[ModelEntry] = []
 

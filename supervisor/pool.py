@@ -265,6 +265,7 @@ class Pool:
             rid=rid,
             prompt=msg.prompt,
             messages=msg.messages,
+            tools=msg.tools,
             seed=msg.seed,
             stop=stop_list(msg.stop),
             id_json=msg.id_json,

@@ -42,6 +42,9 @@ class ClientLine(msgspec.Struct, dict=True):
     lora: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    # Function tools (OpenAI's shape) for the chat template; HTTP checks
+    # their shape (supervisor.httpapi.tools), stdin hands them on as given.
+    tools: list[dict[str, Any]] | None = None
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     top_k: NonNegInt | None = None
@@ -274,9 +277,11 @@ def prompt_bytes(msg: ClientLine, limit: int) -> int:
     and content), exact up to `limit`."""
     if msg.prompt is not None:
         return utf8_len(msg.prompt, limit)
-    total = 0
+    total = len(_float_encoder.encode(msg.tools)) if msg.tools else 0
     for m in msg.messages or ():
         total += utf8_len(m.role, limit) + utf8_len(m.content, limit)
+        if m.tool_calls:
+            total += len(_float_encoder.encode(m.tool_calls))
         if total > limit:
             break
     return total

@@ -114,11 +114,12 @@ class Resolver:
             return self.config.models[0].name
         return None
 
-    def resolve(self, ref: str | None, lora: str | None = None) -> ModelSpec:
+    def resolve(self, ref: str | None, lora: str | None = None, *, paths: bool = True) -> ModelSpec:
         """A configured name, a directory under the model cache, a Hugging
-        Face id in the local HF cache, or a path."""
+        Face id in the local HF cache, or (unless `paths` is False: what an
+        HTTP client names) a path."""
         try:
-            return self._resolve(ref, lora)
+            return self._resolve(ref, lora, paths)
         except (OSError, ValueError, RuntimeError) as exc:
             # Client text becomes a path here: a NUL byte, an over-long name or
             # a symlink loop (RuntimeError from Path.resolve before Python
@@ -126,7 +127,7 @@ class Resolver:
             what = (f"model {ref!r}" if ref is not None else "the default model") + (f" with lora {lora!r}" if lora is not None else "")
             raise UnknownModel(f"{what} is not a usable path: {exc}") from exc
 
-    def _resolve(self, ref: str | None, lora: str | None) -> ModelSpec:
+    def _resolve(self, ref: str | None, lora: str | None, paths: bool) -> ModelSpec:
         if ref is None:
             ref = self.default_ref()
             if ref is None:
@@ -143,12 +144,13 @@ class Resolver:
         snapshot = self._hub_snapshot(ref)
         if snapshot is not None:
             return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
-        candidate = expand(ref)
-        if ("/" in ref or ref.startswith("~")) and candidate.is_dir():
+        candidate = expand(ref) if paths else None
+        if candidate is not None and ("/" in ref or ref.startswith("~")) and candidate.is_dir():
             return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         known = ", ".join(sorted(self.by_name)) or "none configured"
         hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
-        raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}{hub}, not a model path")
+        path = ", not a model path" if paths else ""
+        raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}{hub}{path}")
 
     def _hub_snapshot(self, ref: str) -> Path | None:
         path = self._hub.get(ref)

@@ -37,9 +37,9 @@ class PromptReader:
         elif req.messages is not None:
             try:
                 if req.allow_special_tokens:
-                    text = self.codec.render(req.messages)
+                    text = self.codec.render(req.messages, req.tools)
                 else:
-                    text, kept_as_text = self.codec.render_marked(req.messages)
+                    text, kept_as_text = self.codec.render_marked(req.messages, req.tools)
             except SpecialTextError as exc:
                 raise RequestError(BAD_REQUEST, str(exc)) from None
             except Exception as exc:  # a user's template may raise anything

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 from tokenizers import Tokenizer
 
 from ipc.files import FileRefused, read_capped
@@ -44,6 +45,17 @@ def _byte_decoder() -> dict[str, int]:
 def _plain_chatml(messages: list[Message]) -> str:
     text = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
     return text + "<|im_start|>assistant\n"
+
+
+def _message_dict(m: Message) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls is not None:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 class TextCodec:
@@ -138,20 +150,20 @@ class TextCodec:
         # Added tokens (<|im_start|>, <think>, ...) are matched in the raw text.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_marked(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+    def render_marked(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat and the spans in it of special-token text that
         came from the messages' contents (none in the usual case, at the cost
         of one regex search per message). Those spans are found from a second
         rendering with each content between markers; SpecialTextError when
         the template changes a content that holds such text, so the spans
         cannot be told from the template's own tokens."""
-        text = self.render(messages)
+        text = self.render(messages, tools)
         if self._special_text is None or not any(self._special_text.search(m.content) for m in messages):
             return text, []
         used = set().union(*(set(m.content) for m in messages if not m.content.isascii()))
         free = (chr(c) for c in _PRIVATE_USE if chr(c) not in used)
         opener, closer = next(free), next(free)
-        marked = self.render([Message(m.role, opener + m.content + closer) for m in messages])
+        marked = self.render([msgspec.structs.replace(m, content=opener + m.content + closer) for m in messages], tools)
         plain: list[str] = []
         contents: list[tuple[int, int]] = []
         at = 0  # length of the plain text so far
@@ -192,13 +204,16 @@ class TextCodec:
             at = end
         return ids + self.encode(text[at:])
 
-    def render(self, messages: list[Message]) -> str:
+    def render(self, messages: list[Message], tools: list[dict] | None = None) -> str:
         if self._template is None:
             return _plain_chatml(messages)
+        # Templates test `tools is defined` / `if tools`: only pass them when given.
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[_message_dict(m) for m in messages],
             add_generation_prompt=True,
             **self._special,
+            **extra,
         )
 
     def decode(self, ids: list[int]) -> str:

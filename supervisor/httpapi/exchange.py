@@ -192,5 +192,12 @@ class Exchange:
 
     def whole(self) -> bytes:
         """The non-streamed answer of a request that ended with done."""
-        reasoning = "".join(self._reasoning) if self.splitter is not None and self.splitter.thought else None
+        splitter = self.splitter
+        if splitter is not None and splitter.thought and splitter.inside:
+            # The block never closed (max_tokens came first, or the model
+            # never wrote </think>): as vLLM's Qwen3 reasoning parser does,
+            # a reply without </think> is all answer, so `content` is never
+            # empty for text the model did write.
+            return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage)
+        reasoning = "".join(self._reasoning) if splitter is not None and splitter.thought else None
         return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage)

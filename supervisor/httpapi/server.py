@@ -38,14 +38,14 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, UNKNOWN_MODEL
+from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi.exchange import Exchange
-from supervisor.httpapi.shapes import HttpError, Reply, bad, chat_request, completion_request, error_body
+from supervisor.httpapi.models import list_models, model_name, one_model
+from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body
 from supervisor.pool import Pool
 from supervisor.requests import ClientLine
 from supervisor.resolve import UnknownModel
-from supervisor.states import State
 
 log = logging.getLogger("lattice.http")
 
@@ -420,42 +420,14 @@ class App:
         else:
             await _send_json(send, 503, b'{"status":"shutting_down"}')
 
-    def _model_object(self, name: str) -> dict:
-        spec = self.pool.resolver.resolve(name)
-        slot = self.pool.slots.get(spec.key)
-        state = slot.state.value if slot is not None else State.UNLOADED.value
-        loaded = slot is not None and slot.state in (State.READY, State.BUSY)
-        return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state}
-
     async def _models(self, scope, receive, send) -> None:
-        data = []
-        for entry in self.pool.config.models:
-            try:
-                data.append(self._model_object(entry.name))
-            except UnknownModel:  # a path that broke; its requests say why
-                data.append({"id": entry.name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": False, "state": "failed"})
-        await _send_json(send, 200, msgspec.json.encode({"object": "list", "data": data}))
+        await _send_json(send, 200, msgspec.json.encode({"object": "list", "data": await list_models(self.pool)}))
 
     async def _model(self, scope, receive, send) -> None:
-        name = scope["path"].removeprefix("/v1/models/")
-        try:
-            await _send_json(send, 200, msgspec.json.encode(self._model_object(self._model_name(name))))
-        except UnknownModel as exc:
-            raise HttpError(404, str(exc), code=UNKNOWN_MODEL, param="model") from exc
+        await _send_json(send, 200, msgspec.json.encode(one_model(self.pool, scope["path"].removeprefix("/v1/models/"))))
 
     def _model_name(self, value: object) -> str:
-        """The configured name a body's `model` means; HTTP clients may name
-        configured models only (not paths on this machine)."""
-        if value is None:
-            name = self.pool.resolver.default_ref()
-            if name is None:
-                raise bad(f'no "model" given and no default: {len(self.pool.config.models)} models are configured', "model")
-            return name
-        if not isinstance(value, str):
-            raise bad("model must be a string", "model")
-        if value not in self.pool.resolver.by_name:
-            raise HttpError(404, f"model {value!r} is not configured; GET /v1/models lists the models", code=UNKNOWN_MODEL, param="model")
-        return value
+        return model_name(self.pool, value)
 
     def _opens_think(self, msg: ClientLine) -> bool:
         """Whether the reply starts inside <think>: the worker's ready line says."""

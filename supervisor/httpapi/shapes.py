@@ -100,6 +100,7 @@ class HttpFields(msgspec.Struct):
     tools: list | None = None
     # The older name of tools (with function_call for tool_choice).
     functions: list | None = None
+    reasoning_effort: str | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -152,10 +153,27 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
     return data, fields
 
 
-def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str) -> dict:
-    line = {name: data[name] for name in POOL_FIELDS if name in data}
+# OpenAI's reasoning_effort as the pool's reasoning_budget (tokens of
+# thinking before </think> is forced); "high" and above leave it uncapped.
+REASONING_EFFORT = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": None, "xhigh": None}
+
+
+def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str, constrained: bool = False) -> dict:
+    line = {name: data[name] for name in POOL_FIELDS if data.get(name) is not None}
     if fields.max_completion_tokens is not None:
         line["max_tokens"] = fields.max_completion_tokens
+    effort = fields.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORT:
+            raise bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}", "reasoning_effort")
+        if "reasoning_budget" not in line and REASONING_EFFORT[effort] is not None:
+            line["reasoning_budget"] = REASONING_EFFORT[effort]
+    elif constrained and "reasoning_budget" not in line:
+        # A reply held to a grammar (response_format, a forced tool call)
+        # must reach its answer: the grammar starts after </think>, and a
+        # thinking model can spend all of max_tokens before it. Unless the
+        # client asks for thinking, the block is closed at once.
+        line["reasoning_budget"] = 0
     line["model"] = model
     line["id"] = request_id
     return line
@@ -195,7 +213,7 @@ def chat_request(body: bytes, request_id: str, model_name: Callable[[object], st
     if data.get("messages") is None:
         raise bad('missing "messages" field', "messages")
     messages = _convert(data["messages"], list[ChatMessage], "messages")
-    line = _pool_line(data, fields, request_id, model)
+    line = _pool_line(data, fields, request_id, model, constrained=data.get("response_format") is not None)
     line["messages"] = [_flatten(m) for m in messages]
     return _client_line(line), _options(fields, model)
 
