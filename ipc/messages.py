@@ -78,6 +78,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # one worker per (model, adapter) pair sends nothing and gets what it
     # always got.
     lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # False: this request decodes without drafts even when the worker has a
+    # drafter (speculative decoding); its final line then has no draft counts.
+    speculative: bool = True
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

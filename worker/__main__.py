@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.GIL_SWITCH_MS,
         help="ms the engine thread may keep the GIL from a side thread waiting for it (sys.setswitchinterval; default %(default)s, Python's own 5)",
     )
+    p.add_argument(
+        "--draft",
+        help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks > 1:
         if args.lora:
             return fatal("a model split over several processes (ranks > 1) takes no LoRA adapters")
+        if args.draft:
+            return fatal("speculative decoding (draft) does not run on a model split over several processes (ranks > 1)")
         from worker.group_server import GroupRole
 
         try:
@@ -224,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         idle_release_s=args.idle_release,
         compile_decode=not args.eager_decode,
         mask_threads=args.mask_threads,
+        draft=args.draft,
+        draft_tokens=args.draft_tokens,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss
