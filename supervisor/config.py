@@ -41,6 +41,14 @@ class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
     reasoning_budget: Annotated[int, Meta(ge=0)] | None = None
 
 
+class DraftModel(msgspec.Struct, forbid_unknown_fields=True):
+    """`draft = { model = PATH, tokens = K }`: a small model with the same
+    tokenizer drafts up to K tokens a step."""
+
+    model: str
+    tokens: Annotated[int, Meta(ge=1, le=32)] = 4
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
@@ -59,8 +67,15 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # False keeps the embedding and LM head whole on every rank: more memory
     # per rank, no logits between ranks at each token (docs/scaling.md).
     split_vocab: bool = True
+    # Speculative decoding (docs/engine.md): "ngram" (prompt lookup), or a
+    # draft model with the same tokenizer.
+    draft: Literal["ngram", "mtp"] | DraftModel | None = None
 
     def __post_init__(self) -> None:
+        if self.draft == "mtp":
+            raise ValueError(f'model {self.name!r}: draft = "mtp" is not available in this version; use "ngram" or {{ model = PATH }}')
+        if self.draft is not None and self.ranks > 1:
+            raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         if self.ranks == 1:
             given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
             given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])

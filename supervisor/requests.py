@@ -53,6 +53,8 @@ class ClientLine(msgspec.Struct, dict=True):
     # Kept as the client's JSON text and forwarded as such; its shape is
     # checked in parse_line, the grammar itself compiled by the worker.
     response_format: msgspec.Raw = msgspec.Raw()
+    # false: no speculative decoding for this request.
+    speculative: bool | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:

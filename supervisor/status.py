@@ -62,6 +62,10 @@ class StatusRow(msgspec.Struct):
     # and memory; the memory fields above are their sums. None for a
     # single process.
     ranks: list[RankFigures] | None = None
+    # Speculative decoding (a model with a drafter): tokens drafted for the
+    # name's requests since its worker started serving it, and those kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -126,6 +130,8 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         processor=s.processor,
         expires_in_s=expires_in(slot),
         ranks=s.ranks,
+        drafted_tokens=name.drafted_tokens,
+        accepted_tokens=name.accepted_tokens,
     )
 
 

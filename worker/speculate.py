@@ -93,8 +93,9 @@ class RowSpec:
 
 
 class Speculator:
-    def __init__(self, drafter, tokens: int = DEFAULT_TOKENS):
+    def __init__(self, drafter, tokens: int = DEFAULT_TOKENS, weights_bytes: int = 0):
         self.drafter = drafter
+        self.weights_bytes = weights_bytes  # a draft model's
         self.k_max = max(1, min(MAX_TOKENS, tokens))
         self._rows: dict[object, RowSpec] = {}
         self.steps = 0
@@ -120,10 +121,12 @@ class Speculator:
                 self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
 
     def forget(self, rows) -> None:
-        for row in rows:
-            self._rows.pop(row, None)
+        gone = [spec.state for spec in (self._rows.pop(row, None) for row in rows) if spec is not None]
+        if gone:
+            self.drafter.forget(gone)
 
     def clear(self) -> None:
+        self.drafter.forget([spec.state for spec in self._rows.values()])
         self._rows.clear()
         self._last = None
 
@@ -162,7 +165,7 @@ class Speculator:
             return None
         gen._apply_forced()
         pending = gen._next.tolist()
-        drafts = [self._draft(gen, row, p) for row, p in zip(rows, pending)]
+        drafts = self._drafts(gen, rows, pending)
         if not any(drafts):
             self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
             return None
@@ -177,12 +180,20 @@ class Speculator:
         runs plain, and is)."""
         return batch in self._plain
 
-    def _draft(self, gen, row, pending: int) -> list[int]:
-        if not self._may_draft(row):
-            return []
-        spec = self._rows[row]
-        k = min(spec.k, row.draft_limit)
-        draft = self.drafter.propose(spec.state, None if row.fresh else pending, k)
+    def _drafts(self, gen, rows: list, pending: list[int]) -> list[list[int]]:
+        which = [i for i, row in enumerate(rows) if self._may_draft(row)]
+        specs = [self._rows[rows[i]] for i in which]
+        proposed = self.drafter.propose(
+            [spec.state for spec in specs],
+            [None if rows[i].fresh else pending[i] for i in which],
+            [min(spec.k, rows[i].draft_limit) for i, spec in zip(which, specs)],
+        )
+        drafts: list[list[int]] = [[] for _ in rows]
+        for i, draft in zip(which, proposed):
+            drafts[i] = self._checked(gen, rows[i], pending[i], draft)
+        return drafts
+
+    def _checked(self, gen, row, pending: int, draft: list[int]) -> list[int]:
         eos = gen.eos_ids
         for i, token in enumerate(draft):
             # An end-of-sequence token ends the row: the target's own draw
@@ -358,6 +369,10 @@ def _masks(masks, constraints: list[RowConstraint | None], drafts: list[list[int
     return out
 
 
+class DraftError(ValueError):
+    """A draft model that cannot serve: the worker cannot start as configured."""
+
+
 def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
     """The worker's speculator for `--draft` (None: no drafter)."""
     if draft is None:
@@ -373,4 +388,16 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
 
         log.info("speculative decoding: prompt lookup, up to %d tokens a step", tokens)
         return Speculator(NgramDrafter(), tokens)
-    raise ValueError(f"unknown drafter {draft!r}")
+    from pathlib import Path
+
+    from worker.drafters import ModelDrafter
+    from worker.loader import load
+
+    try:
+        loaded = load(Path(draft).expanduser().resolve())
+    except Exception as exc:
+        raise DraftError(f"draft model {draft}: {exc}") from exc
+    if not supported(make_prompt_cache(loaded.model)):
+        raise DraftError(f"draft model {draft}: its caches cannot be rolled back after a draft")
+    log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
+    return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)
