@@ -88,6 +88,8 @@ def encode_done(
     total_ms: int,
     finish_reason: str | None = None,
     cached_tokens: int | None = None,
+    drafted_tokens: int | None = None,
+    accepted_tokens: int | None = None,
     id_json: str | None = None,
 ) -> bytes:
     """The final gen_token line: chat_metal's fields, then the additive ones."""
@@ -100,6 +102,10 @@ def encode_done(
         body += ',"finish_reason":' + json_str(finish_reason)
     if cached_tokens is not None:
         body += ',"cached_tokens":%d' % cached_tokens
+    # Only for a request that ran with a drafter (speculative decoding), so
+    # a plain request's line is chat_metal's, byte for byte.
+    if drafted_tokens is not None:
+        body += ',"drafted_tokens":%d,"accepted_tokens":%d' % (drafted_tokens, accepted_tokens or 0)
     if id_json is not None:
         body += ',"id":' + id_json
     return PREFIX + _utf8(body) + b"}\n"

@@ -89,6 +89,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # Special-token text (`<|im_start|>`) in `messages` contents is read as
     # the token only when this is set; otherwise as the characters it is.
     allow_special_tokens: bool = False
+    # False: this request decodes without drafts even when the worker has a
+    # drafter (speculative decoding); its final line then has no draft counts.
+    speculative: bool = True
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

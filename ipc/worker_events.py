@@ -40,6 +40,9 @@ class Done(msgspec.Struct, tag_field="ev", tag="gen_token"):
     ttft_ms: float = 0.0
     tok_s: float = 0.0
     finish_reason: str | None = None
+    # Present when the request ran with a drafter (speculative decoding).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Error(msgspec.Struct, tag_field="ev", tag="error"):

@@ -74,6 +74,8 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
     (SPEC §10), so the one worker serves every name on its base model."""
     args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval), "--max-batch", str(spec.max_batch)]
     args += ["--max-adapters", str(spec.max_adapters)]
+    if spec.draft is not None:
+        args += ["--draft", spec.draft, "--draft-tokens", str(spec.draft_tokens)]
     if spec.tokenizer_dir is not None:
         args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
     if config.prefix_cache_bytes is not None:

@@ -43,6 +43,14 @@ class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
     allow_special_tokens: bool | None = None
 
 
+class DraftModel(msgspec.Struct, forbid_unknown_fields=True):
+    """`draft = { model = PATH, tokens = K }`: a small model with the same
+    tokenizer drafts up to K tokens a step."""
+
+    model: str
+    tokens: Annotated[int, Meta(ge=1, le=32)] = 4
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
@@ -64,8 +72,15 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # True: `path` may appear after the pool starts (a volume mounted later,
     # a download in progress); otherwise a missing path refuses the start.
     optional: bool = False
+    # Speculative decoding (docs/engine.md): "ngram" (prompt lookup), or a
+    # draft model with the same tokenizer.
+    draft: Literal["ngram", "mtp"] | DraftModel | None = None
 
     def __post_init__(self) -> None:
+        if self.draft == "mtp":
+            raise ValueError(f'model {self.name!r}: draft = "mtp" is not available in this version; use "ngram" or {{ model = PATH }}')
+        if self.draft is not None and self.ranks > 1:
+            raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         if self.ranks == 1:
             given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
             given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])

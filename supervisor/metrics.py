@@ -130,6 +130,8 @@ class PoolMetrics:
         r = self.registry
         self.requests = Counter("lattice_requests", "Generation requests a worker completed (any finish_reason)", (*LABELS, "surface"), registry=r)
         self.tokens = Counter("lattice_generated_tokens", "Tokens generated", (*LABELS, "surface"), registry=r)
+        self.drafted = Counter("lattice_drafted_tokens", "Tokens drafted by speculative decoding (prompt lookup or a draft model)", LABELS, registry=r)
+        self.accepted = Counter("lattice_accepted_tokens", "Drafted tokens the model kept (each saves one decode step)", LABELS, registry=r)
         self.errors = Counter(
             "lattice_errors", "Error events that end a request or refuse a line, by code; model is empty when no model was resolved", (*LABELS, "code", "surface"), registry=r
         )
@@ -162,6 +164,9 @@ class PoolMetrics:
             self.tokens.labels(*key, surface).inc(done.gen_tokens)
             self.ttft.labels(*key).observe(done.ttft_ms / 1000.0)
             self.tok_s.labels(*key).observe(done.tok_s)
+        if done.drafted_tokens:
+            self.drafted.labels(*key).inc(done.drafted_tokens)
+            self.accepted.labels(*key).inc(done.accepted_tokens)
 
     def error(self, spec: ModelSpec | None, code: str, surface: str) -> None:
         self.errors.labels(*_labels(spec), code, surface).inc()

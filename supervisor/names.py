@@ -22,6 +22,9 @@ class Name:
     spec: ModelSpec
     served: int = 0  # requests ended by the worker (done or error line)
     tokens: int = 0
+    # Speculative decoding: tokens drafted for its requests and kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     # Its `ready` line went out for the running worker process: for a name
     # with an adapter, once the worker answered that adapter with
     # adapter_loaded.

@@ -271,6 +271,7 @@ class Pool:
             id_json=msg.id_json,
             response_format=response_format_text(msg),
             lora=lora,
+            speculative=msg.speculative is not False,
             **fields,
         )
 

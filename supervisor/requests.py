@@ -59,6 +59,8 @@ class ClientLine(msgspec.Struct, dict=True):
     # Special-token text in `messages` contents read as the tokens (default:
     # as text, so a message cannot open a turn of another role).
     allow_special_tokens: bool | None = None
+    # false: no speculative decoding for this request.
+    speculative: bool | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:

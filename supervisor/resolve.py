@@ -50,15 +50,29 @@ class ModelSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     max_adapters: int = DEFAULT_MAX_ADAPTERS
     group: GroupSpec | None = None
+    # Speculative decoding: "ngram" or a draft model's directory, and the
+    # most tokens drafted per step.
+    draft: str | None = None
+    draft_tokens: int = 4
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group)
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.draft, self.draft_tokens)
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
         return (self.name, self.lora)
+
+
+def draft_of(entry: ModelEntry) -> dict:
+    """The ModelSpec fields of an entry's `draft`."""
+    draft = entry.draft
+    if draft is None:
+        return {}
+    if isinstance(draft, str):
+        return {"draft": draft}
+    return {"draft": str(expand(draft.model)), "draft_tokens": draft.tokens}
 
 
 def expand(path: str) -> Path:
@@ -105,6 +119,7 @@ class Resolver:
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
             max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
             group=GroupSpec.of(entry),
+            **draft_of(entry),
         )
 
     def default_ref(self) -> str | None:

@@ -428,7 +428,10 @@ class WorkerSlot:
         name = self.names.get(job.spec.name_key)
         if name is not None:  # else unloaded while the request ended
             name.served += 1
-            name.tokens += done.gen_tokens if done is not None else 0
+            if done is not None:
+                name.tokens += done.gen_tokens
+                name.drafted_tokens += done.drafted_tokens
+                name.accepted_tokens += done.accepted_tokens
         if done is not None:
             self.events.request_done(self, job, done)
         self._end(job, line)

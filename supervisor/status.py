@@ -65,6 +65,10 @@ class StatusRow(msgspec.Struct):
     # State `adapter_error`: the base model runs but this name's adapter
     # could not be loaded; why, in the worker's words.
     error: str | None = None
+    # Speculative decoding (a model with a drafter): tokens drafted for the
+    # name's requests since its worker started serving it, and those kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -131,6 +135,8 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         expires_in_s=expires_in(slot),
         ranks=s.ranks,
         error=name.adapter_error if failed else None,
+        drafted_tokens=name.drafted_tokens,
+        accepted_tokens=name.accepted_tokens,
     )
 
 

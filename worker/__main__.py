@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.GIL_SWITCH_MS,
         help="ms the engine thread may keep the GIL from a side thread waiting for it (sys.setswitchinterval; default %(default)s, Python's own 5)",
     )
+    p.add_argument(
+        "--draft",
+        help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -127,6 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
     args = p.parse_args(argv)
+    if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().is_dir():
+        p.error(f"--draft must be 'ngram' or a draft model's directory, not {args.draft!r}")
+    if not 1 <= args.draft_tokens <= 32:
+        p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
     return args
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.lora.manager import AdapterManager
     from worker.memory import device_memory, processor, release_free_memory
     from worker.scheduler import Scheduler
+    from worker.speculate import DraftError
     from worker.server import WorkerServer
     from worker.text import TextCodec, TokenizerError
 
@@ -182,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks > 1:
         if args.lora:
             return fatal("a model split over several processes (ranks > 1) takes no LoRA adapters")
+        if args.draft:
+            return fatal("speculative decoding (draft) does not run on a model split over several processes (ranks > 1)")
         from worker.group_server import GroupRole
 
         try:
@@ -211,20 +223,25 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
-    scheduler = (Scheduler if group is None else group.scheduler)(
-        loaded,
-        codec,
-        channel.write,
-        max_batch=args.max_batch,
-        batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
-        prefill_step=args.prefill_step,  # None: the device's default
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        max_prompt_bytes=args.max_prompt_bytes,
-        adapters=adapters,
-        idle_release_s=args.idle_release,
-        compile_decode=not args.eager_decode,
-        mask_threads=args.mask_threads,
-    )
+    try:
+        scheduler = (Scheduler if group is None else group.scheduler)(
+            loaded,
+            codec,
+            channel.write,
+            max_batch=args.max_batch,
+            batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
+            prefill_step=args.prefill_step,  # None: the device's default
+            prefix_cache_bytes=args.prefix_cache_bytes,
+            max_prompt_bytes=args.max_prompt_bytes,
+            adapters=adapters,
+            idle_release_s=args.idle_release,
+            compile_decode=not args.eager_decode,
+            mask_threads=args.mask_threads,
+            draft=args.draft,
+            draft_tokens=args.draft_tokens,
+        )
+    except DraftError as exc:
+        return fatal(f"bad draft model: {exc}")
     if args.lora:
         # The adapter this worker served before a restart survives the loss
         # of its file, as it survives a broken rewrite while running.
@@ -241,10 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format
-    server.weights_bytes = loaded.weights_bytes
+    # A draft model (speculative decoding) is part of this worker's weights.
+    server.weights_bytes = loaded.weights_bytes + (scheduler.speculator.weights_bytes if scheduler.speculator else 0)
     server.processor = processor()
     # A group's ready says when every rank is, with the whole model's bytes.
-    weights = loaded.weights_bytes if group is None else group.weights_bytes(loaded)
+    weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
         "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d mask_threads=%d gil_switch_ms=%g",

@@ -72,6 +72,7 @@ from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.gated_delta import CHUNK
 from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
 from worker.sampling import BatchSampler, RowSampling
+from worker.speculate import Speculator
 
 log = logging.getLogger("worker")
 
@@ -98,6 +99,13 @@ class Row:
     constraint: RowConstraint | None = None  # its response_format, if any
     broken: ConstraintViolation | None = None  # a committed token broke its constraint
     may_force: bool = False  # the caller may force its pending token (TokenGenerator.force)
+    # Speculative decoding (worker.speculate): whether the row drafts, the
+    # most tokens it may draft now (the caller's bound: max_tokens, a
+    # reasoning budget), and its tokens drafted and kept so far.
+    speculative: bool = False
+    draft_limit: int = 1 << 30
+    drafted: int = 0
+    accepted: int = 0
 
 
 class BatchFailed(Exception):
@@ -128,8 +136,13 @@ class TokenGenerator:
         masks: BatchMasks | None = None,
         run_ahead: bool = True,
         compiled: CompiledDecode | None = None,
+        speculator: Speculator | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.model = model
+        # Drafts and verifies several tokens per row a step (None: never).
+        self.speculator = speculator
+        self.eos_ids = eos_ids
         # The decode forward, compiled, for rows without an adapter (None:
         # always the model's own forward).
         self.compiled = compiled
@@ -223,6 +236,8 @@ class TokenGenerator:
         gone = set(rows)
         for row in gone:
             self._forced.pop(row, None)
+        if self.speculator is not None:
+            self.speculator.forget(gone)
         keep = [i for i, row in enumerate(self.decoding) if row not in gone]
         if len(keep) < len(self.decoding):
             self.decoding = [self.decoding[i] for i in keep]
@@ -263,6 +278,8 @@ class TokenGenerator:
             self._next = mx.concatenate([self._next, first])
         self.decoding = self.decoding + rows
         self.sampler.extend([row.sampling for row in rows])
+        if self.speculator is not None:
+            self.speculator.join(rows)
 
     def _lose(self, decode: bool, group: bool) -> list[Row]:
         """Drops the decode batch and/or the prefill group whole, without
@@ -273,6 +290,8 @@ class TokenGenerator:
             self.decoding, self._cache, self._next, self._ahead = [], None, None, None
             self.sampler = BatchSampler(self.sampler.vocab_size)
             self._forced.clear()
+            if self.speculator is not None:
+                self.speculator.clear()
         if group:
             lost += self.prefilling
             self.prefilling, self._group = [], None
@@ -289,15 +308,20 @@ class TokenGenerator:
         if self.decoding:
             rows = self.decoding
             try:
-                tokens = self._decode()
+                drafted = self.speculator.step(self) if self.speculator is not None else None
+                tokens = self._decode() if drafted is None else []
             except Exception as exc:
                 raise BatchFailed(self._lose(decode=True, group=False), exc) from exc
+            if drafted is not None:
+                out = drafted
             for row, token in zip(rows, tokens):
                 if row.fresh:
                     row.fresh = False
                     out.append((row, None))
                 else:
                     out.append((row, token))
+            if self.speculator is not None:
+                self.speculator.observe(out)
         if self.prefilling:
             try:
                 self._prefill_chunk()
@@ -309,14 +333,18 @@ class TokenGenerator:
                 raise BatchFailed(lost, exc, [(row, token) for row, token in out if row not in lost]) from exc
         return out
 
-    def _decode(self) -> list[int]:
-        inputs = self._next
-        logits, self._ahead = self._ahead, None
+    def _apply_forced(self) -> None:
+        """Puts forced tokens in place of the rows' pending ones."""
         if self._forced:
             where = {row: i for i, row in enumerate(self.decoding)}
             index = mx.array([where[row] for row in self._forced])
-            inputs[index] = mx.array(list(self._forced.values()), dtype=inputs.dtype)
+            self._next[index] = mx.array(list(self._forced.values()), dtype=self._next.dtype)
             self._forced.clear()
+
+    def _decode(self) -> list[int]:
+        self._apply_forced()
+        inputs = self._next
+        logits, self._ahead = self._ahead, None
         constrained = any(row.constraint for row in self.decoding)
         ahead = logits is not None  # built last step (and on a CPU, handed to mlx)
         # Step by step, a constrained step's masks fill on their side thread
@@ -344,7 +372,9 @@ class TokenGenerator:
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
         mx.async_eval(self._next)
-        if self.run_ahead and not self.prefilling and not any(row.may_force for row in self.decoding):
+        # A batch that may speculate reads its pending tokens before each step.
+        speculating = self.speculator is not None and self.speculator.wants(self.decoding)
+        if self.run_ahead and not self.prefilling and not speculating and not any(row.may_force for row in self.decoding):
             self._ahead = self._forward(self._next)
             if self.hand_over_at_once:
                 # Apart from the draw, so that reading the draw next step

@@ -49,6 +49,7 @@ from worker.lora.residency import Version
 from worker.prefix_cache import PrefixCache
 from worker.prompts import PromptReader, RequestError, model_limit
 from worker.sampling import RowSampling, SamplingParams
+from worker.speculate import DEFAULT_TOKENS, speculator_for
 from worker.streamer import Emit, RowStream
 from worker.text import TextCodec
 
@@ -81,6 +82,8 @@ class Scheduler:
         run_ahead: bool = True,
         compile_decode: bool = True,
         mask_threads: int | None = None,
+        draft: str | None = None,
+        draft_tokens: int = DEFAULT_TOKENS,
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
@@ -110,6 +113,9 @@ class Scheduler:
         self.prefill_step = prefill_step
         self.adapters = adapters or AdapterManager(loaded.model, loaded.path.name)
         self.adapters.emit = self.emit
+        # One speculator for every generator made here: its measurements of
+        # plain and speculative steps outlive a generator lost to a fault.
+        self.speculator = speculator_for(draft, draft_tokens, loaded.model)
         self.generator = self._generator(self.prefix_cache)
         self.max_batch = max(1, max_batch)
         if self.max_batch > 1 and not self.generator.can_batch:
@@ -137,9 +143,15 @@ class Scheduler:
         self.idle_release_s = idle_release_s
         self.figures = self._figures()
 
-    def _generator(self, prefix_cache: PrefixCache) -> TokenGenerator:
+    def _generator(self, prefix_cache: PrefixCache, speculate: bool = True) -> TokenGenerator:
         marker = self.codec.tokenizer.token_to_id("<|im_start|>")
-        generator = TokenGenerator(self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled)
+        speculator = self.speculator if speculate else None
+        if speculator is not None:
+            speculator.clear()
+        generator = TokenGenerator(
+            self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled,
+            speculator, frozenset(self.codec.eos_ids),
+        )
         generator.on_read = self._read
         return generator
 
@@ -320,6 +332,8 @@ class Scheduler:
             stream = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
             # A reasoning budget may force </think> (_stream).
             row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint, may_force=stream.think.budget is not None)
+            row.speculative = self.speculator is not None and w.req.speculative
+            row.draft_limit = stream.draft_limit()
             if version is not None:
                 row.adapter, row.slot = version.key, version.slot
                 self.adapters.acquire(version)
@@ -372,21 +386,33 @@ class Scheduler:
     def _stream(self, out: list[tuple[Row, int | None]]) -> None:
         ended: list[tuple[Row, str]] = []
         failed: list[tuple[Row, Exception]] = []
-        for row, token in out:
+        # A speculative step gives a row several tokens in a row; what the
+        # row's grammar and reasoning budget say is read after its last one,
+        # and a row that ends (a stop string inside the block) drops the rest.
+        last = {row: i for i, (row, _) in enumerate(out)}
+        over: set[Row] = set()
+        for i, (row, token) in enumerate(out):
+            if row in over:
+                continue
             stream = self.streams[row]
             try:
                 reason = self._fed.pop(row) if row in self._fed else self._feed(row, token)
                 if isinstance(reason, Exception):
                     raise reason
+                if last[row] != i and reason is None:
+                    continue
                 if token is not None and row.constraint is not None and row.constraint.done:
                     reason = "stop"  # the grammar is complete, max_tokens or not
                 if reason is not None:
                     ended.append((row, reason))
+                    over.add(row)
                 elif stream.must_close_think():
                     self.generator.force(row, stream.think_end)
+                row.draft_limit = stream.draft_limit()
             except Exception as exc:  # one row's failure ends that row only
                 log.exception("request %s failed while streaming", stream.id_json or row.rid)
                 failed.append((row, exc))
+                over.add(row)
         if ended or failed:
             self.generator.remove([row for row, _ in ended] + [row for row, _ in failed])
         for row, reason in ended:
@@ -407,7 +433,7 @@ class Scheduler:
         if self._ended_ids is not None:
             self._ended_ids[row.rid] = stream.generated
         try:
-            stream.finish(reason, row.cached)
+            stream.finish(reason, row.cached, (row.drafted, row.accepted) if row.speculative else None)
         except Exception as exc:
             log.exception("request %s failed at its end", stream.id_json or row.rid)
             self.emit(encode_error(f"generation failed in the worker: {exc}", WORKER_CRASHED, stream.id_json))
@@ -424,6 +450,7 @@ class Scheduler:
             "rows_cache_bytes": self.generator.cache_bytes,
             "max_batch": self.max_batch,
             **self.adapters.figures(),
+            **(self.speculator.figures() if self.speculator is not None else {}),
         }
 
     # -- warm-up ------------------------------------------------------------
@@ -435,7 +462,7 @@ class Scheduler:
         (padded prefill, mixed samplers) that shrinks one row per step, so
         every batch size up to max_batch has run once; then the token mask
         of structured output at each batch size."""
-        generator = self._generator(PrefixCache(self.loaded.model, 0))
+        generator = self._generator(PrefixCache(self.loaded.model, 0), speculate=False)
         default = SamplingParams.of(Generate(rid=0))
         greedy = replace(default, temperature=0.0)
         # With the default adapter, as requests without a `lora` will run.

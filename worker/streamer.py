@@ -81,6 +81,17 @@ class RowStream:
         """True when the next token must be </think> (the budget is spent)."""
         return self.think.must_close()
 
+    def draft_limit(self) -> int:
+        """The most tokens the row may draft past its pending one: a drafted
+        block ends at max_tokens, and a reasoning budget is spent at its
+        last token at the latest, so that a forced </think> comes where it
+        would without drafts (worker.speculate)."""
+        limit = self.max_tokens - len(self.generated) - 1
+        think = self.think
+        if think.budget is not None:
+            limit = min(limit, think.budget - think.count - 1 if think.inside else think.budget)
+        return max(0, limit)
+
     def feed(self, token: int) -> str | None:
         """Streams one generated token; returns the finish reason when the
         request ends with it (then call finish), else None."""
@@ -103,7 +114,9 @@ class RowStream:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1000.0
         self._emit(encode_token(text, self.id_json))
 
-    def finish(self, reason: str, cached_tokens: int = 0) -> None:
+    def finish(self, reason: str, cached_tokens: int = 0, drafts: tuple[int, int] | None = None) -> None:
+        """`drafts`: (drafted, accepted) tokens when the request ran with a
+        drafter, for the final line."""
         if not self._stopped_by_string:
             tail, hit = self._stops.feed(self._detok.flush())
             if hit:
@@ -123,6 +136,8 @@ class RowStream:
                 total_ms=total_ms,
                 finish_reason=reason,
                 cached_tokens=cached_tokens or None,
+                drafted_tokens=None if drafts is None else drafts[0],
+                accepted_tokens=None if drafts is None else drafts[1],
                 id_json=self.id_json,
             )
         )

@@ -1,0 +1,187 @@
+"""Speculative decoding in the batched engine (worker.speculate), in one
+process: a row decoded with drafts gives the tokens it gives without them,
+greedy or seeded, on an attention-only and a hybrid (gated-delta) model,
+beside rows that draft well, badly or not at all, with adapters, grammars,
+stop strings, reasoning budgets and cancels."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from ipc.messages import Generate
+from tests.conftest import greedy_steps
+from worker.loader import load
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
+
+# How far apart the two best logits of a plain greedy step must be for the
+# speculative run to be held to the same token: a verify forward reads
+# several tokens at once, which moves logits by float noise (~1e-6).
+TIE = 1e-3
+
+# The demo model's greedy text falls into loops that prompt lookup drafts well.
+LOOPY = "<|im_start|>user\nThe river and the mill. The river and the mill.<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = [
+    LOOPY,
+    "<|im_start|>user\nHello<|im_end|>\n",
+    "<|im_start|>user\nTell me a story about the sea and the ships.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite it again: the heron waits by the bridge, the heron waits.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model):
+    return load(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def dense(dense_model):
+    return load(dense_model)
+
+
+def scheduler(loaded, draft: str | None = "ngram", **kw):
+    from worker.scheduler import Scheduler
+    from worker.text import TextCodec
+
+    lines: list[bytes] = []
+    kw.setdefault("batch_memory", 1 << 30)
+    kw.setdefault("prefix_cache_bytes", 0)
+    s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, draft=draft, **kw)
+    return s, lines
+
+
+def events(lines: list[bytes]) -> list[dict]:
+    return [json.loads(line[len(b"@@lattice ") :]) for line in b"".join(lines).splitlines()]
+
+
+def done_lines(lines: list[bytes]) -> dict:
+    return {e["id"]: e for e in events(lines) if e.get("done")}
+
+
+def texts(lines: list[bytes]) -> dict:
+    out: dict = {}
+    for e in events(lines):
+        if e["ev"] == "gen_token":
+            out[e["id"]] = out.get(e["id"], "") + e["token"]
+    return out
+
+
+def generate(loaded, prompts, draft="ngram", per_request=None, **kw):
+    """Runs the prompts as one batch; returns (ids by rid, final lines by id, text by id, scheduler)."""
+    s, lines = scheduler(loaded, draft)
+    for i, prompt in enumerate(prompts):
+        fields = dict(max_tokens=40, temperature=0.0, repetition_penalty=1.0) | kw | ((per_request or {}).get(i, {}))
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), **fields), 0.0)
+    ids = s.drain()
+    return ids, done_lines(lines), texts(lines), s
+
+
+def assert_same_greedy(loaded, prompts, plain: dict, drafted: dict, n: int) -> None:
+    """Equal tokens, except from a step where the plain run's best two
+    logits tie within TIE (then the rest may differ)."""
+    from worker.text import TextCodec
+
+    codec = TextCodec(loaded.path, loaded.config)
+    for rid, ids in plain.items():
+        if drafted[rid] == ids:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(ids, drafted[rid])) if a != b)
+        _, margins = greedy_steps(loaded.model, codec, prompts[rid], n)
+        assert margins[first] < TIE, (rid, first, ids, drafted[rid])
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_greedy_rows_give_the_tokens_of_plain_decoding(which, request):
+    loaded = request.getfixturevalue(which)
+    plain, plain_done, _, _ = generate(loaded, PROMPTS, draft=None)
+    drafted, done, _, s = generate(loaded, PROMPTS)
+    assert_same_greedy(loaded, PROMPTS, plain, drafted, 40)
+    # Speculation ran and kept drafts, or this test proves nothing.
+    assert sum(d["accepted_tokens"] for d in done.values()) > 20
+    assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
+    assert "drafted_tokens" not in json.dumps(plain_done)
+    figures = s.figures
+    assert figures["drafted_tokens"] == sum(d["drafted_tokens"] for d in done.values())
+    assert figures["accepted_tokens"] == sum(d["accepted_tokens"] for d in done.values())
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_seeded_sampled_rows_reproduce_and_match_plain_decoding(which, request):
+    """Each position's draw uses the plain step's noise (the row's key split
+    once per token), so a seeded row gives plain decoding's tokens."""
+    loaded = request.getfixturevalue(which)
+    kw = dict(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1, max_tokens=32)
+    seeds = {i: {"seed": 11 + i} for i in range(len(PROMPTS))}
+    plain, _, _, _ = generate(loaded, PROMPTS, draft=None, per_request=seeds, **kw)
+    first, done, _, _ = generate(loaded, PROMPTS, per_request=seeds, **kw)
+    again, _, _, _ = generate(loaded, PROMPTS, per_request=seeds, **kw)
+    assert first == again == plain
+    assert sum(d["drafted_tokens"] for d in done.values()) > 0
+
+
+def test_rows_with_different_acceptance_share_a_batch(hybrid):
+    """A row that drafts well, one that drafts badly, a sampled one and one
+    that asked for no speculation, in one batch: each gives its plain tokens,
+    and each keeps its own counts."""
+    per = {1: {"speculative": False}, 2: {"temperature": 0.9, "seed": 5}}
+    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None, per_request=per)
+    drafted, done, _, _ = generate(hybrid, PROMPTS, per_request=per)
+    assert drafted[2] == plain[2]
+    greedy = [0, 1, 3]
+    assert_same_greedy(hybrid, PROMPTS, {i: plain[i] for i in greedy}, drafted, 40)
+    assert "drafted_tokens" not in done[1]
+    rates = {i: done[i]["accepted_tokens"] / max(1, done[i]["drafted_tokens"]) for i in (0, 2, 3)}
+    assert done[0]["accepted_tokens"] > 10
+    assert len({round(r, 2) for r in rates.values()}) > 1, rates
+
+
+def test_a_stop_string_inside_a_drafted_block_ends_the_row_there(hybrid):
+    plain, _, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60)
+    # A stop string from well inside the loop, where blocks of drafts are kept.
+    text = plain_text[0]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
+    _, plain_done, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60, stop=[stop])
+    s, lines = scheduler(hybrid)
+    blocks: list[int] = []
+    stream = s._stream
+
+    def record(out):
+        blocks.append(sum(1 for row, t in out if t is not None))
+        stream(out)
+
+    s._stream = record
+    s.submit(Generate(rid=0, prompt=LOOPY, id_json="0", max_tokens=60, temperature=0.0, repetition_penalty=1.0, stop=[stop]), 0.0)
+    s.drain()
+    done = done_lines(lines)[0]
+    assert texts(lines)[0] == plain_text[0] and done["finish_reason"] == plain_done[0]["finish_reason"] == "stop"
+    assert done["gen_tokens"] == plain_done[0]["gen_tokens"]
+    # The step that met the stop string gave more tokens than it streamed.
+    assert blocks[-1] > 1 and done["accepted_tokens"] > 0
+
+
+def test_cancel_mid_draft_ends_that_row_and_spares_the_others(hybrid):
+    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None)
+    s, lines = scheduler(hybrid)
+    for i, prompt in enumerate(PROMPTS):
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=40, temperature=0.0, repetition_penalty=1.0), 0.0)
+    while s.speculator.drafted == 0:
+        s.step()
+    s.cancel(0)
+    ids = s.drain()
+    done = done_lines(lines)
+    assert done[0]["finish_reason"] == "cancelled" and "drafted_tokens" in done[0]
+    assert_same_greedy(hybrid, PROMPTS, {i: plain[i] for i in (1, 2, 3)}, ids, 40)
+    assert [e for e in events(lines) if e.get("id") == 0 and (e["ev"] == "error" or e.get("done"))] == [done[0]]
+
+
+def test_a_reasoning_budget_forces_think_end_where_plain_decoding_does(hybrid):
+    prompt = "<|im_start|>user\nThe river and the mill.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    kw = dict(max_tokens=40, reasoning_budget=7)
+    plain, _, plain_text, _ = generate(hybrid, [prompt, LOOPY], draft=None, **kw)
+    drafted, done, text, _ = generate(hybrid, [prompt, LOOPY], **kw)
+    assert_same_greedy(hybrid, [prompt, LOOPY], plain, drafted, 40)
+    assert "</think>" in text[0] and text[0].index("</think>") == plain_text[0].index("</think>")
+    assert done[0]["drafted_tokens"] > 0

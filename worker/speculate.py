@@ -1,0 +1,403 @@
+"""Speculative decoding inside the batched engine.
+
+A decode step normally feeds each row its pending token (sampled, not yet
+fed) and draws one new token. A speculative step feeds each row its pending
+token followed by a draft of up to k tokens (worker.drafters), in one
+forward of shape (rows, 1 + longest draft), and draws the target's token at
+every position. A row keeps the draft tokens up to the first one that
+differs from the target's own draw, and the target's token at that position
+becomes its new pending token: each row advances by 1 to k+1 tokens.
+
+Why the result is what plain decoding gives:
+
+- Each position's token is drawn exactly as a plain step draws it: the
+  repetition penalty sees the tokens fed up to that position, the PRNG key
+  is the row's key split once per position (a plain step splits it once per
+  token), a constrained row's logits are masked by its grammar after the
+  tokens before that position. The row's key and penalty state afterwards
+  are those after its last kept position.
+- A draft is one token per position (a point mass q), so the standard
+  rejection rule (accept d with probability min(1, p(d)/q(d)) = p(d), else
+  draw from the residual, p without d, renormalised) is exactly "draw x from
+  p; keep d if x == d, else emit x". The draw uses the plain step's noise,
+  so a greedy row gives the plain engine's tokens and a seeded sampled row
+  gives them too, draft or no draft, accepted or not.
+
+Rolling back what was not kept, per row:
+
+- Attention caches (KVCache, BatchKVCache): the rejected columns are
+  trimmed; in a batch, rows that rejected more than the least are turned
+  into left padding by mlx-lm's own right-padding roll (`prepare` /
+  `finalize`, the prefill path's), so their positions stay exact.
+- Gated-delta layers (ArraysCache) cannot be cut back: their state sums
+  every token. Their state before the step is kept (the arrays are replaced,
+  never written, so a reference is a snapshot), attention caches are
+  trimmed to before the step, and the kept tokens are fed again in one
+  right-padded forward in which each row's recurrence stops at its own
+  length (the prefill path's `lengths`). Not needed when every row kept its
+  whole draft.
+
+Honest: k adapts per row (one more after a draft kept whole, back to what
+was kept plus one after a miss); a row whose drafts are mostly rejected
+stops drafting for a while and tries again later, each miss longer; and the
+worker compares the tokens per second of its speculative steps with those
+of plain steps of the same batch size, and stops speculating for a while
+when it is not faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from worker.constrain import RowConstraint
+
+log = logging.getLogger("worker")
+
+DEFAULT_TOKENS = 4
+MAX_TOKENS = 32
+
+# A row whose recent drafts keep less than this share of their tokens stops
+# drafting for ROW_PAUSE steps, doubled on every pause up to ROW_PAUSE_MAX.
+ROW_MIN_ACCEPT = 0.3
+ROW_PAUSE = 16
+ROW_PAUSE_MAX = 1024
+# Drafting steps of a row before its acceptance is judged.
+ROW_JUDGE_AFTER = 4
+# The worker stops speculating when its speculative steps give fewer tokens
+# per second than plain steps of the same batch size (a running mean over
+# the last steps), for WORKER_PAUSE plain steps, doubled on every pause.
+WORKER_JUDGE_AFTER = 8
+WORKER_PAUSE = 64
+WORKER_PAUSE_MAX = 8192
+EMA = 0.2
+
+
+def supported(layers: list) -> bool:
+    """Whether rows with these caches can be rolled back after a draft."""
+    return bool(layers) and all(type(c) in (KVCache, BatchKVCache, ArraysCache) for c in layers)
+
+
+@dataclass(eq=False)
+class RowSpec:
+    state: object  # the drafter's per-row state
+    k: int
+    accept: float = 1.0  # running share of drafted tokens kept
+    judged: int = 0  # drafting steps since the row was last judged
+    off_until: int = 0  # the step from which it drafts again
+    pause: int = ROW_PAUSE
+
+
+class Speculator:
+    def __init__(self, drafter, tokens: int = DEFAULT_TOKENS, weights_bytes: int = 0):
+        self.drafter = drafter
+        self.weights_bytes = weights_bytes  # a draft model's
+        self.k_max = max(1, min(MAX_TOKENS, tokens))
+        self._rows: dict[object, RowSpec] = {}
+        self.steps = 0
+        self.off_until = 0
+        self._pause = WORKER_PAUSE
+        # Seconds per decode step of plain steps, by batch size (running mean).
+        self._plain: dict[int, float] = {}
+        self._gain = 1.0  # speculative tokens/s over plain tokens/s, running
+        self._judged = 0
+        self._last: tuple[float, str, int, int] | None = None  # (start, kind, rows, tokens)
+        self.drafted = 0
+        self.accepted = 0
+
+    def figures(self) -> dict[str, int]:
+        """Totals for worker_stats (summed by the pool's status and metrics)."""
+        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted, "speculating": int(self.active)}
+
+    # -- rows ---------------------------------------------------------------
+
+    def join(self, rows: list) -> None:
+        for row in rows:
+            if row.speculative:
+                self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+
+    def forget(self, rows) -> None:
+        gone = [spec.state for spec in (self._rows.pop(row, None) for row in rows) if spec is not None]
+        if gone:
+            self.drafter.forget(gone)
+
+    def clear(self) -> None:
+        self.drafter.forget([spec.state for spec in self._rows.values()])
+        self._rows.clear()
+        self._last = None
+
+    def observe(self, out: list) -> None:
+        """The tokens fed this step, in order (a row's history for drafting)."""
+        by_row: dict[object, list[int]] = {}
+        for row, token in out:
+            if token is not None and row in self._rows:
+                by_row.setdefault(row, []).append(token)
+        for row, tokens in by_row.items():
+            self._rows[row].state.extend(tokens)
+
+    @property
+    def active(self) -> bool:
+        """Whether speculation is on for the worker now."""
+        return self.steps >= self.off_until
+
+    def _may_draft(self, row) -> bool:
+        spec = self._rows.get(row)
+        return spec is not None and self.steps >= spec.off_until and row.draft_limit > 0 and row.broken is None
+
+    def wants(self, rows: list) -> bool:
+        return self.active and any(self._may_draft(row) for row in rows)
+
+    # -- a step -------------------------------------------------------------
+
+    def step(self, gen) -> list | None:
+        """One decode step of `gen`'s decode batch, speculative when some row
+        has a draft; None when the plain step should run instead."""
+        now = time.monotonic()
+        self._account(now, gen)
+        self.steps += 1
+        rows = gen.decoding
+        if gen._ahead is not None or not self.wants(rows) or not self._measured(len(rows)):
+            self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
+            return None
+        gen._apply_forced()
+        pending = gen._next.tolist()
+        drafts = self._drafts(gen, rows, pending)
+        if not any(drafts):
+            self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
+            return None
+        out = self._verify(gen, rows, pending, drafts)
+        # Every entry is one token a row advanced by (a fresh row's first
+        # one is pending, still one step of that row).
+        self._last = (now, "spec", len(rows), len(out)) if not gen.prefilling else None
+        return out
+
+    def _measured(self, batch: int) -> bool:
+        """Plain steps of this batch size have been timed (else this one
+        runs plain, and is)."""
+        return batch in self._plain
+
+    def _drafts(self, gen, rows: list, pending: list[int]) -> list[list[int]]:
+        which = [i for i, row in enumerate(rows) if self._may_draft(row)]
+        specs = [self._rows[rows[i]] for i in which]
+        proposed = self.drafter.propose(
+            [spec.state for spec in specs],
+            [None if rows[i].fresh else pending[i] for i in which],
+            [min(spec.k, rows[i].draft_limit) for i, spec in zip(which, specs)],
+        )
+        drafts: list[list[int]] = [[] for _ in rows]
+        for i, draft in zip(which, proposed):
+            drafts[i] = self._checked(gen, rows[i], pending[i], draft)
+        return drafts
+
+    def _checked(self, gen, row, pending: int, draft: list[int]) -> list[int]:
+        eos = gen.eos_ids
+        for i, token in enumerate(draft):
+            # An end-of-sequence token ends the row: the target's own draw
+            # gives it at no loss.
+            if token in eos or not 0 <= token < gen.sampler.vocab_size:
+                draft = draft[:i]
+                break
+        if draft and row.constraint is not None:
+            draft = _allowed(row.constraint, None if row.fresh else pending, draft)
+        return draft
+
+    def _verify(self, gen, rows: list, pending: list[int], drafts: list[list[int]]) -> list:
+        width = 1 + max(len(d) for d in drafts)
+        inputs = mx.array([[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)], dtype=mx.uint32)
+        cache = gen._cache
+        layers = cache.layers
+        hybrid = any(type(c) is ArraysCache for c in layers)
+        saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers] if hybrid else None
+        constrained = any(row.constraint is not None for row in rows)
+        bits = None
+        if constrained:
+            # The tokens fed now are committed first, as a plain step does.
+            constraints = gen._commit(pending)
+            bits = _masks(gen.masks, constraints, drafts, width)
+        gen._route([row.slot for row in rows])
+        logits = gen.model(inputs, cache=layers)
+        sampler = gen.sampler
+        drawn, keys, seen = [], [], []
+        for j in range(width):
+            lj = logits[:, j, :]
+            if bits is not None:
+                lj = gen.masks.apply(lj, bits[j])
+            drawn.append(sampler(lj, inputs[:, j]))
+            keys.append(sampler._keys)
+            seen.append(sampler._seen)
+        drawn = mx.stack(drawn, axis=1)
+        keys = mx.stack(keys)
+        mx.eval(drawn, keys)
+        targets = drawn.tolist()
+        kept = []
+        for d, t in zip(drafts, targets):
+            a = 0
+            while a < len(d) and d[a] == t[a]:
+                a += 1
+            kept.append(a)
+        index = mx.array(kept)
+        across = mx.arange(len(rows))
+        sampler._keys = keys[index, across]
+        if seen[0] is not None:
+            sampler._seen = mx.stack(seen)[index, across]
+        self._roll_back(gen, cache, layers, saved, inputs, kept, width)
+        gen._next = mx.array([t[a] for t, a in zip(targets, kept)], dtype=mx.uint32)
+        out = []
+        for row, p, d, a in zip(rows, pending, drafts, kept):
+            if row.constraint is not None and row.broken is None:
+                for token in d[:a]:
+                    row.constraint.advance(token)
+            out.append((row, None if row.fresh else p))
+            row.fresh = False
+            out.extend((row, token) for token in d[:a])
+            if d:
+                self._judge(row, len(d), a)
+        return out
+
+    def _roll_back(self, gen, cache, layers, saved, inputs, kept: list[int], width: int) -> None:
+        """Leaves each row's cache holding its pending token and its kept
+        draft tokens, nothing after."""
+        rejected = [width - 1 - a for a in kept]
+        if saved is None:
+            least = min(rejected)
+            rest = [r - least for r in rejected]
+            for c in layers:
+                c.trim(least)
+                if any(rest):
+                    c.prepare(right_padding=rest)
+                    c.finalize()
+            return
+        if not any(rejected):
+            return
+        # Gated-delta state: back to before the step, then the kept tokens again.
+        for c, arrays in zip(layers, saved):
+            if arrays is not None:
+                c.cache = arrays
+            else:
+                c.trim(width)
+        lengths = [1 + a for a in kept]
+        span = max(lengths)
+        again = inputs[:, :span]
+        if cache.merged and span * len(lengths) > sum(lengths):
+            cache.pad(lengths, span)
+        gen._route([row.slot for row in gen.decoding])
+        gen.model(again, cache=layers)
+        if cache.merged:
+            cache.unpad()
+
+    # -- adapting -----------------------------------------------------------
+
+    def _judge(self, row, drafted: int, kept: int) -> None:
+        self.drafted += drafted
+        self.accepted += kept
+        row.drafted += drafted
+        row.accepted += kept
+        spec = self._rows.get(row)
+        if spec is None:
+            return
+        spec.k = min(self.k_max, spec.k + 1) if kept == drafted else max(1, kept + 1)
+        spec.accept += EMA * (kept / drafted - spec.accept)
+        spec.judged += 1
+        if spec.judged >= ROW_JUDGE_AFTER and spec.accept < ROW_MIN_ACCEPT:
+            spec.off_until = self.steps + spec.pause
+            log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * spec.accept, spec.pause)
+            spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
+            spec.accept, spec.judged, spec.k = 1.0, 0, 1
+        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT:
+            spec.pause = ROW_PAUSE
+
+    def _account(self, now: float, gen) -> None:
+        """Times the previous decode step (up to this one's start) against
+        the plain steps of its batch size; steps beside a prefill chunk are
+        not counted (the chunk's time is not the step's)."""
+        last, self._last = self._last, None
+        if last is None or gen.prefilling or not gen.decoding:
+            return
+        start, kind, batch, tokens = last
+        took = now - start
+        if kind == "plain":
+            before = self._plain.get(batch)
+            self._plain[batch] = took if before is None else before + EMA * (took - before)
+            return
+        plain = self._plain.get(batch)
+        if plain is None or took <= 0:
+            return
+        gain = (tokens / took) / (batch / plain)
+        self._gain += EMA * (gain - self._gain)
+        self._judged += 1
+        if self._judged >= WORKER_JUDGE_AFTER and self._gain < 1.0:
+            self.off_until = self.steps + self._pause
+            log.info("speculative steps measured %.2fx plain decode; off for %d steps", self._gain, self._pause)
+            self._pause = min(WORKER_PAUSE_MAX, self._pause * 2)
+            self._gain, self._judged = 1.0, 0
+        elif self._judged >= WORKER_JUDGE_AFTER:
+            self._pause = WORKER_PAUSE
+
+
+def _allowed(constraint: RowConstraint, pending: int | None, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` the row's grammar allows after its
+    pending token, without changing the grammar's state."""
+    start = constraint.start_after
+    if start is not None and pending != start:
+        # Still before the grammar starts: only text without the token that
+        # starts it (masks stay the same across the draft).
+        return draft[: draft.index(start)] if start in draft else draft
+    if start is not None:
+        return draft[: constraint.matcher.validate_tokens(draft)]
+    if pending is None:
+        return draft[: constraint.matcher.validate_tokens(draft)]
+    return draft[: max(0, constraint.matcher.validate_tokens([pending] + draft) - 1)]
+
+
+def _masks(masks, constraints: list[RowConstraint | None], drafts: list[list[int]], width: int) -> list:
+    """Each position's token masks: the grammar after the row's draft up to
+    that position (grammars are advanced along the drafts, then rolled
+    back)."""
+    out = []
+    for j in range(width):
+        out.append(masks.fill([c if c is not None and j <= len(d) else None for c, d in zip(constraints, drafts)]))
+        for c, d in zip(constraints, drafts):
+            if c is not None and j < len(d):
+                c.advance(d[j])
+    for c, d in zip(constraints, drafts):
+        if c is not None and c.active and d:
+            c.matcher.rollback(len(d))
+    return out
+
+
+class DraftError(ValueError):
+    """A draft model that cannot serve: the worker cannot start as configured."""
+
+
+def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
+    """The worker's speculator for `--draft` (None: no drafter)."""
+    if draft is None:
+        return None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not supported(make_prompt_cache(model)):
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+        log.warning("speculative decoding is off: drafts cannot be rolled back in caches %s", kinds)
+        return None
+    if draft == "ngram":
+        from worker.drafters import NgramDrafter
+
+        log.info("speculative decoding: prompt lookup, up to %d tokens a step", tokens)
+        return Speculator(NgramDrafter(), tokens)
+    from pathlib import Path
+
+    from worker.drafters import ModelDrafter
+    from worker.loader import load
+
+    try:
+        loaded = load(Path(draft).expanduser().resolve())
+    except Exception as exc:
+        raise DraftError(f"draft model {draft}: {exc}") from exc
+    if not supported(make_prompt_cache(loaded.model)):
+        raise DraftError(f"draft model {draft}: its caches cannot be rolled back after a draft")
+    log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
+    return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)
