@@ -78,6 +78,10 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # one worker per (model, adapter) pair sends nothing and gets what it
     # always got.
     lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # max_tokens came from no one (neither the request nor the pool's
+    # defaults): where the prompt leaves less room in the model's context,
+    # the worker lowers it to that room instead of refusing the request.
+    clip_max_tokens: bool = False
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

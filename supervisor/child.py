@@ -76,6 +76,8 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
     args += ["--max-adapters", str(spec.max_adapters)]
     if spec.tokenizer_dir is not None:
         args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
+    if spec.max_context is not None:
+        args += ["--max-context", str(spec.max_context)]
     if config.prefix_cache_bytes is not None:
         args += ["--prefix-cache-bytes", str(parse_size(config.prefix_cache_bytes))]
     idle_release = parse_duration(config.idle_release)

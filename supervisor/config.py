@@ -59,6 +59,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # False keeps the embedding and LM head whole on every rank: more memory
     # per rank, no logits between ranks at each token (docs/scaling.md).
     split_vocab: bool = True
+    # Tokens a request's prompt and reply may take together (default: the
+    # model config's max_position_embeddings with its rope scaling).
+    max_context: Annotated[int, Meta(ge=2)] | None = None
 
     def __post_init__(self) -> None:
         if self.ranks == 1:

@@ -270,6 +270,7 @@ class Pool:
             id_json=msg.id_json,
             response_format=response_format_text(msg),
             lora=lora,
+            clip_max_tokens="max_tokens" not in fields,
             **fields,
         )
 

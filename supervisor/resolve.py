@@ -50,11 +50,12 @@ class ModelSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     max_adapters: int = DEFAULT_MAX_ADAPTERS
     group: GroupSpec | None = None
+    max_context: int | None = None  # None: the model config's
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group)
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.max_context)
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
@@ -105,6 +106,7 @@ class Resolver:
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
             max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
             group=GroupSpec.of(entry),
+            max_context=entry.max_context,
         )
 
     def default_ref(self) -> str | None:

@@ -62,6 +62,9 @@ class StatusRow(msgspec.Struct):
     # and memory; the memory fields above are their sums. None for a
     # single process.
     ranks: list[RankFigures] | None = None
+    # Tokens a request's prompt and reply may take together (the model's
+    # config or the entry's max_context); null when the config names none.
+    max_context: int | None = None
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -126,6 +129,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         processor=s.processor,
         expires_in_s=expires_in(slot),
         ranks=s.ranks,
+        max_context=slot.max_context,
     )
 
 

@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.GIL_SWITCH_MS,
         help="ms the engine thread may keep the GIL from a side thread waiting for it (sys.setswitchinterval; default %(default)s, Python's own 5)",
     )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        help="tokens a request's prompt and reply may take together (default: the model config's max_position_embeddings, with its rope scaling)",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -127,6 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
     args = p.parse_args(argv)
+    if args.max_context is not None and args.max_context < 2:
+        p.error(f"--max-context must be at least 2 tokens, not {args.max_context}")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
     return args
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_release_s=args.idle_release,
         compile_decode=not args.eager_decode,
         mask_threads=args.mask_threads,
+        max_context=args.max_context,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss
@@ -262,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             weights_bytes=weights,
             opens_think=chat_opens_think(codec),
             processor=server.processor,
+            max_context=scheduler.prompts.max_context,
         )
     )
 

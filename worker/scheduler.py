@@ -81,6 +81,7 @@ class Scheduler:
         run_ahead: bool = True,
         compile_decode: bool = True,
         mask_threads: int | None = None,
+        max_context: int | None = None,
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
@@ -97,7 +98,7 @@ class Scheduler:
         # None to go on, or the exception), for rows streamed as soon as
         # the generator read them (_read).
         self._fed: dict[Row, str | Exception | None] = {}
-        self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes)
+        self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes, max_context)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
         self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
         # The tokenizer view for llguidance is built on the first
@@ -163,6 +164,7 @@ class Scheduler:
             return
         try:
             ids = self.prompts.ids(req)
+            req = self.prompts.fit(req, ids)
             constraint = self._constraint(req, ids)
         except RequestError as exc:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)

@@ -30,6 +30,7 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ipc.context import read_context_limit
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, UNKNOWN_MODEL
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi.exchange import Exchange
@@ -283,7 +284,8 @@ class App:
         slot = self.pool.slots.get(spec.key)
         state = slot.state.value if slot is not None else State.UNLOADED.value
         loaded = slot is not None and slot.state in (State.READY, State.BUSY)
-        return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state}
+        context = slot.max_context if slot is not None else (spec.max_context or read_context_limit(spec.path))
+        return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state, "max_context": context}
 
     async def _models(self, scope, receive, send) -> None:
         data = []
