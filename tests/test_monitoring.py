@@ -303,7 +303,7 @@ def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_p
     extra = f'control_socket = "{path}"\nshutdown_grace = 600'
     pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}, extra, lazy=("b",)))
     pool.wait_ev("ready", model="a")
-    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 30_000})
     pool.wait_for(lambda e: e.get("id") == "long")
     with ControlClient(path) as client:
         pool.proc.stdin.close()  # the grace period now waits for "long"
