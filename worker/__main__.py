@@ -79,6 +79,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="memory for reusable prompt state of earlier requests, 0 to disable (default 512 MiB)",
     )
     p.add_argument(
+        "--prefix-disk-dir",
+        type=Path,
+        help="directory for the prefix cache's files, which outlive this process (default: none, memory only)",
+    )
+    p.add_argument(
+        "--prefix-disk-bytes",
+        type=int,
+        help="bytes the prefix cache's files may take, least recently used out (default: min(30 GiB, a quarter of the free space))",
+    )
+    p.add_argument(
         "--cpu-dtype",
         choices=("float32", "stored"),
         default="float32",
@@ -216,6 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
     except GroupError as exc:
         return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
+    prefix_disk = None
+    if group is None and args.prefix_disk_dir is not None and args.prefix_cache_bytes > 0 and args.prefix_disk_bytes != 0:
+        from worker.prefix_disk import PrefixDisk, default_budget, model_key
+
+        root = args.prefix_disk_dir.expanduser()
+        budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
+        try:
+            prefix_disk = PrefixDisk(root, model_key(model_dir, loaded.format, loaded.model), budget, wake=server.wake)
+            log.info("prefix cache on disk: %s (%d bytes at most)", prefix_disk.dir, budget)
+        except OSError as exc:
+            # A read-only or full disk costs the disk tier, not the worker.
+            log.warning("prefix cache on disk off: %s", exc)
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
     scheduler = (Scheduler if group is None else group.scheduler)(
@@ -232,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_decode=not args.eager_decode,
         mask_threads=args.mask_threads,
         max_context=args.max_context,
+        prefix_disk=prefix_disk,
     )
     if args.lora:
         # The adapter this worker served before a restart survives the loss
