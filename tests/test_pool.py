@@ -302,6 +302,8 @@ def test_default_is_the_demo_model(tmp_path, spawn_pool):
 def test_prefix_cache_budget_reaches_the_worker(tmp_path, tiny_model, spawn_pool, budget, reused):
     config = tmp_path / "pool.toml"
     line = f'prefix_cache_bytes = "{budget}"\n' if budget is not None else ""
+    # Memory only: files of other tests' prompts must not answer the first request.
+    line += "prefix_cache_disk_bytes = 0\n"
     config.write_text(f'{line}[[models]]\nname = "a"\npath = "{tiny_model}"\n')
     pool = spawn_pool("--config", str(config))
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the mill."}]
