@@ -92,6 +92,10 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # False: this request decodes without drafts even when the worker has a
     # drafter (speculative decoding); its final line then has no draft counts.
     speculative: bool = True
+    # max_tokens came from no one (neither the request nor the pool's
+    # defaults): where the prompt leaves less room in the model's context,
+    # the worker lowers it to that room instead of refusing the request.
+    clip_max_tokens: bool = False
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

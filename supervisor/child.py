@@ -26,6 +26,7 @@ from typing import Callable
 
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
+from ipc.paths import pool_cache_dir
 from supervisor.config import Config, parse_duration, parse_size
 from supervisor.resolve import GroupSpec, ModelSpec
 
@@ -78,8 +79,16 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
         args += ["--draft", spec.draft, "--draft-tokens", str(spec.draft_tokens)]
     if spec.tokenizer_dir is not None:
         args += ["--tokenizer-dir", str(spec.tokenizer_dir)]
+    if spec.max_context is not None:
+        args += ["--max-context", str(spec.max_context)]
     if config.prefix_cache_bytes is not None:
         args += ["--prefix-cache-bytes", str(parse_size(config.prefix_cache_bytes))]
+    disk_bytes = spec.prefix_disk_bytes if spec.prefix_disk_bytes is not None else parse_size(config.prefix_cache_disk_bytes)
+    if disk_bytes != 0 and spec.group is None:
+        # Keyed inside by the model's content, so every model shares the root.
+        args += ["--prefix-disk-dir", str(pool_cache_dir(os.environ) / "prefix")]
+        if disk_bytes is not None:
+            args += ["--prefix-disk-bytes", str(disk_bytes)]
     idle_release = parse_duration(config.idle_release)
     args += ["--idle-release", "inf" if idle_release is None else str(idle_release)]
     if not config.compile_decode:

@@ -75,12 +75,18 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # Speculative decoding (docs/engine.md): "ngram" (prompt lookup), or a
     # draft model with the same tokenizer.
     draft: Literal["ngram", "mtp"] | DraftModel | None = None
+    # Tokens a request's prompt and reply may take together (default: the
+    # model config's max_position_embeddings with its rope scaling).
+    max_context: Annotated[int, Meta(ge=2)] | None = None
+    # Overrides the pool's prefix_cache_disk_bytes for this model.
+    prefix_cache_disk_bytes: Size | None = None
 
     def __post_init__(self) -> None:
         if self.draft == "mtp":
             raise ValueError(f'model {self.name!r}: draft = "mtp" is not available in this version; use "ngram" or {{ model = PATH }}')
         if self.draft is not None and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
+        parse_size(self.prefix_cache_disk_bytes)
         if self.ranks == 1:
             given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
             given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])
@@ -104,6 +110,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval: Annotated[float, Meta(gt=0)] = 2.0
     stats_interval: Duration | None = None
     prefix_cache_bytes: Size | None = None
+    # The prefix cache's files under the pool's cache dir, which outlive
+    # workers and the pool (docs/context.md); unset: min(30 GiB, a quarter
+    # of the free disk space), 0: memory only.
+    prefix_cache_disk_bytes: Size | None = None
     # How long an idle worker keeps MLX's cache of freed buffers for its
     # next request before handing it back; "never" keeps it. On a GPU a
     # request that finds the cache empty allocates every buffer anew
@@ -176,6 +186,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Parse once so a bad value fails at start-up, not at first use.
         parse_size(self.memory_budget)
         parse_size(self.prefix_cache_bytes)
+        parse_size(self.prefix_cache_disk_bytes)
         if self.http is not None:
             split_address(self.http)
         for name in ("max_prompt_bytes", "max_adapter_bytes", "max_http_body_bytes", "http_stream_buffer"):

@@ -272,6 +272,7 @@ class Pool:
             response_format=response_format_text(msg),
             lora=lora,
             speculative=msg.speculative is not False,
+            clip_max_tokens="max_tokens" not in fields,
             **fields,
         )
 

@@ -12,7 +12,7 @@ from supervisor.control_client import ControlConnection, NoPool
 from supervisor.local_models import short_path
 from supervisor.status import Status, StatusRow, read_status
 
-COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PROCESSOR", "PID", "UPTIME", "UNTIL", "REQUESTS")
+COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PROCESSOR", "CONTEXT", "PID", "UPTIME", "UNTIL", "REQUESTS")
 # status_fields may wait 2 s for each worker's stats reply, in parallel.
 TIMEOUT = 15.0
 # The worker's `processor` as `ollama ps` names it.
@@ -101,6 +101,7 @@ def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
         row.state,
         memory,
         PROCESSORS.get(row.processor or "", row.processor or "-") if running else "-",
+        str(row.max_context) if row.max_context else "-",
         str(row.pid) if running else "-",
         human_duration(row.uptime_s) if running else "-",
         until(row),
@@ -112,7 +113,7 @@ def rank_cells(row: StatusRow) -> list[tuple[str, ...]]:
     """One line under a model split over processes for each of its ranks:
     where it runs, its memory and pid."""
     return [
-        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(r.rss_bytes), "", str(r.pid) if r.pid is not None else "-", "", "", "")
+        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(r.rss_bytes), "", "", str(r.pid) if r.pid is not None else "-", "", "", "")
         for r in (row.ranks if row.pid is not None and row.ranks else ())
     ]
 

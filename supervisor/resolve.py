@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ipc.group import HostSpec, encode_hosts
 from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
-from supervisor.config import Config, ModelEntry, parse_duration
+from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.local_models import hub_snapshot, is_hub_id
 
 
@@ -54,11 +54,23 @@ class ModelSpec:
     # most tokens drafted per step.
     draft: str | None = None
     draft_tokens: int = 4
+    max_context: int | None = None  # None: the model config's
+    prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.draft, self.draft_tokens)
+        return (
+            self.path,
+            self.tokenizer_dir,
+            self.max_batch,
+            self.max_adapters,
+            self.group,
+            self.draft,
+            self.draft_tokens,
+            self.max_context,
+            self.prefix_disk_bytes,
+        )
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
@@ -120,6 +132,8 @@ class Resolver:
             max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
             group=GroupSpec.of(entry),
             **draft_of(entry),
+            max_context=entry.max_context,
+            prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),
         )
 
     def default_ref(self) -> str | None:

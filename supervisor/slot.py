@@ -30,6 +30,7 @@ import signal
 import time
 from typing import Callable, Coroutine, Protocol
 
+from ipc.context import read_context_limit
 from ipc.events import ADAPTER_ERROR, LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
 from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Stats, ToWorker, UnloadAdapter
 from ipc.worker_events import (
@@ -134,6 +135,7 @@ class WorkerSlot:
         self.last_used = time.monotonic()
         self.last_heard = time.monotonic()
         self._ready: dict = {}  # the fields of the running worker's ready line
+        self._config_context: list[int | None] | None = None  # max_context before a worker says it
         self._ready_at = 0.0
         self.stats: WorkerStats | None = None
         self.stderr_tail = LastMessage()
@@ -189,6 +191,17 @@ class WorkerSlot:
     def opens_think(self) -> bool:
         """Whether the running worker's chat template opens <think> (its ready line says)."""
         return bool(self._ready.get("opens_think"))
+
+    @property
+    def max_context(self) -> int | None:
+        """Tokens a request may take: what the running worker said, else
+        the configured limit or the model config's (read once)."""
+        told = self._ready.get("max_context")
+        if isinstance(told, int):
+            return told
+        if self._config_context is None:
+            self._config_context = [self.spec.max_context or read_context_limit(self.spec.path)]
+        return self._config_context[0]
 
     def uptime(self) -> float:
         if self.child is None or self.state not in LIVE:

@@ -69,6 +69,9 @@ class StatusRow(msgspec.Struct):
     # name's requests since its worker started serving it, and those kept.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # Tokens a request's prompt and reply may take together (the model's
+    # config or the entry's max_context); null when the config names none.
+    max_context: int | None = None
 
 
 class SurfaceRequests(msgspec.Struct):
@@ -137,6 +140,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         error=name.adapter_error if failed else None,
         drafted_tokens=name.drafted_tokens,
         accepted_tokens=name.accepted_tokens,
+        max_context=slot.max_context,
     )
 
 

@@ -119,6 +119,16 @@ def private_control_socket(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """Pools and workers started by tests keep their caches (the prefix
+    cache's files, the demo model) in a directory of their own, never in
+    the user's ~/.cache/lattice-pool."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture
 def spawn_pool():
     """Starts `lattice-pool serve` processes; kills any a failing test left."""

@@ -213,7 +213,7 @@ def test_queued_request_is_cancelled_before_it_starts(tiny_model):
     w = WorkerProc(tiny_model, "--max-batch", "1", "--heartbeat", "0.2")
     try:
         w.wait_ready()
-        running, queued = request(max_tokens=100_000), request(prompt=PROMPTS[1], max_tokens=5)
+        running, queued = request(max_tokens=30_000), request(prompt=PROMPTS[1], max_tokens=5)
         w.send_raw(encode_frame(running) + encode_frame(queued))
         assert w.next_event()["id"] == running.rid
         w.send(Stats())

@@ -218,8 +218,8 @@ def test_chat_repl_on_a_terminal(tiny_model, start_chat):
     assert chat.proc.isalive() and chat.served() == 4
 
     # Ctrl-C during a reply stops the reply, and the prompt comes back.
-    chat.line("/set max_tokens 100000")
-    chat.wait("max_tokens set to 100000")
+    chat.line("/set max_tokens 30000")
+    chat.wait("max_tokens set to 30000")
     chat.prompt()
     chat.line("Tell me everything")
     chat.until(lambda: any(row.in_flight for row in query_status(chat.socket).models), "the reply to start")

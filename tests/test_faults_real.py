@@ -60,7 +60,7 @@ def test_sigkill_of_a_busy_worker(real_pool):
     other model never notices. tests/test_serve_batching.py kills one mid-batch."""
     pool = real_pool("heartbeat_interval = 0.5\nmax_batch = 1")
     before = pids(pool)
-    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100_000})
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 30_000})
     pool.send({"model": "a", "id": "queued", "prompt": CHAT, "max_tokens": 5})
     pool.send({"model": "b", "id": "other", "prompt": CHAT, "max_tokens": 200})
     first_token(pool, "long")
@@ -84,7 +84,7 @@ def test_sigstop_of_a_busy_worker_trips_the_watchdog(real_pool):
     SIGKILLed (SIGTERM would wait for a SIGCONT) and replaced."""
     pool = real_pool("heartbeat_interval = 0.25\nstall_timeout = 5")
     before = pids(pool)
-    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100_000})
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 30_000})
     first_token(pool, "long")
     os.kill(before["a"], signal.SIGSTOP)
     err = pool.terminal("long", timeout=60)
@@ -101,7 +101,7 @@ def test_supervisor_sigkill_with_busy_workers_leaves_none(real_pool):
     pool = real_pool()
     workers = list(pids(pool).values())
     for model in "ab":
-        pool.send({"model": model, "id": model, "prompt": CHAT, "max_tokens": 100_000})
+        pool.send({"model": model, "id": model, "prompt": CHAT, "max_tokens": 30_000})
     first_token(pool, "a")
     first_token(pool, "b")
     pool.proc.kill()

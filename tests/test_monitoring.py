@@ -259,7 +259,7 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
         table = cli("ps", "--control-socket", str(path))
         assert table.returncode == 0, table.stderr
         assert table.stdout.split(b"\n", 1)[0].split() == [
-            b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PROCESSOR", b"PID", b"UPTIME", b"UNTIL", b"REQUESTS"
+            b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PROCESSOR", b"CONTEXT", b"PID", b"UPTIME", b"UNTIL", b"REQUESTS"
         ]
         shown = ps_table(table.stdout)
         assert set(shown) == {"a", "b"}
@@ -267,6 +267,7 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
         for m in ("a", "b"):
             assert shown[m]["FORMAT"] == "bf16" and shown[m]["STATE"] == "ready" and shown[m]["REQUESTS"] == "0"
             assert shown[m]["PROCESSOR"] == processor_shown() and shown[m]["UNTIL"] == "Forever"
+            assert shown[m]["CONTEXT"] == str(rows[m]["max_context"]) == "32768"
             assert shown[m]["PID"] == str(rows[m]["pid"]) and re.fullmatch(r"[\d.]+ MB", shown[m]["MEMORY"])
 
         as_json = cli("ps", "--json", "--control-socket", str(path))
@@ -325,7 +326,7 @@ def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_p
     extra = f'control_socket = "{path}"\nshutdown_grace = 600'
     pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}, extra, lazy=("b",)))
     pool.wait_ev("ready", model="a")
-    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 30_000})
     pool.wait_for(lambda e: e.get("id") == "long")
     with ControlClient(path) as client:
         pool.proc.stdin.close()  # the grace period now waits for "long"

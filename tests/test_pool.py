@@ -77,7 +77,7 @@ def test_idless_requests_never_interleave(config_file, spawn_pool):
 def test_cancel_queued_and_running(config_file, spawn_pool):
     """With max_batch 1 the second request waits in the pool's queue."""
     pool = spawn_pool("--config", config_file("max_batch = 1"))
-    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "long", "prompt": CHAT, "max_tokens": 30_000})
     pool.send({"model": "a", "id": "queued", "prompt": CHAT, "max_tokens": 5})
     pool.wait_for(lambda e: e.get("id") == "long" and e["ev"] == "gen_token")
     pool.send({"op": "cancel", "id": "queued"})
@@ -100,7 +100,7 @@ def test_unload_frees_the_process_and_load_brings_it_back(config_file, spawn_poo
     pid = status(pool)["a"]["pid"]
     assert pid_alive(pid)
     for request_id in ("running", "also running"):
-        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 100000})
+        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 30_000})
     pool.send({"model": "a", "id": "waiting", "prompt": CHAT, "max_tokens": 5})
     for request_id in ("running", "also running"):
         pool.wait_for(lambda e, i=request_id: e.get("id") == i and e["ev"] == "gen_token")
@@ -195,7 +195,7 @@ def test_duplicate_running_id_is_refused(config_file, spawn_pool):
     """The refusal names the id but does not carry it: a line with that id
     would read as the end of the request still running."""
     pool = spawn_pool("--config", config_file())
-    pool.send({"model": "a", "id": "dup", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "dup", "prompt": CHAT, "max_tokens": 30_000})
     pool.wait_for(lambda e: e.get("id") == "dup")
     pool.proc.stdin.write(json.dumps({"model": "a", "id": "dup", "prompt": CHAT}).encode() + b"\n")
     pool.proc.stdin.flush()
@@ -248,7 +248,7 @@ def test_config_errors_name_key_and_file(tmp_path, tiny_model, spawn_pool):
 def test_sigterm_cancels_running_and_fails_queued(config_file, spawn_pool):
     pool = spawn_pool("--config", config_file("shutdown_grace = 0\nmax_batch = 2"))
     for request_id in ("run", "run too"):
-        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 100000})
+        pool.send({"model": "a", "id": request_id, "prompt": CHAT, "max_tokens": 30_000})
     pool.send({"model": "a", "id": "queue", "prompt": CHAT})
     for request_id in ("run", "run too"):
         pool.wait_for(lambda e, i=request_id: e.get("id") == i and e["ev"] == "gen_token")
@@ -280,7 +280,7 @@ def test_broken_stdout_ends_the_pool(config_file, spawn_pool):
     pool = spawn_pool("--config", config_file())
     pool.wait_ev("ready", model="a")
     pids = [r["pid"] for r in status(pool).values()]
-    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 30_000})
     pool.wait_for(lambda e: e.get("id") == "x")
     pool.proc.stdout.close()  # the client goes away mid-stream
     assert pool.proc.wait(timeout=30) == 0
@@ -302,6 +302,8 @@ def test_default_is_the_demo_model(tmp_path, spawn_pool):
 def test_prefix_cache_budget_reaches_the_worker(tmp_path, tiny_model, spawn_pool, budget, reused):
     config = tmp_path / "pool.toml"
     line = f'prefix_cache_bytes = "{budget}"\n' if budget is not None else ""
+    # Memory only: files of other tests' prompts must not answer the first request.
+    line += "prefix_cache_disk_bytes = 0\n"
     config.write_text(f'{line}[[models]]\nname = "a"\npath = "{tiny_model}"\n')
     pool = spawn_pool("--config", str(config))
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the mill."}]
@@ -373,7 +375,7 @@ def test_stdout_gone_during_the_grace_period_ends_the_pool_at_once(config_file, 
     pool = spawn_pool("--config", config_file("shutdown_grace = 600"))
     pool.wait_ev("ready", model="a")
     pids = [r["pid"] for r in status(pool).values()]
-    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 100000})
+    pool.send({"model": "a", "id": "x", "prompt": CHAT, "max_tokens": 30_000})
     pool.wait_for(lambda e: e.get("id") == "x")
     # Ctrl-C on `lattice-pool serve | grep x`: the pool starts its grace
     # period with "x" still running, then grep's end closes the pipe.

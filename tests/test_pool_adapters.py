@@ -362,7 +362,7 @@ def test_names_past_max_names_leave_least_recently_used_first(tiny_model, files,
     assert set(pairs(pool)) == {("tiny", y), ("tiny", z)}
 
     # y is now the oldest, but a request of it is running: z leaves instead.
-    busy = adapted(y, max_tokens=100_000)
+    busy = adapted(y, max_tokens=30_000)
     pool.send(busy)
     pool.wait_for(lambda e: e.get("id") == busy["id"])
     assert texts(pool, [adapted(x)]) == [expected["x", 1]]

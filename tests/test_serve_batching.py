@@ -213,7 +213,7 @@ def test_a_worker_killed_mid_batch_ends_each_request_once(pool):
     more waits in the pool; SIGKILL then. The streaming request ends with
     worker_crashed; the silent ones are retried invisibly on the restarted
     worker and give their whole alone text; the queued one waits for it."""
-    streaming = request(max_tokens=100_000)
+    streaming = request(max_tokens=30_000)
     late = [request(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=10) for i in range(MAX_BATCH)]
     texts = {r["id"]: alone(pool, again(r)) for r in late}
     pool.send(streaming)

@@ -130,7 +130,7 @@ def test_utf8_deltas_match_an_in_process_run(worker, tiny_model):
 def test_cancel_ends_only_the_cancelled_requests(worker):
     # Both run at once (batched); the cancelled ones end, the other goes on.
     for rid in (900, 901, 902):
-        worker.send(Generate(rid=rid, prompt=CHAT, max_tokens=100_000 if rid < 902 else 40, id_json=str(rid)))
+        worker.send(Generate(rid=rid, prompt=CHAT, max_tokens=30_000 if rid < 902 else 40, id_json=str(rid)))
     first = worker.next_event()
     assert first["ev"] == "gen_token" and first["id"] in (900, 901, 902)
     worker.send(Cancel(rid=901))
@@ -231,7 +231,7 @@ def test_stdin_eof_exits_promptly(tiny_model):
 def test_eof_mid_generation_exits(tiny_model):
     w = WorkerProc(tiny_model)
     w.wait_ready()
-    w.send(Generate(rid=1, prompt=CHAT, max_tokens=100_000))
+    w.send(Generate(rid=1, prompt=CHAT, max_tokens=30_000))
     assert w.next_event()["ev"] == "gen_token"
     w.proc.stdin.close()
     w.proc.wait(timeout=10)

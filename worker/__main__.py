@@ -79,6 +79,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="memory for reusable prompt state of earlier requests, 0 to disable (default 512 MiB)",
     )
     p.add_argument(
+        "--prefix-disk-dir",
+        type=Path,
+        help="directory for the prefix cache's files, which outlive this process (default: none, memory only)",
+    )
+    p.add_argument(
+        "--prefix-disk-bytes",
+        type=int,
+        help="bytes the prefix cache's files may take, least recently used out (default: min(30 GiB, a quarter of the free space))",
+    )
+    p.add_argument(
         "--cpu-dtype",
         choices=("float32", "stored"),
         default="float32",
@@ -112,6 +122,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
     )
     p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        help="tokens a request's prompt and reply may take together (default: the model config's max_position_embeddings, with its rope scaling)",
+    )
     p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, help="refuse longer prompts before tokenizing")
     p.add_argument("--max-adapter-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES, help="refuse larger adapter files before reading")
     p.add_argument(
@@ -136,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--draft must be 'ngram' or a draft model's directory, not {args.draft!r}")
     if not 1 <= args.draft_tokens <= 32:
         p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
+    if args.max_context is not None and args.max_context < 2:
+        p.error(f"--max-context must be at least 2 tokens, not {args.max_context}")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
     return args
@@ -221,6 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
     except GroupError as exc:
         return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
+    prefix_disk = None
+    if group is None and args.prefix_disk_dir is not None and args.prefix_cache_bytes > 0 and args.prefix_disk_bytes != 0:
+        from worker.prefix_disk import PrefixDisk, default_budget, model_key
+
+        root = args.prefix_disk_dir.expanduser()
+        budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
+        try:
+            prefix_disk = PrefixDisk(root, model_key(model_dir, loaded.format, loaded.model), budget, wake=server.wake)
+            log.info("prefix cache on disk: %s (%d bytes at most)", prefix_disk.dir, budget)
+        except OSError as exc:
+            # A read-only or full disk costs the disk tier, not the worker.
+            log.warning("prefix cache on disk off: %s", exc)
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
     try:
@@ -239,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             mask_threads=args.mask_threads,
             draft=args.draft,
             draft_tokens=args.draft_tokens,
+            max_context=args.max_context,
+            prefix_disk=prefix_disk,
         )
     except DraftError as exc:
         return fatal(f"bad draft model: {exc}")
@@ -280,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             weights_bytes=weights,
             opens_think=chat_opens_think(codec),
             processor=server.processor,
+            max_context=scheduler.prompts.max_context,
         )
     )
 

@@ -70,7 +70,7 @@ from worker.batch_cache import BatchCache, batchable
 from worker.compiled_step import CompiledDecode
 from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.gated_delta import CHUNK
-from worker.prefix_cache import PrefixCache, chunk_ends, message_starts
+from worker.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts
 from worker.sampling import BatchSampler, RowSampling
 from worker.speculate import Speculator
 
@@ -92,7 +92,7 @@ class Row:
     slot: int | None = None  # its adapter's slot in the LoRA layers
     cached: int = 0  # prompt tokens resumed from the prefix cache
     pos: int = 0  # prompt tokens in the row's cache
-    cuts: list[int] = field(default_factory=list)  # its message starts, where chunks end
+    cuts: list[int] = field(default_factory=list)  # its message starts and checkpoints, where chunks end
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
     fresh: bool = True  # its decode input is still its last prompt token
@@ -195,10 +195,10 @@ class TokenGenerator:
             # Chunks end at message starts, with or without a prefix cache, so
             # a prompt resumed from a snapshot there computes what a cold one
             # does (greedy output is the same with and without the cache).
-            row.cuts = message_starts(row.ids, self.chat_marker)
+            row.cuts = cut_points(row.ids, self.chat_marker)
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
             row.pos = row.cached
-            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), row.cuts)
+            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), message_starts(row.ids, self.chat_marker))
             caches.append(cache)
         self._cut(self.prefilling + rows)
         # Rows whose whole prompt was resumed join now, unless the batch has

@@ -12,8 +12,15 @@ keep one snapshot of each whole prompt (all but its last token) and cut it
 back to the longest common prefix. A snapshot never covers a whole prompt:
 the last prompt token must run to give the logits of the first new token.
 
+A prompt's chunks also end every CHECKPOINT tokens, and a hybrid model
+keeps a snapshot at the last such point of each prompt as well: a long
+message (a pasted file, an agent's tool output) that a later prompt
+extends or edits near its end resumes from there.
+
 Entries are keyed by the adapter content hash as well as the tokens, held in
-least-recently-used order and bounded by a byte budget.
+least-recently-used order and bounded by a byte budget. With a disk tier
+(worker.prefix_disk) every snapshot stored is written to disk as well, and
+entries read back from disk come in through `insert`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,19 @@ def message_starts(ids: list[int], marker: int | None) -> list[int]:
     if marker is None:
         return []
     return [i for i, t in enumerate(ids) if t == marker and i > 0]
+
+
+# Positions (multiples of it) where every prompt's prefill chunks end, and
+# where a hybrid model keeps its last snapshot of a prompt.
+CHECKPOINT = 4096
+
+
+def cut_points(ids: list[int], marker: int | None) -> list[int]:
+    """Where a prompt's prefill chunks must end: its message starts and
+    every CHECKPOINT tokens. Both depend on the tokens alone, so two prompts
+    that share a prefix cut it at the same places."""
+    grid = range(CHECKPOINT, len(ids), CHECKPOINT)
+    return sorted(set(message_starts(ids, marker)) | set(grid))
 
 
 def chunk_ends(n: int, cuts: list[int], step: int, start: int) -> list[int]:
@@ -102,8 +122,9 @@ def _restore(model, layers: list, length: int) -> list:
 
 
 class PrefixCache:
-    def __init__(self, model, budget_bytes: int):
+    def __init__(self, model, budget_bytes: int, disk=None):
         self.model = model
+        self.disk = disk  # worker.prefix_disk.PrefixDisk, or None
         self.budget = budget_bytes
         self.used = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -127,15 +148,17 @@ class PrefixCache:
             return set()
         if self.trimmable:
             return {n - 1} if n > 1 else set()
-        # After the system prompt (shared by every chat) and after the last
-        # complete message (the next turn's history).
-        return {p for p in (starts[:1] + starts[-1:]) if p < n}
+        # After the system prompt (shared by every chat), after the last
+        # complete message (the next turn's history), and at the last
+        # checkpoint (inside a long message).
+        points = set(starts[:1] + starts[-1:])
+        if n - 1 >= CHECKPOINT:
+            points.add((n - 1) // CHECKPOINT * CHECKPOINT)
+        return {p for p in points if p < n}
 
-    def resume(self, adapter: str | None, ids: list[int], cuts: list[int]) -> tuple[list, int]:
-        """A live cache for `ids` and how many of its tokens it already holds."""
-        n = len(ids)
+    def _best(self, adapter: str | None, ids: list[int], cuts: list[int]) -> tuple[int | None, int]:
         best, best_len = None, 0
-        if self.enabled and n > 1:
+        if self.enabled and len(ids) > 1:
             want = np.asarray(ids, dtype=np.int64)
             allowed = set(cuts)
             for key, entry in self._entries.items():
@@ -144,11 +167,32 @@ class PrefixCache:
                 usable = self._usable(entry.tokens, want, allowed)
                 if usable > best_len:
                     best, best_len = key, usable
+        return best, best_len
+
+    def resume(self, adapter: str | None, ids: list[int], cuts: list[int]) -> tuple[list, int]:
+        """A live cache for `ids` and how many of its tokens it already holds."""
+        best, best_len = self._best(adapter, ids, cuts)
         if best is None:
             return make_prompt_cache(self.model), 0
         self._entries.move_to_end(best)
         entry = self._entries[best]
+        if self.disk is not None:
+            self.disk.touch(adapter, entry.tokens)
         return _restore(self.model, entry.layers, best_len), best_len
+
+    def held(self, adapter: str | None, ids: list[int], cuts: list[int]) -> int:
+        """Tokens of `ids` the memory tier can resume."""
+        return self._best(adapter, ids, cuts)[1]
+
+    def disk_reads(self, ids: list[int], cuts: list[int]) -> list:
+        """Disk entries that would resume more of `ids` than memory can,
+        the longest per adapter."""
+        if self.disk is None or not self.enabled or len(ids) < 2:
+            return []
+        want = np.asarray(ids, dtype=np.int64)
+        allowed = set(cuts)
+        found = self.disk.candidates(want, lambda tokens, w: self._usable(tokens, w, allowed))
+        return [entry for adapter, (n, entry) in found.items() if n > self.held(adapter, ids, cuts)]
 
     def _usable(self, tokens: np.ndarray, want: np.ndarray, allowed: set[int]) -> int:
         m = min(len(tokens), len(want) - 1)
@@ -167,9 +211,17 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 return
         layers, nbytes = _snapshot(cache)
+        if self.insert(adapter, want, layers, nbytes) and self.disk is not None:
+            self.disk.write(adapter, want, layers)
+
+    def insert(self, adapter: str | None, want: np.ndarray, layers: list, nbytes: int) -> bool:
+        """Holds a snapshot (made here or read from disk); False when it is
+        larger than the whole budget."""
+        if any(e.adapter == adapter and len(e.tokens) == len(want) and (e.tokens == want).all() for e in self._entries.values()):
+            return True
         nbytes = self._counted(nbytes)
         if nbytes > self.budget:
-            return
+            return False
         if self.trimmable:
             # A trimmable snapshot serves every shorter prefix of itself.
             for key in [k for k, e in self._entries.items() if e.adapter == adapter and self._is_prefix(e.tokens, want)]:
@@ -179,6 +231,7 @@ class PrefixCache:
         self._entries[self._next] = _Entry(adapter, want, layers, nbytes)
         self._next += 1
         self.used += nbytes
+        return True
 
     def _counted(self, nbytes: int) -> int:
         """What a snapshot of `nbytes` counts against the budget (a rank of

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
+
+from ipc.context import context_limit
 from ipc.events import BAD_REQUEST
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate, utf8_len
 from worker.text import SpecialTextError, TextCodec
@@ -23,10 +26,12 @@ def model_limit(config: dict, key: str) -> int | None:
 
 
 class PromptReader:
-    def __init__(self, codec: TextCodec, config: dict, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES):
+    def __init__(self, codec: TextCodec, config: dict, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, max_context: int | None = None):
         self.codec = codec
         self.max_prompt_bytes = max_prompt_bytes
-        self.max_positions = model_limit(config, "max_position_embeddings")
+        # Tokens a sequence may hold, prompt and reply: the pool's
+        # max_context for this model, else the model config's limit.
+        self.max_context = max_context or context_limit(config)
 
     def ids(self, req: Generate) -> list[int]:
         """The prompt's token ids; RequestError when there is none, the chat
@@ -52,6 +57,25 @@ class PromptReader:
         ids = self.codec.encode_keeping_text(text, kept_as_text)
         if not ids:
             raise RequestError(BAD_REQUEST, "prompt is empty after tokenization")
-        if self.max_positions and len(ids) >= self.max_positions:
-            raise RequestError(BAD_REQUEST, f"prompt has {len(ids)} tokens; the model's context is {self.max_positions}")
+        if self.max_context and len(ids) >= self.max_context:
+            raise RequestError(BAD_REQUEST, f"prompt has {len(ids)} tokens; the model's context is {self.max_context} tokens")
         return ids
+
+    def fit(self, req: Generate, ids: list[int]) -> Generate:
+        """The request with its reply fitted into the context: a prompt of P
+        tokens leaves max_context - P for it. A max_tokens that someone set
+        (the request or the pool's defaults) is a promise the reply may be
+        that long, so a larger one is refused, naming both numbers; one left
+        to the default is lowered to the room left, as vLLM does."""
+        if not self.max_context:
+            return req
+        room = self.max_context - len(ids)
+        if req.max_tokens <= room:
+            return req
+        if req.clip_max_tokens:
+            return msgspec.structs.replace(req, max_tokens=room)
+        raise RequestError(
+            BAD_REQUEST,
+            f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}) is {len(ids) + req.max_tokens} tokens; "
+            f"the model's context is {self.max_context} tokens",
+        )

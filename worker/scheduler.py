@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import msgspec
@@ -46,7 +46,8 @@ from worker.loader import LoadedModel
 from worker.memory import trim_heap
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
-from worker.prefix_cache import PrefixCache
+from worker.prefix_cache import PrefixCache, cut_points
+from worker.prefix_disk import PrefixDisk
 from worker.prompts import PromptReader, RequestError, model_limit
 from worker.sampling import RowSampling, SamplingParams
 from worker.speculate import DEFAULT_TOKENS, speculator_for
@@ -63,6 +64,8 @@ class Waiting:
     arrived: float
     adapter_clock: int  # its place among adapter messages
     constraint: RowConstraint | None
+    # Prefix cache files being read for it: it starts once they are in memory.
+    disk: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -84,6 +87,8 @@ class Scheduler:
         mask_threads: int | None = None,
         draft: str | None = None,
         draft_tokens: int = DEFAULT_TOKENS,
+        max_context: int | None = None,
+        prefix_disk: PrefixDisk | None = None,
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
@@ -100,9 +105,9 @@ class Scheduler:
         # None to go on, or the exception), for rows streamed as soon as
         # the generator read them (_read).
         self._fed: dict[Row, str | Exception | None] = {}
-        self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes)
+        self.prompts = PromptReader(codec, loaded.config, max_prompt_bytes, max_context)
         self.vocab_size = model_limit(loaded.config, "vocab_size") or codec.vocab_size
-        self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(loaded.model, prefix_cache_bytes, prefix_disk)
         # The tokenizer view for llguidance is built on the first
         # response_format (0.6-1.7 s and 88 MB for a 151k vocabulary).
         self._constraints: Constraints | None = None
@@ -175,12 +180,49 @@ class Scheduler:
             return
         try:
             ids = self.prompts.ids(req)
+            req = self.prompts.fit(req, ids)
             constraint = self._constraint(req, ids)
         except RequestError as exc:
             log.info("request %s rejected: %s", req.id_json or req.rid, exc.msg)
             self._write(encode_error(exc.msg, exc.code, req.id_json))
             return
-        self.waiting.append(Waiting(req, ids, arrived, self.adapters.arrival(), constraint))
+        waiting = Waiting(req, ids, arrived, self.adapters.arrival(), constraint)
+        self._read_from_disk(waiting)
+        self.waiting.append(waiting)
+        self._stalled = False
+
+    def _read_from_disk(self, w: Waiting) -> None:
+        """Starts reading the prefix cache files that would resume more of
+        the request's prompt than memory holds (for any adapter: which one
+        it runs with is settled when it starts); it waits for them."""
+        disk = self.prefix_cache.disk
+        if disk is None:
+            return
+        try:
+            for entry in self.prefix_cache.disk_reads(w.ids, cut_points(w.ids, self.generator.chat_marker)):
+                disk.read(entry)
+                w.disk.add(entry.name)
+        except Exception:  # the disk tier is an optimisation: never a request's failure
+            log.exception("prefix cache: looking on disk failed")
+
+    def _disk_results(self) -> None:
+        """Files read since the last step go into the memory tier, and the
+        requests waiting for them may start."""
+        disk = self.prefix_cache.disk
+        if disk is None:
+            return
+        results = disk.results()
+        if not results:
+            return
+        for entry, loaded in results:
+            if loaded is not None:
+                try:
+                    layers, nbytes = loaded.layers()
+                    self.prefix_cache.insert(entry.adapter, entry.tokens, layers, nbytes)
+                except Exception:
+                    log.exception("prefix cache: %s could not be restored", entry.name)
+            for w in self.waiting:
+                w.disk.discard(entry.name)
         self._stalled = False
 
     def adapter_message(self, msg: AdapterMessage) -> None:
@@ -254,6 +296,7 @@ class Scheduler:
 
     def _step(self) -> None:
         self._fed.clear()
+        self._disk_results()
         settled = self.adapters.poll()
         self._admit(sweep=settled)
         if self.generator:
@@ -278,9 +321,13 @@ class Scheduler:
         tests and benchmarks)."""
         self._ended_ids = {}
         try:
-            while self.has_work or (self.waiting and self.adapters.reading):
+            disk = self.prefix_cache.disk
+            while self.has_work or (self.waiting and (self.adapters.reading or (disk is not None and disk.reading))):
                 if not self.has_work:
-                    self.adapters.wait(1.0)
+                    if disk is not None and disk.reading:
+                        disk.wait(1.0)
+                    else:
+                        self.adapters.wait(1.0)
                 self.step()
             return self._ended_ids
         finally:
@@ -301,6 +348,9 @@ class Scheduler:
         behind_starved = False
         while self.waiting and (sweep or not full):
             w = self.waiting.popleft()
+            if w.disk:
+                scanned.append(w)
+                continue
             got = self.adapters.resolve(w.req.lora, w.adapter_clock)
             if isinstance(got, Refused):
                 log.info("request %s: %s", w.req.id_json or w.req.rid, got.msg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+from ipc.context import read_context_limit
 from ipc.events import BAD_REQUEST, UNKNOWN_MODEL
 from supervisor.httpapi.shapes import HttpError
 from supervisor.local_models import cache_models, hub_models
@@ -55,7 +56,13 @@ def model_object(pool: Pool, name: str, source: str) -> dict:
     slot = pool.slots.get(spec.key)
     state = slot.state.value if slot is not None else State.UNLOADED.value
     loaded = slot is not None and slot.state in (State.READY, State.BUSY)
-    return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state, "source": source}
+    if slot is not None:
+        context = slot.max_context
+    elif source == "configured":
+        context = spec.max_context or read_context_limit(spec.path)
+    else:  # not read for every model on disk: /v1/models answers from the loop
+        context = None
+    return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state, "source": source, "max_context": context}
 
 
 def _local(pool: Pool) -> list[tuple[str, str]]:

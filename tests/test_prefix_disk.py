@@ -1,0 +1,227 @@
+"""The prefix cache's disk tier: snapshots that outlive the worker and the
+pool, checked before use, bounded, and keyed by model and adapter content."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.procs import wait_for
+from harness.worker import WorkerProc, terminal, text_of
+from ipc.messages import Generate
+from ipc.paths import pool_cache_dir
+from tests.test_prefix_cache import SYSTEM, _chatml, engine  # noqa: F401 (a fixture)
+
+LONG_SYSTEM = SYSTEM + " " + "The mill wheel turns all day beside the bridge. " * 12
+FIRST = _chatml([("user", "Where does the river bend?")], LONG_SYSTEM)
+SECOND = _chatml([("user", "Who built the mill?")], LONG_SYSTEM)
+
+_rid = iter(range(1, 1_000_000))
+
+
+def ask(w, prompt: str, **kw) -> tuple[str, dict]:
+    w.send(Generate(rid=next(_rid), prompt=prompt, temperature=0.0, max_tokens=16, **kw))
+    events = w.collect()
+    return text_of(events), terminal(events)
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.lpx"))
+
+
+def wait_files(root: Path, n: int) -> list[Path]:
+    return wait_for(lambda: len(files(root)) >= n and files(root), timeout=30, message=f"{n} prefix cache files")
+
+
+@pytest.fixture(scope="module")
+def plain_answers(tiny_model):
+    """What the model says to each prompt with no prefix cache at all."""
+    w = WorkerProc(tiny_model, "--prefix-cache-bytes", "0")
+    try:
+        w.wait_ready()
+        return {p: ask(w, p)[0] for p in (FIRST, SECOND)}
+    finally:
+        assert w.close() == 0
+
+
+def test_a_prefix_on_disk_is_used_after_a_pool_restart(tiny_model, tmp_path, spawn_pool, plain_answers):
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    root = pool_cache_dir(env) / "prefix"
+    pool = spawn_pool("--config", str(config), env=env)
+    request = {"model": "tiny", "temperature": 0, "max_tokens": 16}
+    first = pool.generate({**request, "id": "a", "prompt": FIRST})
+    assert "cached_tokens" not in first
+    # The system prompt's snapshot, and the one where the reply began.
+    wait_files(root, 2)
+    assert pool.close() == 0
+
+    pool = spawn_pool("--config", str(config), env=env)
+    done = pool.generate({**request, "id": "b", "prompt": SECOND})
+    # Resumed from the system prompt's snapshot read back from disk: only
+    # the new question is prefilled, and the text is the cold run's.
+    assert done["cached_tokens"] > 0.8 * done["prompt_tokens"]
+    assert pool.text("b") == plain_answers[SECOND]
+    assert b"prefix cache on disk: 2 entries" in pool.stderr
+    assert pool.close() == 0
+
+
+def test_truncated_or_corrupt_files_are_dropped_never_used(tiny_model, tmp_path, plain_answers):
+    w = WorkerProc(tiny_model, "--prefix-disk-dir", str(tmp_path))
+    try:
+        w.wait_ready()
+        ask(w, FIRST)
+        made = wait_files(tmp_path, 2)
+    finally:
+        w.proc.kill()  # a crash: files are renamed into place whole, or not at all
+        assert w.close() == -9
+    assert not list(tmp_path.rglob("*.tmp"))
+    # The larger file ends where the reply began; the smaller one is the
+    # system prompt's, which the second prompt would resume from.
+    system, turn = sorted(made, key=lambda p: p.stat().st_size)
+    data = bytearray(system.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte in its state
+    system.write_bytes(bytes(data))
+    with open(turn, "r+b") as f:
+        f.truncate(turn.stat().st_size - 4096)
+    w = WorkerProc(tiny_model, "--prefix-disk-dir", str(tmp_path))
+    try:
+        w.wait_ready()
+        # A short file is seen at start.
+        wait_for(lambda: not turn.exists(), timeout=30, message="the truncated file to go")
+        text, done = ask(w, SECOND)
+        # The corrupt one is found when read: the request runs cold.
+        assert "cached_tokens" not in done and text == plain_answers[SECOND]
+        assert b"truncated" in w.stderr and b"checksum does not match" in w.stderr
+        # The cold run made that snapshot again, and wrote a sound file.
+        wait_for(lambda: system.exists() and system.read_bytes() != bytes(data), timeout=30, message="the snapshot written again")
+    finally:
+        assert w.close() == 0
+
+
+def test_another_models_files_are_never_used(tiny_model, second_model, tmp_path):
+    w = WorkerProc(tiny_model, "--prefix-disk-dir", str(tmp_path))
+    try:
+        w.wait_ready()
+        ask(w, FIRST)
+        wait_files(tmp_path, 2)
+    finally:
+        assert w.close() == 0
+    w = WorkerProc(second_model, "--prefix-disk-dir", str(tmp_path))
+    try:
+        w.wait_ready()
+        _, done = ask(w, SECOND)
+        assert "cached_tokens" not in done
+    finally:
+        assert w.close() == 0
+    # Each model has a directory of its own.
+    assert len({p.parent for p in files(tmp_path)}) == 2
+
+
+# -- in-process: the store itself -------------------------------------------------
+
+
+def snapshot_layers(seed: int, tokens: int):
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    kv = (mx.random.normal((1, 2, tokens, 8)).astype(mx.bfloat16), mx.random.normal((1, 2, tokens, 8)).astype(mx.bfloat16))
+    state = [mx.random.normal((1, 3, 4)), None]
+    mx.eval(kv, state)
+    return [kv, state, None]
+
+
+def test_files_round_trip_exactly_and_the_bound_evicts_least_recently_used(tmp_path):
+    import mlx.core as mx
+    import numpy as np
+
+    from worker.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    layers = snapshot_layers(0, 300)
+    tokens = np.arange(300)
+    disk.write(None, tokens, layers)
+    assert disk.flush(30)
+    one = disk.used
+    assert len(disk) == 1 and one > 0
+    found = disk.candidates(np.arange(400), lambda have, want: len(have))
+    assert list(found) == [None] and found[None][0] == 300
+    disk.read(found[None][1])
+    wait_for(lambda: disk._results.qsize(), timeout=30, message="the read")
+    [(entry, loaded)] = disk.results()
+    back, nbytes = loaded.layers()
+    assert back[0][0].dtype == mx.bfloat16 and back[1][1] is None and back[2] is None
+    assert isinstance(back[0], tuple) and isinstance(back[1], list)
+    for a, b in ((back[0][0], layers[0][0]), (back[0][1], layers[0][1]), (back[1][0], layers[1][0])):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+    # Room for two files: the least recently used one goes.
+    disk.budget = 2 * one + one // 2
+    disk.write(None, np.arange(1000, 1300), snapshot_layers(1, 300))
+    assert disk.flush(30)
+    now = time.time()
+    os.utime(path_of(disk, tokens), (now - 20, now - 20))
+    os.utime(path_of(disk, np.arange(1000, 1300)), (now - 10, now - 10))
+    disk._index = {}
+    disk._scan()  # what a restart sees: the order comes from the files' times
+    disk.touch(None, tokens)  # a hit on the older one
+    disk.write(None, np.arange(2000, 2300), snapshot_layers(2, 300))
+    assert disk.flush(30)
+    assert {int(e.tokens[0]) for e in disk._index.values()} == {0, 2000}
+    assert disk.used <= disk.budget and len(files(tmp_path)) == 2
+
+    # The same tokens under another adapter are another entry.
+    assert set(disk.candidates(np.arange(300), lambda have, want: len(have))) == {None}
+    disk.write("adapter-sha", tokens, layers)
+    assert disk.flush(30)
+    assert set(disk.candidates(np.arange(300), lambda have, want: len(have))) == {None, "adapter-sha"}
+
+
+def path_of(disk, tokens) -> Path:
+    from worker.prefix_disk import entry_name
+
+    return disk.dir / entry_name(None, tokens)
+
+
+def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
+    """A snapshot read from disk serves only requests whose adapter has the
+    same content (another path with the same bytes included)."""
+    import shutil
+
+    from tests.lora_files import lora_pairs, targets_of, write_peft
+    from tests.test_prefix_cache import run, scheduler_for
+    from worker.loader import load
+    from worker.prefix_disk import PrefixDisk, model_key
+
+    one = write_peft(tmp_path / "one", lora_pairs(targets_of(tiny_model), seed=31, strength=2.0), r=4, alpha=8.0)
+    same = shutil.copytree(one, tmp_path / "same")
+    other = write_peft(tmp_path / "other", lora_pairs(targets_of(tiny_model), seed=32, strength=2.0), r=4, alpha=8.0)
+    loaded = load(tiny_model)
+    key = model_key(tiny_model, loaded.format, loaded.model)
+    root = tmp_path / "prefix"
+    writer = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+    run(writer, prompt=FIRST, lora=str(one))
+    assert writer.prefix_cache.disk.flush(30)
+    for lora in (str(other), None):
+        # A fresh worker's memory each time: only the disk could serve it.
+        reader = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+        _, done = run(reader, prompt=SECOND, lora=lora)
+        assert "cached_tokens" not in done
+    reader = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+    _, done = run(reader, prompt=SECOND, lora=str(same))
+    assert done["cached_tokens"] > 0
+
+
+def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
+    from worker.prefix_cache import CHECKPOINT, cut_points
+
+    ids = [5] * (2 * CHECKPOINT + 100)
+    ids[10] = ids[CHECKPOINT + 7] = 9
+    assert cut_points(ids, 9) == [10, CHECKPOINT, CHECKPOINT + 7, 2 * CHECKPOINT]
+    assert cut_points(ids[:50], 9) == [10]
+    # A hybrid model keeps the first and last message starts and the last
+    # checkpoint: a long message edited near its end resumes from there.
+    assert not engine.prefix_cache.trimmable
+    assert engine.prefix_cache.snapshot_points(len(ids), [10, CHECKPOINT + 7]) == {10, CHECKPOINT + 7, 2 * CHECKPOINT}

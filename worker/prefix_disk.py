@@ -1,0 +1,452 @@
+"""The prefix cache's disk tier: snapshots kept as files, so a worker that
+crashed, was unloaded or belongs to a restarted pool resumes long prompts
+from disk instead of reading them again.
+
+Every snapshot the memory tier stores is written here too, by a thread of
+its own (the engine thread only hands it the arrays, which are never
+written in place). Files live in `<dir>/<model key>/`, where the model key
+hashes the model's content (config, weight headers, samples of the weight
+bytes), the dtype it computes in, and mlx's version: the same state from the
+same tokens. A file's name hashes its adapter's content key and its token
+ids; the file holds both, so a lookup compares them, never the name alone.
+
+A file is written under a temporary name and renamed, so a crash leaves a
+whole file or none. Its payload carries a SHA-256; a file that is short,
+malformed or fails the check is removed with a log line, never used. The
+files' modification times order them, least recently used first out, past
+the byte budget, and a hit touches its file: the order survives restarts.
+
+Reads go through the same thread: a request whose prompt has a longer
+prefix on disk than in memory waits while its file is read (worker.scheduler),
+and the main thread turns the read bytes into arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("worker")
+
+MAGIC = b"LPPREFX1"
+SUFFIX = ".lpx"
+_HEAD = struct.Struct("<8sQ")
+# The largest header a file may claim (its JSON: layout, adapter key).
+MAX_HEADER = 1 << 20
+# Snapshots waiting to be written; more are dropped (logged): the engine
+# never waits for the disk.
+MAX_PENDING_WRITES = 64
+# LM Studio's rule for its disk cache: at most 30 GiB, at most a quarter of
+# the free space.
+DEFAULT_CAP = 30 << 30
+
+# How arrays of each dtype are stored: numpy has no bfloat16, so its bytes
+# travel as uint16 and are viewed back.
+_STORED = {"bfloat16": np.uint16}
+
+
+def default_budget(root: Path) -> int:
+    """min(30 GiB, a quarter of the free space where the files go)."""
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return 0
+    return min(DEFAULT_CAP, free // 4)
+
+
+def _compute_dtype(model) -> str:
+    """The dtype most of the model's parameters are held in (float32 on the
+    CPU, as the checkpoint stores them elsewhere)."""
+    from mlx.utils import tree_flatten
+
+    counts: dict[str, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        counts[str(p.dtype)] = counts.get(str(p.dtype), 0) + p.size
+    return max(counts, key=counts.get) if counts else "none"
+
+
+def model_key(model_dir: Path, fmt: str, model) -> str:
+    """A hash of what decides a snapshot's values besides its tokens: the
+    model's config and weights, the dtype it computes in, mlx's version.
+    Weights are identified by their safetensors headers (names, shapes,
+    offsets) and a MiB read at the start, middle and end of each file, so a
+    model of many gigabytes is not read whole at every start."""
+    h = hashlib.sha256()
+    h.update(f"mlx {mx.__version__} format {fmt} dtype {_compute_dtype(model)}\n".encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("model*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"\n{path.name} {size}\n".encode())
+        with open(path, "rb") as f:
+            head = f.read(8)
+            h.update(head)
+            if len(head) == 8:
+                h.update(f.read(min(int.from_bytes(head, "little"), MAX_HEADER)))
+            for at in (0, size // 2, max(0, size - (1 << 20))):
+                f.seek(at)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def entry_name(adapter: str | None, tokens: np.ndarray) -> str:
+    h = hashlib.sha256((adapter or "").encode() + b"\0")
+    h.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    return h.hexdigest()[:40] + SUFFIX
+
+
+# -- a snapshot's layers as a JSON tree and a list of arrays ---------------------
+
+
+def _flatten(node, arrays: list) -> object:
+    if node is None:
+        return None
+    if isinstance(node, mx.array):
+        arrays.append(node)
+        return len(arrays) - 1
+    items = [_flatten(x, arrays) for x in node]
+    return {"t": items} if isinstance(node, tuple) else items
+
+
+def _unflatten(tree, arrays: list):
+    if tree is None:
+        return None
+    if isinstance(tree, int):
+        return arrays[tree]
+    if isinstance(tree, dict):
+        return tuple(_unflatten(x, arrays) for x in tree["t"])
+    return [_unflatten(x, arrays) for x in tree]
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).rsplit(".", 1)[-1]
+
+
+@dataclass
+class DiskEntry:
+    name: str
+    adapter: str | None
+    tokens: np.ndarray
+    size: int  # bytes of the file
+    used: float  # its modification time: when last written or hit
+
+
+@dataclass
+class Loaded:
+    """A file read and checked on the disk thread; arrays made on the main thread."""
+
+    entry: DiskEntry
+    tree: object
+    parts: list[tuple[str, tuple, bytes]]  # (dtype, shape, bytes) per array
+
+    def layers(self) -> tuple[list, int]:
+        arrays = []
+        for dtype, shape, data in self.parts:
+            stored = _STORED.get(dtype)
+            a = mx.array(np.frombuffer(data, dtype=stored or np.dtype(dtype)).reshape(shape))
+            arrays.append(a.view(getattr(mx, dtype)) if stored else a)
+        mx.eval(arrays)
+        return _unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
+
+
+class BadEntry(Exception):
+    pass
+
+
+def _read_header(f, size: int) -> tuple[dict, int]:
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size:
+        raise BadEntry("shorter than its header")
+    magic, length = _HEAD.unpack(head)
+    if magic != MAGIC or length > MAX_HEADER:
+        raise BadEntry("not a prefix cache file")
+    raw = f.read(length)
+    if len(raw) < length:
+        raise BadEntry("shorter than its header says")
+    try:
+        header = json.loads(raw)
+        payload = int(header["payload"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadEntry(f"malformed header ({exc})") from None
+    start = _HEAD.size + length
+    if size != start + payload:
+        raise BadEntry(f"{size} bytes where its header says {start + payload}: truncated or extended")
+    return header, start
+
+
+class PrefixDisk:
+    def __init__(self, root: Path, key: str, budget: int, wake: Callable[[], None] = lambda: None):
+        self.dir = root / key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget = budget
+        self.wake = wake
+        self._lock = threading.Lock()
+        self._index: dict[str, DiskEntry] = {}
+        self._writes: queue.Queue = queue.Queue(MAX_PENDING_WRITES)
+        self._reads: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._reading: set[str] = set()
+        self._work = threading.Event()
+        self._scan()
+        threading.Thread(target=self._run, name="prefix-disk", daemon=True).start()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self._index.values())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- start: what is on disk ----------------------------------------------
+
+    def _scan(self) -> None:
+        for path in self.dir.iterdir():
+            if path.name.endswith(".tmp"):
+                # A write that a crash cut short.
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                entry = self._read_index(path)
+            except BadEntry as exc:
+                self._discard(path, str(exc))
+                continue
+            except OSError as exc:
+                log.warning("prefix cache: cannot read %s: %s", path, exc)
+                continue
+            self._index[entry.name] = entry
+        if self._index:
+            log.info("prefix cache on disk: %d entries, %d bytes in %s", len(self._index), self.used, self.dir)
+        self._evict()
+
+    def _read_index(self, path: Path) -> DiskEntry:
+        st = path.stat()
+        with open(path, "rb") as f:
+            header, _ = _read_header(f, st.st_size)
+            n = int(header.get("tokens", -1))
+            raw = f.read(4 * n) if n > 0 else b""
+        if n <= 0 or len(raw) < 4 * n:
+            raise BadEntry("its token ids are missing")
+        tokens = np.frombuffer(raw, dtype=np.int32).astype(np.int64)
+        adapter = header.get("adapter")
+        if entry_name(adapter, tokens) != path.name:
+            raise BadEntry("its name does not match its tokens")
+        return DiskEntry(path.name, adapter, tokens, st.st_size, st.st_mtime)
+
+    def _discard(self, path: Path, why: str) -> None:
+        log.warning("prefix cache: dropping %s: %s", path.name, why)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._index.pop(path.name, None)
+
+    # -- lookups (main thread) -----------------------------------------------
+
+    def candidates(self, ids: np.ndarray, usable: Callable[[np.ndarray, np.ndarray], int]) -> dict[str | None, tuple[int, DiskEntry]]:
+        """The longest usable entry per adapter key: (tokens it covers, entry)."""
+        best: dict[str | None, tuple[int, DiskEntry]] = {}
+        with self._lock:
+            entries = list(self._index.values())
+        for entry in entries:
+            n = usable(entry.tokens, ids)
+            if n > 0 and n > best.get(entry.adapter, (0, None))[0]:
+                best[entry.adapter] = (n, entry)
+        return best
+
+    def read(self, entry: DiskEntry) -> bool:
+        """Starts reading an entry; False when it is already being read."""
+        if entry.name in self._reading:
+            return False
+        self._reading.add(entry.name)
+        self._reads.put(entry)
+        self._work.set()
+        return True
+
+    def results(self) -> list[tuple[DiskEntry, Loaded | None]]:
+        """Reads that ended since the last call (None: the entry was bad)."""
+        out = []
+        while True:
+            try:
+                entry, loaded = self._results.get_nowait()
+            except queue.Empty:
+                return out
+            self._reading.discard(entry.name)
+            out.append((entry, loaded))
+
+    @property
+    def reading(self) -> bool:
+        return bool(self._reading)
+
+    def wait(self, timeout: float) -> None:
+        """Until a read ends (in-process drains)."""
+        deadline = time.monotonic() + timeout
+        while self._results.empty() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # -- writes (main thread hands over) -------------------------------------
+
+    def write(self, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
+        """Queues a snapshot for writing; its arrays are evaluated and never
+        written in place (worker.prefix_cache), so this thread may read them."""
+        name = entry_name(adapter, tokens)
+        with self._lock:
+            known = self._index.get(name)
+        if known is not None:
+            self._touch(known)
+            return
+        try:
+            self._writes.put_nowait((name, adapter, tokens, layers))
+            self._work.set()
+        except queue.Full:
+            log.warning("prefix cache: %d snapshots wait for the disk; one of %d tokens is not written", MAX_PENDING_WRITES, len(tokens))
+
+    def touch(self, adapter: str | None, tokens: np.ndarray) -> None:
+        with self._lock:
+            entry = self._index.get(entry_name(adapter, tokens))
+        if entry is not None:
+            self._touch(entry)
+
+    def _touch(self, entry: DiskEntry) -> None:
+        entry.used = time.time()
+        try:
+            os.utime(self.dir / entry.name, (entry.used, entry.used))
+        except OSError:
+            pass
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every queued write is on disk (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._writes.unfinished_tasks == 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    # -- the disk thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._work.wait()
+            self._work.clear()
+            while True:
+                try:
+                    entry = self._reads.get_nowait()
+                except queue.Empty:
+                    pass
+                else:
+                    self._results.put((entry, self._load(entry)))
+                    self.wake()
+                    continue
+                try:
+                    job = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._store(*job)
+                except Exception:
+                    log.exception("prefix cache: writing a snapshot failed")
+                finally:
+                    self._writes.task_done()
+
+    def _load(self, entry: DiskEntry) -> Loaded | None:
+        path = self.dir / entry.name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                header, _ = _read_header(f, size)
+                payload = f.read()
+            if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+                raise BadEntry("its checksum does not match: the file is corrupt")
+            n = len(entry.tokens)
+            if header.get("adapter") != entry.adapter or not np.array_equal(np.frombuffer(payload[: 4 * n], dtype=np.int32), entry.tokens):
+                raise BadEntry("its adapter or token ids changed since it was indexed")
+            parts = []
+            at = 4 * n
+            for dtype, shape, nbytes in header["arrays"]:
+                parts.append((dtype, tuple(shape), payload[at : at + nbytes]))
+                at += nbytes
+            if at != len(payload):
+                raise BadEntry("its arrays do not fill its payload")
+            self._touch(entry)
+            return Loaded(entry, header["tree"], parts)
+        except FileNotFoundError:
+            with self._lock:
+                self._index.pop(entry.name, None)
+            return None
+        except (BadEntry, KeyError, TypeError, ValueError) as exc:
+            self._discard(path, str(exc))
+            return None
+        except OSError as exc:
+            log.warning("prefix cache: cannot read %s: %s", path, exc)
+            return None
+
+    def _store(self, name: str, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
+        arrays: list[mx.array] = []
+        tree = _flatten(layers, arrays)
+        token_bytes = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        blobs = [memoryview(a).tobytes() for a in arrays]
+        digest = hashlib.sha256(token_bytes)
+        for blob in blobs:
+            digest.update(blob)
+        payload = len(token_bytes) + sum(len(b) for b in blobs)
+        header = json.dumps(
+            {
+                "adapter": adapter,
+                "tokens": len(tokens),
+                "tree": tree,
+                "arrays": [[_dtype_name(a), list(a.shape), len(b)] for a, b in zip(arrays, blobs)],
+                "payload": payload,
+                "sha256": digest.hexdigest(),
+            }
+        ).encode()
+        if _HEAD.size + len(header) + payload > self.budget:
+            return
+        path = self.dir / name
+        tmp = path.with_name(f"{name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEAD.pack(MAGIC, len(header)))
+                f.write(header)
+                f.write(token_bytes)
+                for blob in blobs:
+                    f.write(blob)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("prefix cache: cannot write %s: %s", path, exc)
+            return
+        st = path.stat()
+        with self._lock:
+            self._index[name] = DiskEntry(name, adapter, np.asarray(tokens, dtype=np.int64), st.st_size, st.st_mtime)
+        self._evict()
+
+    def _evict(self) -> None:
+        with self._lock:
+            total = sum(e.size for e in self._index.values())
+            gone = []
+            for entry in sorted(self._index.values(), key=lambda e: e.used):
+                if total <= self.budget:
+                    break
+                if entry.name in self._reading:
+                    continue
+                total -= entry.size
+                gone.append(self._index.pop(entry.name))
+        for entry in gone:
+            (self.dir / entry.name).unlink(missing_ok=True)
+            log.debug("prefix cache: %s evicted from disk (least recently used)", entry.name)
