@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.pool import PoolProc
+from harness.pool import PoolProc, is_terminal
 from harness.procs import wait_for
 from supervisor.config import Config, ModelEntry
 from supervisor.resolve import AdapterRefused, Resolver
@@ -240,6 +240,20 @@ def metric_series(pool) -> set[tuple]:
     return {key for key in scrape(pool.metrics) if key[0].startswith("lattice_") and not key[0].startswith(("lattice_model_", "lattice_system_", "lattice_supervisor_"))}
 
 
+def counter(match):
+    """A predicate's helper: counts the distinct events it is shown that
+    match (wait_for shows an event again in a later call); called without
+    an event, says how many so far."""
+    seen: set[int] = set()
+
+    def count(event: dict | None = None) -> int:
+        if event is not None and id(event) not in seen and match(event):
+            seen.add(id(event))
+        return len(seen)
+
+    return count
+
+
 def gaps(events: list[dict], since: float, until: float) -> list[float]:
     times = [e["_at"] for e in events if since <= e["_at"] <= until]
     return [b - a for a, b in zip(times, times[1:])]
@@ -274,20 +288,21 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     assert held <= 1  # the one watcher: the configured adapter loaded
 
     pool.send({"model": "tiny", "id": "stream", "prompt": CHAT, "max_tokens": 100_000, "temperature": 0.7, "seed": 1})
-    tokens = lambda: [e for e in pool.events if e.get("id") == "stream" and e["ev"] == "gen_token"]  # noqa: E731
-    pool.wait_for(lambda e: e.get("id") == "stream" and len(tokens()) >= 60)
+    # Predicates see each new event once, so that this thread, which holds
+    # the GIL while it looks, never delays the reader thread that stamps
+    # each line's arrival time (_at).
+    tokens = counter(lambda e: e.get("id") == "stream" and e["ev"] == "gen_token")
+    pool.wait_for(lambda e: tokens(e) >= 60)
     baseline_end = time.monotonic()
     lines = b"".join(pool.line({"model": "tiny", "id": f"f{i}", "lora": lora, "prompt": CHAT, "max_tokens": 1}) for i, lora in enumerate(flood))
-    pool.send(lines)
-    peak = held
-    for i in range(len(flood)):
-        pool.terminal(f"f{i}")
-        if i % 20 == 0:
-            peak = max(peak, inotify_instances(pool.proc.pid))
+    pool.send(lines)  # in one write: the flood arrives at once
+    pool.sent_ids += [f"f{i}" for i in range(len(flood))]
+    ended = counter(lambda e: str(e.get("id")).startswith("f") and is_terminal(e))
+    pool.wait_for(lambda e: ended(e) == len(flood))
     flood_end = time.monotonic()
-    count = len(tokens())
-    pool.wait_for(lambda e: e.get("id") == "stream" and len(tokens()) >= count + 20)
-    peak = max(peak, inotify_instances(pool.proc.pid))
+    count = tokens()
+    pool.wait_for(lambda e: tokens(e) >= count + 20)
+    peak = max(held, inotify_instances(pool.proc.pid))
     pool.send({"op": "cancel", "id": "stream"})
     assert pool.terminal("stream")["finish_reason"] == "cancelled"
 
@@ -297,7 +312,7 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     # The stream's largest gap between tokens while the flood was handled,
     # against its largest in as long a stretch just before: the 100 ms the
     # flood may add is measured above this machine's own jitter.
-    stream = tokens()
+    stream = [e for e in pool.events if e.get("id") == "stream" and e["ev"] == "gen_token"]
     start = stream[0]["_at"]
     during = max(gaps(stream, baseline_end, flood_end + 0.5))
     before_gap = max(gaps(stream, max(start, baseline_end - (flood_end - baseline_end) - 0.5), baseline_end))
