@@ -217,6 +217,19 @@ def test_hostile_loras_over_stdin_and_http_get_one_bad_request(pool, files, tiny
     assert not [e for e in pool.events if e["ev"] in ("failed", "restarting")]
 
 
+def test_a_broken_adapter_named_by_a_request_is_told_once_per_try(pool, files):
+    """Each request for an adapter the worker cannot read: one adapter_error
+    line (its `loading` line first, once), and its error; no watch."""
+    broken = files["root"] / "broken.safetensors"
+    broken.write_bytes(b"not an adapter")
+    mark = len(pool.events)
+    for n in range(2):
+        pool.send({"model": "tiny", "id": f"b{n}", "lora": str(broken), "prompt": CHAT, "max_tokens": 1})
+        assert pool.terminal(f"b{n}")["code"] == "adapter_error"
+    lines = [e["ev"] for e in pool.events[mark:] if e.get("lora") == str(broken) or e.get("id") in ("b0", "b1")]
+    assert lines == ["loading", "adapter_error", "error", "adapter_error", "error"], lines
+
+
 def inotify_instances(pid: int) -> int:
     """inotify instances held by the pool: its processes' descriptors that
     are links to anon_inode:inotify."""
