@@ -1,15 +1,26 @@
 """The pool's side of LoRA adapters: hot reload, and the private copies.
 
-Hot reload: watch an adapter on disk and ask its worker to re-read it.
+Hot reload: watch the files of each adapter a worker has loaded, and ask
+the worker to re-read it when they change.
 
-The watch is on the adapter's parent directory, not the file: an atomic
-rename-over or a delete-then-create replaces the inode, and a watch on the
-old inode would never fire again. watchfiles groups the burst of events of
-one save (`step`: quiet time that ends a burst), so a save is seen once.
+One watcher serves the whole pool (FileWatcher): one thread, holding at
+most one inotify instance (or FSEvents stream) at a time, with a watch on
+each file of the adapters loaded now, never on a directory. A watch is
+added once a worker has loaded the adapter (adapter_loaded), so a request
+naming a file costs no watch, and removed when the last name using it
+leaves. An atomic rename-over or a delete-then-create replaces the inode a
+watch is on, so after every burst of events the watcher is armed anew on
+the files' current inodes, and each file's identity (inode, size, times)
+is compared with the last one seen: a change that fell between two
+watchers, or a file that comes back after a delete (files that are missing
+are looked for every POLL_MS), is still seen, and a change is reported once
+however many events it made. watchfiles groups the burst of events of one
+save (`step`: quiet time that ends a burst).
 
 A reload that fails right after a change is retried a few times: an
 in-place rewrite can be read half written, and the writer's last event may
-already be folded into the burst that triggered the failed read.
+already be folded into the burst that triggered the failed read. Only the
+last failure is told (one adapter_error line per change, not one per try).
 
 Copies: each worker keeps a copy of every adapter it loaded in full
 (worker.lora.formats.AdapterReader), so a read after a restart or an
@@ -26,12 +37,16 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
 import psutil
-from watchfiles import awatch
+# The watcher itself, not watchfiles.watch(): that arms it only on the
+# first iteration, and a round must arm before it looks at the files.
+from watchfiles._rust_notify import RustNotify
 
+from supervisor.adapter_policy import DIRECTORY_WEIGHTS
 from supervisor.resolve import ModelSpec
 from supervisor.slot import WorkerSlot
 
@@ -39,77 +54,187 @@ log = logging.getLogger("lattice.watch")
 
 STEP_MS = 50
 DEBOUNCE_MS = 400
+# How often files that are missing (deleted, not yet back) are looked for.
+POLL_MS = 1000
+# After the watcher itself failed (out of inotify watches, say): the wait
+# before it tries again, so a lasting cause costs no busy loop.
+FAILED_WAIT = 2.0
 RETRY_DELAYS = (0.2, 0.5, 1.0)
 
 # A PEFT adapter given as its .safetensors file is configured by the JSON beside it.
-_CONFIG_NAMES = ("adapter_config.json",)
+_CONFIG_NAME = "adapter_config.json"
+
+# (path, its identity) of each file of an adapter; identity None: missing.
+Print = tuple[tuple[str, tuple | None], ...]
 
 
-class AdapterWatcher:
-    def __init__(self, path: Path, reload: Callable[[], bool], missing: Callable[[], None]):
-        self.path = path
-        self._reload = reload
-        self._missing = missing
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._retry: asyncio.TimerHandle | None = None
-        self._retries_left = 0
+def adapter_files(adapter: str) -> list[Path]:
+    """The files whose change changes what the worker reads for `adapter`
+    (worker.lora.formats): a directory's weights files and config, or a
+    weights file and, for .safetensors, the config beside it."""
+    path = Path(adapter)
+    if path.is_dir():
+        return [path / name for name in (*DIRECTORY_WEIGHTS, _CONFIG_NAME)]
+    if path.suffix == ".safetensors":
+        return [path, path.parent / _CONFIG_NAME]
+    return [path]
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+
+def _identity(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+def fingerprint(adapter: str) -> Print:
+    return tuple((str(f), _identity(f)) for f in adapter_files(adapter))
+
+
+class FileWatcher:
+    """The pool's one watcher thread. add / remove are called on the event
+    loop and only record the adapter and wake the thread; every look at the
+    file system happens on the thread. `changed(adapter, exists)` is called
+    on the event loop, once per change seen."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, changed: Callable[[str, bool], None]):
+        self._loop = loop
+        self._changed = changed
+        self._lock = threading.Lock()
+        self._adapters: set[str] = set()
+        self._prints: dict[str, Print] = {}  # thread-side: the last identity seen
+        self._wake = threading.Event()  # the set changed, or stop
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, adapter: str) -> None:
+        with self._lock:
+            self._adapters.add(adapter)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="adapter-watch", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def remove(self, adapter: str) -> None:
+        with self._lock:
+            self._adapters.discard(adapter)
+        self._wake.set()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._cancel_retry()
-        if self._task is not None:
-            self._task.cancel()
+        self._stopped = True
+        self._wake.set()
 
-    def _relevant(self, changed: str) -> bool:
-        p = Path(changed)
-        if p == self.path:
-            return True
-        if self.path.suffix == ".safetensors":
-            return p.parent == self.path.parent and p.name in _CONFIG_NAMES
-        return self.path in p.parents
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                self._round()
+            except Exception:
+                log.exception("the adapter watcher failed; trying again in %gs", FAILED_WAIT)
+                self._wake.wait(FAILED_WAIT)
 
-    async def _run(self) -> None:
-        root = self.path.parent
+    def _round(self) -> None:
+        """Arms a watcher on the files there are now and reports what
+        changed since the last round; then waits, with the same watcher,
+        until a change (reported, then a new round re-arms on the files'
+        current inodes), a change of the set, or a missing file's return."""
+        self._wake.clear()
+        with self._lock:
+            adapters = sorted(self._adapters)
+        for gone in self._prints.keys() - set(adapters):
+            del self._prints[gone]
+        if not adapters:
+            self._wake.wait()
+            return
+        files = [f for a in adapters for f in adapter_files(a)]
+        present = [str(f) for f in files if f.exists()]
+        if not present:
+            self._report(adapters, set())
+            self._wake.wait(POLL_MS / 1000)
+            return
         try:
-            async for changes in awatch(root, stop_event=self._stop, step=STEP_MS, debounce=DEBOUNCE_MS, recursive=self.path.is_dir()):
-                if any(self._relevant(changed) for _, changed in changes):
-                    self._changed()
+            notify = RustNotify(present, False, False, 0, False, True)
         except FileNotFoundError:
-            log.warning("cannot watch %s: its directory does not exist", root)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("watching %s failed; hot reload is off for it", self.path)
+            return  # one went meanwhile: the next round looks again
+        try:
+            # Armed before the files are looked at: a change after the look
+            # fires this watcher; one before it shows in the look.
+            if self._report(adapters, set()):
+                return
+            timeout = POLL_MS if len(present) < len(files) else 0
+            while not self._stopped:
+                result = notify.watch(DEBOUNCE_MS, STEP_MS, timeout, self._wake)
+                if result in ("stop", "signal"):
+                    return
+                touched = set() if result == "timeout" else {path for _, path in result}
+                if self._report(adapters, touched) or touched:
+                    return
+        finally:
+            notify.close()
 
-    def _changed(self) -> None:
+    def _report(self, adapters: list[str], touched: set[str]) -> bool:
+        """Tells the loop of each adapter whose files changed identity, or
+        had an event (`touched`), since the last look; True if any did."""
+        told = False
+        for adapter in adapters:
+            now = fingerprint(adapter)
+            before = self._prints.get(adapter)
+            self._prints[adapter] = now
+            if before is None:
+                continue  # the first look: what the worker loaded
+            if now != before or any(path in touched for path, _ in now):
+                told = True
+                exists = os.path.exists(adapter)
+                try:
+                    self._loop.call_soon_threadsafe(self._changed, adapter, exists)
+                except RuntimeError:  # the loop has closed: the pool is gone
+                    self._stopped = True
+        return told
+
+
+class _Watch:
+    """One adapter of one worker: what a change asks of it, and the
+    retries of a reload that failed; on the event loop."""
+
+    def __init__(self, slot: WorkerSlot, path: str):
+        self.slot = slot
+        self.path = path
+        self._retry: asyncio.TimerHandle | None = None
+        self._retries_left = 0
+        self._stopped = False
+
+    def changed(self, exists: bool) -> None:
         self._cancel_retry()
-        if not self.path.exists():
+        if not exists:
             log.warning("adapter %s was deleted (or cannot be reached); the worker keeps the version it has", self.path)
-            self._missing()
+            self._retries_left = 0
+            self.slot.adapter_missing(self.path)
             return
         log.info("adapter %s changed on disk; reloading", self.path)
         self._retries_left = len(RETRY_DELAYS)
-        self._reload()
+        self.slot.reload_adapter(self.path)
 
-    def result(self, loaded: bool) -> None:
-        """The worker's answer to a reload (adapter_loaded or adapter_error)."""
-        if loaded or self._retries_left <= 0 or self._stop.is_set():
+    def result(self, loaded: bool) -> bool:
+        """The worker's answer to a reload (adapter_loaded or adapter_error);
+        True when a failure will be retried, so it is not told yet."""
+        if loaded or self._retries_left <= 0 or self._stopped:
             self._retries_left = 0
-            return
+            return False
         delay = RETRY_DELAYS[len(RETRY_DELAYS) - self._retries_left]
         self._retries_left -= 1
         self._cancel_retry()
         self._retry = asyncio.get_running_loop().call_later(delay, self._retry_now)
+        return True
 
     def _retry_now(self) -> None:
         self._retry = None
-        if self.path.exists():
-            log.info("adapter %s: retrying the reload", self.path)
-            self._reload()
+        log.info("adapter %s: retrying the reload", self.path)
+        if not self.slot.reload_adapter(self.path):
+            self._retries_left = 0
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._cancel_retry()
 
     def _cancel_retry(self) -> None:
         if self._retry is not None:
@@ -118,37 +243,49 @@ class AdapterWatcher:
 
 
 class AdapterWatches:
-    """One AdapterWatcher per adapter path in use on each worker."""
+    """The adapters each worker has loaded, watched through one FileWatcher."""
 
     def __init__(self) -> None:
-        # (worker key, adapter path) -> the slot it reloads, and its watcher
-        self._watchers: dict[tuple, tuple[WorkerSlot, AdapterWatcher]] = {}
+        # (worker key, adapter path) -> its watch; bounded by the names the
+        # workers serve (max_names each).
+        self._watches: dict[tuple, _Watch] = {}
+        self._files: FileWatcher | None = None
 
-    def watch(self, slot: WorkerSlot, lora: Path) -> None:
-        key = (slot.spec.key, str(lora))
-        if key in self._watchers:
-            if self._watchers[key][0] is slot:
+    def watch(self, slot: WorkerSlot, lora: str) -> None:
+        key = (slot.spec.key, lora)
+        current = self._watches.get(key)
+        if current is not None:
+            if current.slot is slot:
                 return
-            self._watchers.pop(key)[1].stop()  # left by the slot this one replaced
-        path = str(lora)
-        watcher = AdapterWatcher(lora, lambda: slot.reload_adapter(path), lambda: slot.adapter_missing(path))
-        self._watchers[key] = (slot, watcher)
-        watcher.start()
+            current.stop()  # left by the slot this one replaced
+        self._watches[key] = _Watch(slot, lora)
+        if self._files is None:
+            self._files = FileWatcher(asyncio.get_running_loop(), self._changed)
+        self._files.add(lora)
 
     def unwatch(self, worker: tuple, lora: str | None = None) -> None:
         """Stops the watch of one adapter of a worker, or (lora None) all of them."""
-        for key in [k for k in self._watchers if k[0] == worker and (lora is None or k[1] == lora)]:
-            self._watchers.pop(key)[1].stop()
+        for key in [k for k in self._watches if k[0] == worker and (lora is None or k[1] == lora)]:
+            self._watches.pop(key).stop()
+            if self._files is not None and not any(k[1] == key[1] for k in self._watches):
+                self._files.remove(key[1])
 
-    def result(self, worker: tuple, lora: str | None, loaded: bool) -> None:
-        entry = self._watchers.get((worker, lora))
-        if entry is not None:
-            entry[1].result(loaded)
+    def result(self, worker: tuple, lora: str | None, loaded: bool) -> bool:
+        """A reload's answer; True when its failure is retried, not told."""
+        entry = self._watches.get((worker, lora))
+        return entry is not None and entry.result(loaded)
+
+    def _changed(self, adapter: str, exists: bool) -> None:
+        for (_, lora), entry in list(self._watches.items()):
+            if lora == adapter:
+                entry.changed(exists)
 
     def stop_all(self) -> None:
-        for _, watcher in self._watchers.values():
-            watcher.stop()
-        self._watchers.clear()
+        for entry in self._watches.values():
+            entry.stop()
+        self._watches.clear()
+        if self._files is not None:
+            self._files.stop()
 
 
 COPIES_PREFIX = "lattice-pool-adapters-"

@@ -14,6 +14,7 @@ import msgspec
 
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
 from supervisor import local_models, preflight, ps, stderr
+from supervisor.adapter_policy import DEFAULT_ADAPTER_DIR
 from supervisor.chat import chat
 from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, parse_size, validate
@@ -43,6 +44,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
     p.add_argument("--max-batch", type=int, help="requests one worker decodes together; more wait in the pool (default 8)")
+    p.add_argument("--adapter-dir", dest="adapter_dirs", action="append", help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)")
     p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
 
 
@@ -60,6 +62,9 @@ def apply_overrides(config: Config, args: argparse.Namespace) -> None:
         value = getattr(args, flag, None)
         if value is not None:
             setattr(config, flag, value)
+    dirs = getattr(args, "adapter_dirs", None)
+    if dirs:
+        config.adapter_dirs = [*(config.adapter_dirs if config.adapter_dirs is not None else [DEFAULT_ADAPTER_DIR]), *dirs]
 
 
 def base_config(args: argparse.Namespace) -> Config:

@@ -148,6 +148,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_queued_total: Annotated[int, Meta(ge=1)] = 1024
     max_prompt_bytes: Size = DEFAULT_MAX_PROMPT_BYTES
     max_adapter_bytes: Size = DEFAULT_MAX_ADAPTER_BYTES
+    # Where a request's `lora` may name adapter files (unset: ~/.lattice/
+    # adapters), besides the configured adapters and their directories
+    # (supervisor.adapter_policy).
+    adapter_dirs: list[str] | None = None
+    # What an HTTP request's `lora` may name: the configured adapters only,
+    # or files under adapter_dirs too, as on stdin.
+    http_adapters: Literal["configured", "adapter_dirs"] = "configured"
     max_control_clients: Annotated[int, Meta(ge=1)] = 32
     control_idle_timeout: Duration | None = "5m"
     # An op line on the control socket, and a request to /metrics, must

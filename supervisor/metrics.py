@@ -10,6 +10,7 @@ gauge series any more. Names and labels: docs/monitoring.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import io
@@ -74,15 +75,45 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
 
 
-def _labels(spec: ModelSpec | None) -> tuple[str, str]:
-    if spec is None:
-        return ("", "")
-    return (spec.name, str(spec.lora) if spec.lora else "")
+# (model, adapter) label pairs that carry counter and histogram series at
+# once; past it, the least recently used pair's series are dropped (its
+# counts start again from zero if it comes back). Requests name models and
+# adapters, so without a bound a client could grow /metrics for ever.
+MAX_LABEL_PAIRS = 256
+
+
+class _LabelPairs:
+    """The (model, adapter) label pairs in use, least recently used first,
+    each with the series made for it (so that they can be removed)."""
+
+    def __init__(self, cap: int = MAX_LABEL_PAIRS):
+        self.cap = cap
+        self._series: collections.OrderedDict[tuple[str, str], set[tuple]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def use(self, metric, pair: tuple[str, str], *rest: str):
+        """metric.labels(*pair, *rest), counted as a use of `pair`."""
+        with self._lock:
+            made = self._series.get(pair)
+            if made is None:
+                made = self._series[pair] = set()
+                while len(self._series) > self.cap:
+                    _, evicted = self._series.popitem(last=False)
+                    for owner, labels in evicted:
+                        owner.remove(*labels)
+            else:
+                self._series.move_to_end(pair)
+            made.add((metric, (*pair, *rest)))
+            return metric.labels(*pair, *rest)
+
+    def __len__(self) -> int:
+        return len(self._series)
 
 
 class _MeasuredGauges(Collector):
-    def __init__(self, snapshot: Callable[[], Status | None]):
+    def __init__(self, snapshot: Callable[[], Status | None], adapter_name: Callable[[str | None], str]):
         self._snapshot = snapshot
+        self._adapter_name = adapter_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         status = self._snapshot()
@@ -97,7 +128,7 @@ class _MeasuredGauges(Collector):
         )
         ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
         for row in status.models:
-            key = [row.model, row.lora or ""]
+            key = [row.model, self._adapter_name(row.lora)]
             for field, family in families.items():
                 family.add_metric(key, getattr(row, field))
             for rank in row.ranks or ():
@@ -139,7 +170,16 @@ class PoolMetrics:
         self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
         self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
         self.tok_s = Histogram("lattice_tokens_per_second", "Generated tokens per second of each request (chat_metal's tok_s)", LABELS, buckets=TOK_S_BUCKETS, registry=r)
-        r.register(_MeasuredGauges(self._snapshot))
+        self.pairs = _LabelPairs()
+        r.register(_MeasuredGauges(self._snapshot, pool.resolver.adapters.name_of))
+
+    def _labels(self, spec: ModelSpec | None) -> tuple[str, str]:
+        """A name's labels: the adapter by its name, never its path (a
+        path tells where the pool's files are, and every distinct one would
+        be a series)."""
+        if spec is None:
+            return ("", "")
+        return (spec.name, self._pool.resolver.adapters.name_of(spec.lora))
 
     def _snapshot(self) -> Status | None:
         """Runs on the scrape thread."""
@@ -157,25 +197,25 @@ class PoolMetrics:
     # -- PoolObserver -------------------------------------------------------------
 
     def request_done(self, spec: ModelSpec, done: Done, surface: str) -> None:
-        key = _labels(spec)
-        self.requests.labels(*key, surface).inc()
+        key = self._labels(spec)
+        self.pairs.use(self.requests, key, surface).inc()
         if done.gen_tokens:
             # A request cancelled before its first token has no TTFT or rate.
-            self.tokens.labels(*key, surface).inc(done.gen_tokens)
-            self.ttft.labels(*key).observe(done.ttft_ms / 1000.0)
-            self.tok_s.labels(*key).observe(done.tok_s)
+            self.pairs.use(self.tokens, key, surface).inc(done.gen_tokens)
+            self.pairs.use(self.ttft, key).observe(done.ttft_ms / 1000.0)
+            self.pairs.use(self.tok_s, key).observe(done.tok_s)
         if done.drafted_tokens:
-            self.drafted.labels(*key).inc(done.drafted_tokens)
-            self.accepted.labels(*key).inc(done.accepted_tokens)
+            self.pairs.use(self.drafted, key).inc(done.drafted_tokens)
+            self.pairs.use(self.accepted, key).inc(done.accepted_tokens)
 
     def error(self, spec: ModelSpec | None, code: str, surface: str) -> None:
-        self.errors.labels(*_labels(spec), code, surface).inc()
+        self.pairs.use(self.errors, self._labels(spec), code, surface).inc()
 
     def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
-        self.adapter_reloads.labels(*_labels(spec), "loaded" if loaded else "error").inc()
+        self.pairs.use(self.adapter_reloads, self._labels(spec), "loaded" if loaded else "error").inc()
 
     def restarted(self, spec: ModelSpec) -> None:
-        self.restarts.labels(*_labels(spec)).inc()
+        self.pairs.use(self.restarts, self._labels(spec)).inc()
 
 
 class _DeadlineReader(io.RawIOBase):

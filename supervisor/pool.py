@@ -38,7 +38,7 @@ from supervisor.job import Job, Sink
 from supervisor.names import Name
 from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
 from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
-from supervisor.resolve import ModelSpec, Resolver, UnknownModel
+from supervisor.resolve import AdapterRefused, ModelSpec, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.states import LIVE, State
 from supervisor.status import Status, StatusRow, SurfaceRequests, stats_event, status, status_event, status_row
@@ -148,11 +148,17 @@ class Pool:
     def error_counted(self, slot: WorkerSlot, job: Job, code: str | None) -> None:
         self.note_error(slot.spec, code, job.surface)
 
-    def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
+    def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
+        if self.watches.result(slot.spec.key, lora, loaded):
+            return True  # a failed reload that its watch tries again: told if the last try fails
         for observer in self.observers:
             for spec in specs:
                 observer.adapter_event(spec, loaded)
-        self.watches.result(slot.spec.key, lora, loaded)
+        if loaded and lora is not None and self.slots.get(slot.spec.key) is slot and slot.uses(lora):
+            # Watched from the moment its worker holds it, not before: a
+            # request naming a file that never loads costs no watch.
+            self.watches.watch(slot, lora)
+        return False
 
     def restarted(self, slot: WorkerSlot) -> None:
         for observer in self.observers:
@@ -207,7 +213,11 @@ class Pool:
             refuse(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
             return
         try:
-            spec = self.resolver.resolve(msg.model, msg.lora)
+            # stdin is the pool's owner; HTTP clients get the HTTP rule.
+            spec = self.resolver.resolve(msg.model, msg.lora, lora_paths=None if surface == "http" else True)
+        except AdapterRefused as exc:
+            refuse(BAD_REQUEST, str(exc))
+            return
         except UnknownModel as exc:
             refuse(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc))
             return
@@ -305,8 +315,6 @@ class Pool:
             self.spawn(self._admit(slot))
         elif spec.name_key not in slot.names:
             slot.join(spec)
-            if spec.lora is not None and slot.state != State.UNLOADED:  # admitted: its adapters are watched
-                self.watches.watch(slot, spec.lora)
             self._trim_names(slot, spec)
         return slot
 
@@ -384,10 +392,6 @@ class Pool:
                         if victim is not None:
                             await self._stop(victim, f"evicted to make room for {slot.name!r}")
                     await slot.start("admitted")
-                    if self.slots.get(slot.spec.key) is slot:  # not unloaded meanwhile
-                        for name in list(slot.names.values()):
-                            if name.spec.lora is not None:
-                                self.watches.watch(slot, name.spec.lora)
                     return
                 self._room.clear()
             log.info("model=%s waits for room: %s", slot.name, decision.reason)
@@ -438,7 +442,13 @@ class Pool:
             self.shutdown_requested.set()
             return None
         try:
-            spec = self.resolver.resolve(msg.model, msg.lora)
+            # Ops come from stdin or the control socket (the pool's user); an
+            # unload or reload names a name already known, whose file may
+            # have gone since.
+            spec = self.resolver.resolve(msg.model, msg.lora, lora_paths=True, check_lora=msg.op == "load")
+        except AdapterRefused as exc:
+            self._refuse(BAD_REQUEST, str(exc), id_json, answer)
+            return None
         except UnknownModel as exc:
             self._refuse(UNKNOWN_MODEL, str(exc), id_json, answer)
             return None

@@ -8,12 +8,17 @@ from pathlib import Path
 
 from ipc.group import HostSpec, encode_hosts
 from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
+from supervisor.adapter_policy import AdapterPolicy
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.local_models import hub_snapshot, is_hub_id
 
 
 class UnknownModel(Exception):
     pass
+
+
+class AdapterRefused(UnknownModel):
+    """A `lora` the adapter policy refuses: a bad_request, not an unknown model."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Resolver:
         self.cache = model_cache_dir(config)
         self.by_name: dict[str, ModelEntry] = {m.name: m for m in config.models}
         self.default_keep_alive = parse_duration(config.keep_alive)
+        self.adapters = AdapterPolicy(config, expand)
         # A configured model keeps the paths it first resolved to: its worker
         # stays the same one when a path on disk later breaks (a symlink
         # turned into a loop), and goes on with what it has loaded.
@@ -111,7 +117,7 @@ class Resolver:
         # `pull` moves refs/main. Bounded by what the cache holds.
         self._hub: dict[str, Path] = {}
 
-    def _from_entry(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
+    def _from_entry(self, entry: ModelEntry, lora: Path | None) -> ModelSpec:
         if lora is not None:
             return self._entry_spec(entry, lora)
         spec = self._configured.get(entry.name)
@@ -119,13 +125,13 @@ class Resolver:
             spec = self._configured[entry.name] = self._entry_spec(entry, None)
         return spec
 
-    def _entry_spec(self, entry: ModelEntry, lora: str | None) -> ModelSpec:
+    def _entry_spec(self, entry: ModelEntry, lora: Path | None) -> ModelSpec:
         keep = parse_duration(entry.keep_alive) if entry.keep_alive is not None else self.default_keep_alive
-        adapter = lora if lora is not None else entry.lora
+        adapter = lora if lora is not None else (expand(entry.lora) if entry.lora else None)
         return ModelSpec(
             name=entry.name,
             path=expand(entry.path),
-            lora=expand(adapter) if adapter else None,
+            lora=adapter,
             tokenizer_dir=expand(entry.tokenizer_dir) if entry.tokenizer_dir else None,
             keep_alive=keep,
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
@@ -143,12 +149,24 @@ class Resolver:
             return self.config.models[0].name
         return None
 
-    def resolve(self, ref: str | None, lora: str | None = None, *, paths: bool = True) -> ModelSpec:
+    def resolve(
+        self, ref: str | None, lora: str | None = None, *, paths: bool = True, lora_paths: bool | None = None, check_lora: bool = True
+    ) -> ModelSpec:
         """A configured name, a directory under the model cache, a Hugging
         Face id in the local HF cache, or (unless `paths` is False: what an
-        HTTP client names) a path."""
+        HTTP client names) a path; with the adapter `lora` names where the
+        adapter policy allows it, else AdapterRefused.
+        lora_paths: whether `lora` may name a file under adapter_dirs (None:
+        as for an HTTP request); check_lora: AdapterPolicy.adapter's
+        check_file."""
+        adapter = None
+        if lora:
+            allowed = self.adapters.http_paths if lora_paths is None else lora_paths
+            adapter = self.adapters.adapter(lora, paths=allowed, check_file=check_lora)
+            if adapter is None:
+                raise AdapterRefused(self.adapters.refusal(lora, allowed))
         try:
-            return self._resolve(ref, lora, paths)
+            return self._resolve(ref, adapter, paths)
         except (OSError, ValueError, RuntimeError) as exc:
             # Client text becomes a path here: a NUL byte, an over-long name or
             # a symlink loop (RuntimeError from Path.resolve before Python
@@ -156,7 +174,7 @@ class Resolver:
             what = (f"model {ref!r}" if ref is not None else "the default model") + (f" with lora {lora!r}" if lora is not None else "")
             raise UnknownModel(f"{what} is not a usable path: {exc}") from exc
 
-    def _resolve(self, ref: str | None, lora: str | None, paths: bool) -> ModelSpec:
+    def _resolve(self, ref: str | None, adapter: Path | None, paths: bool) -> ModelSpec:
         if ref is None:
             ref = self.default_ref()
             if ref is None:
@@ -164,8 +182,7 @@ class Resolver:
                 raise UnknownModel(f'no "model" given and no default: {count} models are configured, set "model" or default_model')
         entry = self.by_name.get(ref)
         if entry is not None:
-            return self._from_entry(entry, lora)
-        adapter = expand(lora) if lora else None
+            return self._from_entry(entry, adapter)
         if "/" not in ref and ref not in (".", ".."):
             cached = self.cache / ref
             if cached.is_dir():

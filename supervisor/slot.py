@@ -78,9 +78,10 @@ class SlotEvents(Protocol):
     def error_counted(self, slot: "WorkerSlot", job: Job, code: str | None) -> None:
         """An error line ended a request (the worker's or the slot's)."""
 
-    def adapter_event(self, slot: "WorkerSlot", lora: str | None, specs: list[ModelSpec], loaded: bool) -> None:
+    def adapter_event(self, slot: "WorkerSlot", lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
         """adapter_loaded (True) or adapter_error (False) from the worker
-        about `lora`, written for the names of `specs`."""
+        about `lora`, to be written for the names of `specs`; True holds
+        the line back (a failed reload that will be tried again)."""
 
     def restarted(self, slot: "WorkerSlot") -> None: ...
 
@@ -559,6 +560,9 @@ class WorkerSlot:
         names = [n for n in self.names.values() if n.lora == lora]
         coming = [n for n in names if not n.up] if loaded and self.state in (State.READY, State.BUSY) else []
         told = [n for n in names if n not in coming]
+        if self.events.adapter_event(self, lora, [n.spec for n in told], loaded):
+            log.info("%s: adapter %s: a failed reload, tried again: %r", self._describe(), lora, line[:200])
+            return
         failed = None if loaded else str(parse_event(line).get("msg") or "the adapter could not be loaded")
         for name in names:
             if loaded or not name.up:
@@ -567,7 +571,6 @@ class WorkerSlot:
             self.lines.write(renamed(line, name.name, self.name))
         if not names:
             log.info("%s: adapter event of no name dropped: %r", self._describe(), line[:200])
-        self.events.adapter_event(self, lora, [n.spec for n in told], loaded)
         for name in coming:
             self._announce(name)
 

@@ -70,8 +70,8 @@ def test_names_on_one_base_share_a_worker_key_unless_their_worker_settings_diffe
     (tmp_path / "c.toml").write_text(text)
     resolver = Resolver(load_config(tmp_path / "c.toml"))
     specs = {n: resolver.resolve(n) for n, _, _ in entries}
-    assert specs["a"].key == specs["b"].key == resolver.resolve("a", "/z").key and specs["a"].max_adapters == 4
-    assert specs["a"].name_key != specs["b"].name_key != resolver.resolve("a", "/z").name_key
+    assert specs["a"].key == specs["b"].key == resolver.resolve("a", "/y").key and specs["a"].max_adapters == 4
+    assert specs["a"].name_key != specs["b"].name_key != resolver.resolve("a", "/y").name_key
     assert len({specs[n].key for n in "acd"}) == 3 and specs["c"].max_adapters == 2
 
 

@@ -281,7 +281,7 @@ def test_a_model_reference_that_is_no_path_does_not_end_the_pool(tmp_path, spawn
     pool.sent_ids.append("load")  # an op's error carries its id
     pool.send({"model": "a", "id": "ok", "prompt": "x", "max_tokens": 2})
     assert pool.terminal("nul")["code"] == "unknown_model"
-    assert pool.terminal("lora")["code"] == "unknown_model"
+    assert pool.terminal("lora")["code"] == "bad_request"
     assert pool.terminal("load")["code"] == "unknown_model"
     assert pool.terminal("ok")["gen_tokens"] == 2
     assert pool.close() == 0

@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
+from harness.procs import wait_for
 from tests.lora_files import lora_pairs, targets_of, write_mlx
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -104,14 +105,19 @@ def test_each_rewrite_style_reloads(setup, style):
 @pytest.mark.parametrize("broken", ["truncated", "shape"])
 def test_broken_files_keep_the_old_adapter(setup, tmp_path, tiny_model, broken):
     pool, live, content, texts, greedy = setup
+    mark = len(pool.events)
     rename_over(live, adapter_bytes(tmp_path, tiny_model, seed=3, broken=broken))
     err = pool.wait_for(lambda e: e["ev"] == "adapter_error" and e["model"] == "live")
     assert err["code"] == "adapter_error" and ("truncated" in err["msg"] or "shape mismatch" in err["msg"]), err
+    # The read is tried again (a write can be read half done) and the
+    # failure told once, not once per try (four identical lines).
+    wait_for(lambda: pool.stderr.count(b"retrying the reload") >= 3, 60, message="three retries of the reload")
     assert greedy("live") == texts["v1"]
     # A later good write still gets through.
     rename_over(live, content["v2"])
     pool.wait_for(lambda e: e["ev"] == "adapter_loaded" and e["model"] == "live" and e["sha256"] == sha(content["v2"]))
     assert greedy("live") == texts["v2"]
+    assert [e["ev"] for e in pool.events[mark:] if e["ev"].startswith("adapter_") and e["model"] == "live"] == ["adapter_error", "adapter_loaded"]
     assert pool.close() == 0
 
 
@@ -155,7 +161,8 @@ def test_rapid_rewrites_while_requests_stream(setup, tmp_path, tiny_model):
 
 def test_adapter_directories_reload_too(tmp_path, tiny_model, spawn_pool):
     """A PEFT adapter given as its directory: a new config alone is a new adapter."""
-    from tests.lora_files import write_peft
+    from harness.procs import wait_for
+from tests.lora_files import write_peft
 
     pairs = lora_pairs(targets_of(tiny_model), seed=4)
     live = write_peft(tmp_path / "adapters" / "style", pairs, r=4, alpha=8.0)
