@@ -138,7 +138,8 @@ def bind_private(path: Path) -> socket.socket:
 class _Client:
     def __init__(self, writer: asyncio.StreamWriter, reserved: bool):
         self.writer = writer
-        # Let in beyond max_control_clients: bounded by the request timeout alone.
+        # Let in beyond max_control_clients: closed once quiet for the
+        # request timeout (or the idle timeout, if shorter).
         self.reserved = reserved
         self.pending: set[asyncio.Task] = set()
         self.last_active = time.monotonic()
