@@ -138,7 +138,8 @@ def bind_private(path: Path) -> socket.socket:
 class _Client:
     def __init__(self, writer: asyncio.StreamWriter, reserved: bool):
         self.writer = writer
-        # Let in beyond max_control_clients: bounded by the request timeout alone.
+        # Let in beyond max_control_clients: closed once quiet for the
+        # request timeout (or the idle timeout, if shorter).
         self.reserved = reserved
         self.pending: set[asyncio.Task] = set()
         self.last_active = time.monotonic()
@@ -277,7 +278,9 @@ class ControlServer:
         the line begun at `line_started` is not whole within the request
         timeout (a client trickling bytes is not kept for ever)."""
         while True:
-            idle = self.request_timeout if client.reserved else self.idle_timeout
+            idle = self.idle_timeout
+            if client.reserved:
+                idle = self.request_timeout if idle is None else min(idle, self.request_timeout)
             limits = [] if idle is None else [(client.last_active + idle, False)]
             if line_started is not None:
                 limits.append((line_started + self.request_timeout, True))
@@ -290,7 +293,7 @@ class ControlServer:
                     log.warning("control socket: closing a connection whose op line did not arrive whole within %gs (control_request_timeout)", self.request_timeout)
                     client.write(encode_error(f"an op line must arrive whole within {self.request_timeout:g}s of its first byte (control_request_timeout); closing the connection", BAD_REQUEST))
                 else:
-                    log.info("control socket: closing a connection idle for %gs (%s)", idle, "control_request_timeout" if client.reserved else "control_idle_timeout")
+                    log.info("control socket: closing a connection idle for %gs (%s)", idle, "control_request_timeout" if idle == self.request_timeout else "control_idle_timeout")
                 return None
             try:
                 data = await asyncio.wait_for(reader.read(65536), left)

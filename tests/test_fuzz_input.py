@@ -6,7 +6,9 @@ socket, which answer every line and go on."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import socket
 import threading
 
@@ -25,6 +27,7 @@ from supervisor.resolve import Resolver, UnknownModel
 
 # Seeded and without an example database, so every run checks the same cases.
 from harness.pool import RawPool
+from harness.procs import wait_for
 
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -389,3 +392,38 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     events = [json.loads(line[10:]) for line in pool.out.splitlines()]
     ends = [e["id"] for e in events if "id" in e and (e["ev"] == "error" or e.get("done") is True)]
     assert sorted(map(str, ends)) == sorted(map(str, ids + ["after"]))
+
+
+def test_the_corpus_over_http(tmp_path, loops, spawn_pool):
+    """The same lines as request bodies, and the headers a web page or a
+    slow client sends: every one is answered in OpenAI's shape with a 4xx
+    (or served), none with a 500, and the pool serves on."""
+    fakes = FakeModels(tmp_path)
+    fakes.add("a")
+    pool = spawn_pool("--config", fakes.config('http = "127.0.0.1:0"\nhttp_request_timeout = "2s"'), env=FAKE_ENV)
+    found = wait_for(lambda: re.search(rb"http on http://127\.0\.0\.1:(\d+)/v1", pool.stderr), 60, message="the http log line")
+    port = int(found.group(1))
+    lines, _ = hostile_corpus(loops)
+    json_type = {"content-type": "application/json"}
+    asks = [("POST", path, line, json_type) for line in lines for path in ("/v1/completions", "/v1/chat/completions")]
+    asks += [
+        ("POST", "/v1/completions", b'{"model":"a","prompt":"x"}', {"content-type": "text/plain", "origin": "https://evil.example"}),
+        ("POST", "/v1/completions", b'{"model":"a","prompt":"x"}', {}),
+        ("GET", "/v1/models", b"", {"host": "rebound.evil.example"}),
+        ("GET", "/v1/models", b"", {"origin": "null"}),
+        ("POST", "/v1/chat/completions", b'{"model":"a","messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}', json_type),
+    ]
+    statuses = []
+    for method, path, body, headers in asks:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            conn.request(method, path, body=body or None, headers=headers)
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+        statuses.append(response.status)
+        assert response.status in (200, 400, 403, 404, 413), (path, body[:80], response.status, answer)
+        assert ("choices" in answer) if response.status == 200 else set(answer["error"]) == {"message", "type", "param", "code"}
+    assert statuses[-5:] == [403, 403, 403, 403, 400]
+    assert pool.close() == 0
