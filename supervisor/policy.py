@@ -125,3 +125,47 @@ def make_room(
     if fits(count, used):
         return Evict(tuple(victims))
     return Wait("every loaded model that would have to be unloaded is busy")
+
+
+# Without max_loaded or memory_budget the pool still bounds its workers: as
+# many as fit in this share of the machine's memory at the footprint of the
+# largest (its weights and the runtime a worker takes besides), never more
+# than DEFAULT_MAX_LOADED_CEILING (each worker is a process with its threads
+# and pipes even when its model is tiny), and at least one.
+DEFAULT_MEMORY_SHARE = 0.75
+DEFAULT_MAX_LOADED_CEILING = 16
+
+
+def default_max_loaded(total_memory: int, footprints: list[int]) -> int:
+    """max_loaded when the config sets neither it nor memory_budget, from the
+    machine's memory and the bytes of each worker loaded or about to be."""
+    largest = max(footprints, default=0)
+    if largest <= 0:
+        return DEFAULT_MAX_LOADED_CEILING
+    return max(1, min(DEFAULT_MAX_LOADED_CEILING, int(total_memory * DEFAULT_MEMORY_SHARE) // largest))
+
+
+# Models that failed stay in `ps` and status, so that their cause can be
+# read and requests get model_failed, but not for ever: a client naming
+# model dir after model dir that fails would grow the table without end.
+# Configured models are kept (a `load` op retries them); other failed rows
+# go after FAILED_ROW_SECONDS, or past MAX_FAILED_ROWS, oldest first. A
+# request naming a dropped one again starts it afresh.
+MAX_FAILED_ROWS = 8
+FAILED_ROW_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class FailedRow:
+    key: object
+    failed_at: float  # time.monotonic() when it failed
+    configured: bool
+
+
+def failed_rows_to_drop(rows: list[FailedRow], *, now: float, max_rows: int = MAX_FAILED_ROWS, keep_for: float = FAILED_ROW_SECONDS) -> list[object]:
+    """Keys of failed rows to forget: those not configured that failed
+    `keep_for` seconds ago or more, then the oldest past `max_rows`."""
+    adhoc = sorted((r for r in rows if not r.configured), key=lambda r: r.failed_at)
+    expired = [r for r in adhoc if now - r.failed_at >= keep_for]
+    left = [r for r in adhoc if now - r.failed_at < keep_for]
+    return [r.key for r in expired] + [r.key for r in left[: max(0, len(left) - max_rows)]]

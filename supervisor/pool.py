@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Callable, Coroutine, Protocol
 
+import psutil
+
 from ipc.events import (
     BAD_REQUEST,
     INSUFFICIENT_MEMORY,
@@ -36,7 +38,7 @@ from supervisor.child import worker_command
 from supervisor.config import Config, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.names import Name
-from supervisor.policy import Evict, NoFit, Resident, RestartPolicy, make_room
+from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
 from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
 from supervisor.resolve import AdapterRefused, ModelSpec, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
@@ -84,6 +86,7 @@ class Pool:
         self.restart_policy = RestartPolicy()
         self.rng = rng or random.Random()
         self.memory_budget = parse_size(config.memory_budget)
+        self.total_memory = psutil.virtual_memory().total  # for the default max_loaded
         self.max_prompt_bytes = parse_size(config.max_prompt_bytes)
         self.stats_interval = parse_duration(config.stats_interval)
         self.slots: dict[tuple, WorkerSlot] = {}
@@ -374,12 +377,12 @@ class Pool:
             async with self._admission:
                 if self.slots.get(slot.spec.key) is not slot or slot.state != State.UNLOADED:
                     return
-                decision = make_room(
-                    self._residents(slot),
-                    need_bytes=self._estimate_bytes(slot.spec),
-                    max_loaded=self.config.max_loaded,
-                    memory_budget=self.memory_budget,
-                )
+                residents = self._residents(slot)
+                need = self._estimate_bytes(slot.spec)
+                max_loaded = self.config.max_loaded
+                if max_loaded is None and self.memory_budget is None:
+                    max_loaded = default_max_loaded(self.total_memory, [r.memory_bytes for r in residents] + [need])
+                decision = make_room(residents, need_bytes=need, max_loaded=max_loaded, memory_budget=self.memory_budget)
                 if isinstance(decision, NoFit):
                     self.slots.pop(slot.spec.key, None)
                     if not slot.queue:  # a load op: nobody else would hear of it
@@ -556,6 +559,7 @@ class Pool:
                     if keep is not None and slot.idle and now - slot.last_used > keep:
                         self.slots.pop(slot.spec.key, None)
                         self.spawn(self._stop(slot, f"idle for {now - slot.last_used:.0f}s (keep_alive {keep:g}s)"))
+                self._drop_failed_rows(now)
                 if now - last_refresh >= STATS_REFRESH_INTERVAL:
                     last_refresh = now
                     for slot in self.slots.values():
@@ -567,6 +571,19 @@ class Pool:
             except Exception:
                 # The watchdog must outlive a bad round; the next one comes.
                 log.exception("housekeeping round failed")
+
+    def _drop_failed_rows(self, now: float) -> None:
+        """Forgets failed workers of models the config does not name, after
+        a while or past a bound (supervisor.policy says which)."""
+        failed = {s.spec.key: s for s in self.slots.values() if s.state == State.FAILED}
+        if not failed:
+            return
+        rows = [FailedRow(key, s.failed_at, any(n.spec.name in self.resolver.by_name for n in s.names.values())) for key, s in failed.items()]
+        for key in failed_rows_to_drop(rows, now=now):
+            slot = self.slots.pop(key)
+            self.watches.unwatch(key)
+            self.copies.forget(slot.spec)
+            log.info("%s: failed %.0fs ago; dropped from the table (named again, it starts afresh)", slot.name, now - slot.failed_at)
 
     async def _emit_stats(self) -> None:
         slots = [s for s in self.slots.values() if s.state in LIVE]

@@ -155,6 +155,7 @@ class WorkerSlot:
         self._retired = False  # stopped for good: a slot is never reused
         self.settled = asyncio.Event()  # set once the first start ended: ready or failed
         self.failure: str | None = None  # why it failed, for requests that come later
+        self.failed_at = 0.0  # time.monotonic() when it did
 
     # -- identity and state --------------------------------------------------
 
@@ -703,6 +704,7 @@ class WorkerSlot:
 
     def _give_up(self, reason: str, code: str) -> None:
         self.failure = reason
+        self.failed_at = time.monotonic()
         self.sm.to(State.FAILED, reason)
         self.settled.set()
         self._emit("failed", reason=reason)

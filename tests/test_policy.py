@@ -8,14 +8,20 @@ import pytest
 
 from ipc.worker_events import EX_CONFIG
 from supervisor.policy import (
+    DEFAULT_MAX_LOADED_CEILING,
+    FAILED_ROW_SECONDS,
+    MAX_FAILED_ROWS,
     CrashHistory,
     Evict,
+    FailedRow,
     GiveUp,
     NoFit,
     Resident,
     Restart,
     RestartPolicy,
     Wait,
+    default_max_loaded,
+    failed_rows_to_drop,
     make_room,
     on_crash,
 )
@@ -167,3 +173,37 @@ class TestEvictionPolicy:
 
     def test_no_limits(self):
         assert make_room([resident(k) for k in "abc"], need_bytes=10**12, memory_budget=None, max_loaded=None) == Evict(())
+
+
+class TestDefaultMaxLoaded:
+    GIB = 1 << 30
+
+    def test_as_many_as_fit_in_three_quarters_of_memory_at_the_largest_footprint(self):
+        assert default_max_loaded(16 * self.GIB, [2 * self.GIB]) == 6
+        assert default_max_loaded(16 * self.GIB, [1 * self.GIB, 4 * self.GIB, 2 * self.GIB]) == 3
+        assert default_max_loaded(64 * self.GIB, [20 * self.GIB]) == 2
+
+    def test_at_least_one_and_at_most_the_ceiling(self):
+        assert default_max_loaded(8 * self.GIB, [40 * self.GIB]) == 1
+        assert default_max_loaded(512 * self.GIB, [300 << 20]) == DEFAULT_MAX_LOADED_CEILING == 16
+        assert default_max_loaded(512 * self.GIB, []) == DEFAULT_MAX_LOADED_CEILING
+
+
+class TestFailedRows:
+    def rows(self, *spec):
+        return [FailedRow(key, failed_at, configured) for key, failed_at, configured in spec]
+
+    def test_configured_models_are_kept(self):
+        rows = self.rows(("conf", 0.0, True), *((f"dir{i}", 0.0, False) for i in range(3)))
+        assert failed_rows_to_drop(rows, now=FAILED_ROW_SECONDS * 10, max_rows=1) == ["dir0", "dir1", "dir2"]
+
+    def test_rows_go_after_their_time(self):
+        rows = self.rows(("old", 0.0, False), ("new", 500.0, False))
+        assert failed_rows_to_drop(rows, now=FAILED_ROW_SECONDS - 1) == []
+        assert failed_rows_to_drop(rows, now=FAILED_ROW_SECONDS) == ["old"]
+        assert failed_rows_to_drop(rows, now=500.0 + FAILED_ROW_SECONDS) == ["old", "new"]
+
+    def test_past_the_bound_the_oldest_go(self):
+        rows = self.rows(*((f"dir{i}", float(i), False) for i in range(MAX_FAILED_ROWS + 3)))
+        assert failed_rows_to_drop(rows[::-1], now=20.0) == ["dir0", "dir1", "dir2"]
+        assert failed_rows_to_drop(rows[:MAX_FAILED_ROWS], now=20.0) == []
