@@ -138,21 +138,17 @@ def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
     return name.endswith(".weight") and len(shape) == 2 and shape[-1] % GROUP_SIZE == 0 and not module.endswith(("norm", "conv1d"))
 
 
-def write_weights(out: Path, config: dict, tok, seed: int, q4: bool) -> int:
+def write_weights(out: Path, config: dict, embed: np.ndarray, head: np.ndarray, seed: int, q4: bool) -> int:
     """The model's tensors made one at a time and written in shards, each
     evaluated and dropped before the next is made; returns their bytes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from worker.demo_model import bigram_factors
-
-    text = config.get("text_config", config)
     model_cls, args_cls = _get_classes(config)
     # Built lazily: mlx's own initial values are never computed.
     model = model_cls(args_cls.from_dict(config))
-    vocab, hidden = text["vocab_size"], text["hidden_size"]
-    embed, head = bigram_factors(tok, vocab, min(vocab, hidden))
+    hidden = config.get("text_config", config)["hidden_size"]
     embed = np.pad(embed, ((0, 0), (0, hidden - embed.shape[1])))
     head = np.pad(head, ((0, 0), (0, hidden - head.shape[1])))
     # Large embeddings keep the residual stream dominated by the current token.
@@ -194,15 +190,14 @@ def write_weights(out: Path, config: dict, tok, seed: int, q4: bool) -> int:
     return total
 
 
-def build(out: Path, tok, eos: str, *, size: str, q4: bool, seed: int, layers: int | None) -> None:
-    """Config, weights and tokenizer of a large demo model, into `out`."""
-    from worker.demo_model import tokenizer_vocab, write_tokenizer_files
-
-    config = model_config(size, tokenizer_vocab(tok), tok.token_to_id(eos), layers, seed)
+def build(out: Path, embed: np.ndarray, head: np.ndarray, eos_id: int, *, size: str, q4: bool, seed: int, layers: int | None) -> None:
+    """Config and weights of a large demo model, into `out`: `embed` and
+    `head` are the vocabulary's rows of the embedding and the LM head (up to
+    the hidden size wide)."""
+    config = model_config(size, embed.shape[0], eos_id, layers, seed)
     if q4:
         quant = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
         config["quantization"] = quant
         config["quantization_config"] = quant
-    write_weights(out, config, tok, seed, q4)
+    write_weights(out, config, embed, head, seed, q4)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_tokenizer_files(out, tok, eos)

@@ -271,10 +271,13 @@ def _build_large(out: Path, tok, eos: str, **kwargs) -> Path:
     and moved in when whole, as build() does."""
     from worker import demo_large
 
+    vocab, hidden = tokenizer_vocab(tok), LARGE[kwargs["size"]][1]
+    embed, head = bigram_factors(tok, vocab, min(vocab, hidden))
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
     try:
-        demo_large.build(staging, tok, eos, **kwargs)
+        demo_large.build(staging, embed, head, tok.token_to_id(eos), **kwargs)
+        write_tokenizer_files(staging, tok, eos)
         for item in staging.iterdir():
             os.replace(item, out / item.name)
     finally:
