@@ -50,7 +50,7 @@ from pathlib import Path
 
 from bench import mlx_lm_baseline
 from bench.chat import user_messages
-from bench.common import backend, demo_model, load_average, machine, median, model_arguments, percentile, tagged, write_result
+from bench.common import backend, bandwidth, demo_model, load_average, machine, median, model_arguments, percentile, tagged, weights_bytes, write_result
 from harness.pool import PoolProc
 from harness.worker import WorkerProc
 
@@ -58,7 +58,7 @@ from harness.worker import WorkerProc
 class WorkerSide:
     """Requests sent straight to a worker process over its pipes."""
 
-    def __init__(self, model: Path, max_batch: int):
+    def __init__(self, model: Path, max_batch: int | str):
         self.client = WorkerProc.started(model, "--max-batch", str(max_batch), "--prefix-cache-bytes", "0")
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
@@ -73,12 +73,12 @@ class ServeSide:
 
     _ids = itertools.count(1)
 
-    def __init__(self, model: Path, max_batch: int):
+    def __init__(self, model: Path, max_batch: int | str):
         self.dir = tempfile.TemporaryDirectory(prefix="lattice-bench-batch-")
         config = Path(self.dir.name) / "pool.toml"
-        config.write_text(f'prefix_cache_bytes = 0\nmax_batch = {max_batch}\n[[models]]\nname = "m"\npath = "{model}"\npreload = true\n')
+        config.write_text(f'prefix_cache_bytes = 0\nmax_batch = {json.dumps(max_batch)}\n[[models]]\nname = "m"\npath = "{model}"\npreload = true\n')
         self.pool = PoolProc("--config", str(config), "--no-control-socket", "--log-level", "WARNING")
-        self.pool.wait_ev("ready", model="m", timeout=600)
+        self.ready = self.pool.wait_ev("ready", model="m", timeout=600)
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
         requests = [
@@ -98,11 +98,14 @@ class ServeSide:
 SIDES = {"worker": WorkerSide, "serve": ServeSide}
 
 
-def ours(side_cls, model: Path, max_batch: int, prompts: list[str], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict[int, dict]]:
+def ours(side_cls, model: Path, max_batch: int | str, prompts: list[str], sizes: list[int], max_tokens: int) -> tuple[dict[int, dict], dict[int, dict]]:
     """One round: a fresh process, a warm-up batch, each N once (cold),
     then each N again (measured)."""
     side = side_cls(model, max_batch)
     try:
+        ready = getattr(side, "ready", None)
+        if ready:
+            print(f"max_batch {max_batch}: {ready.get('max_batch')} ({ready.get('max_batch_why')})", file=sys.stderr)
         side.run(prompts[: max(sizes)], 8)
         cold = {n: side.run(prompts[:n], max_tokens) for n in sizes}
         return {n: side.run(prompts[:n], max_tokens) for n in sizes}, cold
@@ -121,7 +124,7 @@ def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int)
     cold = {line["n"]: line for line in lines if line.get("round") == 0}
     batch = {line["n"]: line for line in lines if line.get("round") == 1}
     stream = next(line for line in lines if "n" not in line)
-    return batch, cold, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"]}
+    return batch, cold, {"ttft_ms": [stream["ttft_ms"]], "tokens": stream["tokens"], "wall_s": stream["total_s"], "decode_s": stream["decode_s"]}
 
 
 def agg(run: dict) -> float:
@@ -145,7 +148,20 @@ def summary(runs: list[dict]) -> dict:
     }
     if all("worker_ttft_total_tokens" in r for r in runs):
         out["worker_decode_tok_s"] = round(median([worker_decode(r) for r in runs]), 1)
+    if all(r.get("decode_s") for r in runs):
+        out["decode_tok_s"] = round(median([(r["tokens"] - 1) / r["decode_s"] for r in runs]), 1)
     return out
+
+
+def bandwidth_fraction(result: dict, table: dict, weights: int, bw: float | None) -> dict:
+    """At N = 1, each side's decode rate times the bytes a step reads, over
+    the memory bandwidth: how close a lone stream gets to the limit."""
+    if not bw or 1 not in table.get("batched", {}):
+        return {}
+    rates = {"batched": table["batched"][1].get("worker_decode_tok_s")}
+    if 1 in table.get("mlx_lm_stream_generate", {}):
+        rates["mlx_lm_stream_generate"] = table["mlx_lm_stream_generate"][1].get("decode_tok_s")
+    return {name: round(rate * weights / bw, 3) for name, rate in rates.items() if rate}
 
 
 def tabulate(result: dict, sides: dict, colds: dict, names: list[str], sizes: list[int]) -> None:
@@ -165,7 +181,14 @@ def tabulate(result: dict, sides: dict, colds: dict, names: list[str], sizes: li
         if lone:
             r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
         ratios[n] = r
+    if 1 in sizes and 1 in sides.get("mlx_lm_stream_generate", {}):
+        ours_ttft = [r["ttft_ms"][0] for r in sides["batched"][1]]
+        theirs = [r["ttft_ms"][0] for r in sides["mlx_lm_stream_generate"][1]]
+        ratios[1]["ttft_vs_stream_generate"] = round(median([a / b for a, b in zip(ours_ttft, theirs)]), 3)
+        decode = [worker_decode(a) / ((b["tokens"] - 1) / b["decode_s"]) for a, b in zip(sides["batched"][1], sides["mlx_lm_stream_generate"][1])]
+        ratios[1]["decode_vs_stream_generate"] = round(median(decode), 3)
     result["ratios"] = ratios
+    result["bandwidth_fraction_n1"] = bandwidth_fraction(result, table, result["weights_bytes"], result["bandwidth_bytes_s"])
 
 
 def main() -> int:
@@ -174,20 +197,26 @@ def main() -> int:
     p.add_argument("--n", default="1,2,4,8,16", help="comma-separated numbers of concurrent requests")
     p.add_argument("--through", choices=sorted(SIDES), default="worker", help="what the requests go through (default worker)")
     p.add_argument("--skip", default="", help="comma-separated sides to leave out: one_at_a_time, mlx_lm")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh process per side (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each a fresh process per side (default 5)")
+    p.add_argument("--max-batch", default="auto", help="our side's max_batch: auto (the default) or a number; the one-at-a-time side has 1")
+    p.add_argument("--bandwidth", type=float, help="the device's memory bandwidth in GB/s (default: the datasheet's for an H200 or H100)")
     args = p.parse_args()
+    max_batch = args.max_batch if args.max_batch == "auto" else int(args.max_batch)
 
     from tokenizers import Tokenizer
 
-    model = args.model or demo_model(args.size)
+    model = args.model or demo_model(args.size, args.q4)
+    size = model.name if args.model else (args.size + ("-q4" if args.q4 and not args.size.endswith("-q4") else ""))
     sizes = [int(n) for n in args.n.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompts = [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" for text in user_messages(tokenizer, max(sizes), 24)]
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     side = SIDES[args.through]
-    result = {"model": str(model), "size": None if args.model else args.size, "backend": backend(), "through": args.through,
-              "prompt_tokens": [len(i) for i in ids], "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine(),
+    info = machine()
+    result = {"model": str(model), "size": None if args.model else size, "backend": backend(), "through": args.through, "max_batch": max_batch,
+              "weights_bytes": weights_bytes(model), "bandwidth_bytes_s": bandwidth(info, args.bandwidth),
+              "prompt_tokens": [len(i) for i in ids], "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": info,
               "load_average": {"before": load_average()}}
     names = ["batched"]
     if "one_at_a_time" not in skip:
@@ -200,7 +229,7 @@ def main() -> int:
     # hits all of them.
     for done in range(args.rounds):
         rounds, cold_rounds = {}, {}
-        rounds["batched"], cold_rounds["batched"] = ours(side, model, max(sizes), prompts, sizes, args.max_tokens)
+        rounds["batched"], cold_rounds["batched"] = ours(side, model, max_batch, prompts, sizes, args.max_tokens)
         if "one_at_a_time" in sides:
             rounds["one_at_a_time"], cold_rounds["one_at_a_time"] = ours(side, model, 1, prompts, sizes, args.max_tokens)
         if "mlx_lm_batch_generate" in sides:
@@ -215,7 +244,7 @@ def main() -> int:
         result["rounds_done"] = done + 1
         result["load_average"]["after"] = load_average()
         tabulate(result, sides, colds, names, sizes)
-        file_name = f"batch-{result['backend']}-{args.size if not args.model else model.name}" + ("-serve" if args.through == "serve" else "")
+        file_name = f"batch-{result['backend']}-{size}" + ("-serve" if args.through == "serve" else "")
         write_result(tagged(file_name, args.tag), result)
     table, ratios = result["sides"], result["ratios"]
 
@@ -228,6 +257,7 @@ def main() -> int:
                 print(f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}"
                       f"{s.get('worker_decode_tok_s', ''):>11}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}")
         print(f"    ratios: {ratios[n]}")
+    print(f"fraction of the memory-bandwidth limit at N = 1: {result['bandwidth_fraction_n1'] or 'no bandwidth figure (--bandwidth)'}")
     return 0
 
 

@@ -24,18 +24,39 @@ MODELS = Path(os.environ.get("LATTICE_BENCH_MODELS", Path.home() / ".cache" / "l
 
 def model_arguments(p) -> None:
     """The model a decode benchmark runs on, and how much it generates."""
-    p.add_argument("--size", default="small", help="demo model size to build and use (default small)")
+    p.add_argument("--size", default="small", help="demo model size to build and use (default small): tiny, small, 0.8b, 4b, 8b, 4b-hybrid, 9b-hybrid; a -q4 suffix for 4-bit")
+    p.add_argument("--q4", action="store_true", help="the demo model in MLX 4-bit (as a -q4 suffix)")
     p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tag", default="", help="suffix for the results file name")
 
 
-def demo_model(size: str) -> Path:
-    """A demo model of the given size, built once by the demo-model builder."""
-    path = MODELS / size
+def demo_model(size: str, q4: bool = False) -> Path:
+    """A demo model of the given size (`8b-q4`: 4-bit), built once by the
+    demo-model builder."""
+    if size.endswith("-q4"):
+        size, q4 = size[: -len("-q4")], True
+    path = MODELS / (size + ("-q4" if q4 else ""))
     if not (path / "config.json").is_file():
-        build_demo_model(path, "--size", size)
+        build_demo_model(path, "--size", size, *(["--q4"] if q4 else []))
     return path
+
+
+def weights_bytes(model: Path) -> int:
+    """Bytes of the model's safetensors files: what one decode step reads."""
+    return sum(p.stat().st_size for p in model.glob("*.safetensors"))
+
+
+# Memory bandwidth by the vendor's datasheet, bytes/s, for the fraction of
+# the limit a single stream reaches (one decode step reads every weight).
+DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def bandwidth(info: dict, given_gb_s: float | None) -> float | None:
+    if given_gb_s:
+        return given_gb_s * 1e9
+    gpu = info.get("gpu", "")
+    return next((bw for name, bw in DATASHEET_BANDWIDTH.items() if name in gpu), None)
 
 
 def backend() -> str:

@@ -43,9 +43,19 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
     p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
     p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
-    p.add_argument("--max-batch", type=int, help="requests one worker decodes together; more wait in the pool (default 8)")
     p.add_argument("--adapter-dir", dest="adapter_dirs", action="append", help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)")
+    p.add_argument("--max-batch", type=max_batch_flag, help="requests one worker decodes together; more wait in the pool (default auto: sized from the device's free memory)")
     p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
+
+
+def max_batch_flag(text: str) -> int | str:
+    """--max-batch: `auto` or a number (its range is the config's check)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
 
 
 def add_monitor_flags(p: argparse.ArgumentParser) -> None:

@@ -16,13 +16,14 @@ import msgspec
 from msgspec import Meta
 
 from ipc.group import HostSpec
-from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH, DEFAULT_MAX_PROMPT_BYTES, MAX_ADAPTERS_LIMIT, MAX_WAITING
+from ipc.messages import AUTO_MAX_BATCH, DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_PROMPT_BYTES, MAX_ADAPTERS_LIMIT, MAX_WAITING
 
 Duration = str | int | float
 Size = str | int
 # Requests in flight at one worker: the pool never sends more than the
-# worker's waiting line holds.
-MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)]
+# worker's waiting line holds. "auto": the worker sizes it from its device's
+# free memory and a row's cache (worker.batch_size).
+MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)] | Literal["auto"]
 # LoRA adapters one worker keeps in memory (SPEC §10).
 MaxAdapters = Annotated[int, Meta(ge=1, le=MAX_ADAPTERS_LIMIT)]
 
@@ -127,7 +128,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     mask_threads: Annotated[int, Meta(ge=1, le=64)] | None = None
     # Requests decoded together by one worker; more wait in the pool, first
     # in first out. A [[models]] entry may set its own.
-    max_batch: MaxBatch = DEFAULT_MAX_BATCH
+    max_batch: MaxBatch = AUTO_MAX_BATCH
     # Adapters one worker keeps in memory, least recently used out. A
     # [[models]] entry may set its own; entries that share a model path
     # share one worker when their tokenizer_dir, max_batch and max_adapters

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipc.group import HostSpec, encode_hosts
-from ipc.messages import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BATCH
+from ipc.messages import AUTO_MAX_BATCH, DEFAULT_MAX_ADAPTERS
 from supervisor.adapter_policy import AdapterPolicy
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.local_models import hub_snapshot, is_hub_id
@@ -52,7 +52,7 @@ class ModelSpec:
     lora: Path | None = None
     tokenizer_dir: Path | None = None
     keep_alive: float | None = None
-    max_batch: int = DEFAULT_MAX_BATCH
+    max_batch: int | str = AUTO_MAX_BATCH  # a number or "auto"
     max_adapters: int = DEFAULT_MAX_ADAPTERS
     group: GroupSpec | None = None
     # Speculative decoding: "ngram" or a draft model's directory, and the

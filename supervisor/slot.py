@@ -32,7 +32,7 @@ from typing import Callable, Coroutine, Protocol
 
 from ipc.context import read_context_limit
 from ipc.events import ADAPTER_ERROR, LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
-from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Stats, ToWorker, UnloadAdapter
+from ipc.messages import DEFAULT_MAX_BATCH, Cancel, Generate, LoadAdapter, ReloadAdapter, Stats, ToWorker, UnloadAdapter
 from ipc.worker_events import (
     TOKEN,
     AdapterError,
@@ -126,7 +126,10 @@ class WorkerSlot:
         self.command = command
         self.restart_policy = restart_policy
         self.rng = rng
-        self.max_batch = spec.max_batch
+        # "auto" is the worker's to size: its ready line says the number
+        # (a worker whose line does not keeps the old default).
+        self.max_batch = spec.max_batch if isinstance(spec.max_batch, int) else DEFAULT_MAX_BATCH
+        self.max_batch_why: str | None = None
         self.sm = StateMachine(self._describe)
         self.queue: collections.deque[Job] = collections.deque()
         self.in_flight: dict[bytes | None, Job] = {}  # by id (None: the id-less request), in dispatch order
@@ -462,6 +465,10 @@ class WorkerSlot:
             return
         self._ready = parse_event(line)
         self._ready_at = time.monotonic()
+        chosen = self._ready.get("max_batch")
+        if isinstance(chosen, int) and chosen >= 1:
+            self.max_batch = self._capped(chosen)
+            self.max_batch_why = self._ready.get("max_batch_why")
         self.sm.to(State.READY, "worker ready")
         self.settled.set()
         asked: set[str] = set()
@@ -504,12 +511,16 @@ class WorkerSlot:
         except asyncio.TimeoutError:
             return self.stats
 
+    def _capped(self, rows: int) -> int:
+        """The worker's number of rows, within a configured max_batch."""
+        return min(self.spec.max_batch, rows) if isinstance(self.spec.max_batch, int) else rows
+
     def _got_stats(self, stats: WorkerStats) -> None:
         self.stats = stats
         if stats.max_batch:
             # A worker whose architecture cannot batch runs one at a time;
             # the rest then wait here, where a cancel stays local.
-            self.max_batch = min(self.spec.max_batch, stats.max_batch)
+            self.max_batch = self._capped(stats.max_batch)
         waiters, self._stats_waiters = self._stats_waiters, []
         for future in waiters:
             if not future.done():

@@ -46,6 +46,9 @@ class StatusRow(msgspec.Struct):
     # worker (in_flight); of those, the worker decodes active_rows and holds
     # waiting_rows back (its memory guard), their caches taking rows_cache_bytes.
     max_batch: int = 0
+    # Why max_batch is what it is: "configured", or the worker's sizing
+    # ("auto: 64, the cuda cap (...)"); null until the worker is ready.
+    max_batch_why: str | None = None
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
@@ -129,6 +132,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         restarts=slot.restarts,
         uptime_s=round(slot.uptime(), 1),
         max_batch=slot.max_batch,
+        max_batch_why=slot.max_batch_why,
         active_rows=s.active_rows,
         waiting_rows=s.waiting_rows,
         rows_cache_bytes=s.rows_cache_bytes,

@@ -48,6 +48,19 @@ def rank_tag(args: argparse.Namespace) -> str:
     return f" rank={os.environ.get('MLX_RANK') or 0}" if args.ranks > 1 else ""
 
 
+def max_batch_arg(text: str) -> int | None:
+    """--max-batch: a positive number, or `auto` (None)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive number, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, type=Path, help="model directory")
@@ -64,7 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="adapters kept in memory; the least recently used one no request runs with goes first (default %(default)s)",
     )
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
-    p.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="requests decoded together; more wait in line (default %(default)s)")
+    p.add_argument(
+        "--max-batch",
+        type=max_batch_arg,
+        default=None,
+        help="requests decoded together; more wait in line; auto (the default) sizes it from the device's free memory and a row's cache",
+    )
     p.add_argument("--batch-memory", type=int, help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory)")
     p.add_argument(
         "--prefill-step",
@@ -296,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
-        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d batch_memory=%d mask_threads=%d gil_switch_ms=%g",
-        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.batch_memory, scheduler.masks.threads, sys.getswitchinterval() * 1000,
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d mask_threads=%d gil_switch_ms=%g",
+        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.max_batch_why, scheduler.batch_memory, scheduler.masks.threads,
+        sys.getswitchinterval() * 1000,
     )
     if group is not None:
         progress(weights, weights)
@@ -312,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             opens_think=chat_opens_think(codec),
             processor=server.processor,
             max_context=scheduler.prompts.max_context,
+            max_batch=scheduler.max_batch,
+            max_batch_why=scheduler.max_batch_why,
         )
     )
 

@@ -28,6 +28,8 @@ from typing import Iterable
 
 import numpy as np
 
+from worker.demo_large import LARGE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 # Qwen's ChatML template, reduced to roles and content: earlier turns' reasoning
@@ -255,9 +257,13 @@ def write_tokenizer_files(out: Path, tok, eos: str) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny") -> Path:
+def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny", layers: int | None = None) -> Path:
     tok = train_tokenizer(vocab_size=1024)
     eos = "<|im_end|>"
+    if size in LARGE:
+        return _build_large(out, tok, eos, q4=q4, seed=seed, size=size, layers=layers)
+    if layers is not None:
+        raise ValueError(f"layers applies to the sizes {', '.join(LARGE)}")
     eos_id = tok.token_to_id(eos)
     text = text_config(size, tokenizer_vocab(tok), eos_id)
     config = {
@@ -282,6 +288,25 @@ def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny") -> 
             (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             write_tokenizer_files(model_dir, tok, eos)
         for item in (staging / "model").iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _build_large(out: Path, tok, eos: str, **kwargs) -> Path:
+    """A benchmark-sized model (worker.demo_large), written beside `out`
+    and moved in when whole, as build() does."""
+    from worker import demo_large
+
+    vocab, hidden = tokenizer_vocab(tok), LARGE[kwargs["size"]][1]
+    embed, head = bigram_factors(tok, vocab, min(vocab, hidden))
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
+    try:
+        demo_large.build(staging, embed, head, tok.token_to_id(eos), **kwargs)
+        write_tokenizer_files(staging, tok, eos)
+        for item in staging.iterdir():
             os.replace(item, out / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -313,9 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, help="directory to write the model into")
     parser.add_argument("--q4", action="store_true", help="write MLX 4-bit weights")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default tiny)")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES) + list(LARGE), default="tiny",
+        help="model size (default tiny); 4b, 8b: Qwen3-4B/8B's shape, 4b-hybrid, 9b-hybrid: Qwen3.5-4B/9B's, with the demo vocabulary",
+    )
+    parser.add_argument("--layers", type=int, help="layers of a 4b/8b/hybrid model (default: the real model's)")
     args = parser.parse_args(argv)
-    out = build(args.dir.expanduser().resolve(), q4=args.q4, seed=args.seed, size=args.size)
+    if args.layers is not None and (args.size not in LARGE or args.layers < 1):
+        parser.error("--layers takes a positive number, with --size " + "/".join(LARGE))
+    if args.layers is not None and LARGE[args.size][0] == "qwen3_5" and args.layers % 4:
+        parser.error("a hybrid model's layers come in fours (three gated-delta layers, then one attention layer)")
+    out = build(args.dir.expanduser().resolve(), q4=args.q4, seed=args.seed, size=args.size, layers=args.layers)
     print(f"demo model written to {out}", file=sys.stderr)
     return 0
 

@@ -39,11 +39,12 @@ from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, e
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from worker import defaults
 from worker.batch_cache import row_bytes
+from worker.batch_size import auto_max_batch
 from worker.compiled_step import CompiledDecode
 from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
-from worker.memory import trim_heap
+from worker.memory import device_memory, processor, trim_heap
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.prefix_cache import PrefixCache, cut_points
@@ -76,7 +77,7 @@ class Scheduler:
         emit: Emit,
         *,
         batch_memory: int,
-        max_batch: int = defaults.MAX_BATCH,
+        max_batch: int | None = defaults.MAX_BATCH,  # None: auto (worker.batch_size)
         prefill_step: int | None = None,
         prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
@@ -122,12 +123,20 @@ class Scheduler:
         # plain and speculative steps outlive a generator lost to a fault.
         self.speculator = speculator_for(draft, draft_tokens, loaded.model)
         self.generator = self._generator(self.prefix_cache)
-        self.max_batch = max(1, max_batch)
-        if self.max_batch > 1 and not self.generator.can_batch:
-            log.info("this architecture's caches cannot be batched: one request at a time")
-            self.max_batch = 1
         self.batch_memory = batch_memory
         self.row_fixed_bytes, self.row_token_bytes = row_bytes(loaded.model)
+        if max_batch is None:
+            chosen = auto_max_batch(
+                processor=processor(), free_bytes=device_memory() - mx.get_active_memory(), guard_bytes=batch_memory,
+                row_fixed_bytes=self.row_fixed_bytes, row_token_bytes=self.row_token_bytes,
+                context=model_limit(loaded.config, "max_position_embeddings"),
+            )
+            self.max_batch, self.max_batch_why = chosen.rows, chosen.why
+        else:
+            self.max_batch, self.max_batch_why = max(1, max_batch), "configured"
+        if self.max_batch > 1 and not self.generator.can_batch:
+            log.info("this architecture's caches cannot be batched: one request at a time")
+            self.max_batch, self.max_batch_why = 1, "this architecture's caches cannot be batched"
         self.waiting: deque[Waiting] = deque()
         self.streams: dict[Row, RowStream] = {}
         self._by_rid: dict[int, Row] = {}

@@ -1,0 +1,66 @@
+"""max_batch = "auto": the sizing rule (pure arithmetic, no device needed)
+and what a worker and the pool say they chose."""
+
+import pytest
+
+from worker.batch_size import CPU_MAX, FREE_SHARE, GPU_MAX, SIZING_TOKENS, auto_max_batch
+
+GIB = 1024**3
+# Qwen3-8B in bf16: 36 layers x (keys + values) x 8 heads x 128 x 2 bytes a token.
+QWEN3_8B_TOKEN = 36 * 2 * 8 * 128 * 2
+
+
+def test_gpu_rows_are_the_cache_memory_over_one_rows_cache():
+    # An H200 after an 8B model's weights: 125 GiB free, a 35 GiB guard.
+    size = auto_max_batch(processor="cuda", free_bytes=125 * GIB, guard_bytes=35 * GIB, row_fixed_bytes=0, row_token_bytes=QWEN3_8B_TOKEN, context=40960)
+    assert size.rows == 35 * GIB // (QWEN3_8B_TOKEN * SIZING_TOKENS) == 62
+    assert size.why.startswith("auto: 62:") and "35.0 GiB" in size.why and "4096 tokens" in size.why
+
+
+def test_free_memory_bounds_it_below_the_guard():
+    size = auto_max_batch(processor="cuda", free_bytes=8 * GIB, guard_bytes=35 * GIB, row_fixed_bytes=0, row_token_bytes=QWEN3_8B_TOKEN, context=40960)
+    assert size.rows == int(8 * GIB * FREE_SHARE) // (QWEN3_8B_TOKEN * SIZING_TOKENS)
+
+
+def test_rows_stay_within_bounds():
+    small = dict(free_bytes=100 * GIB, guard_bytes=30 * GIB, row_fixed_bytes=1 << 20, row_token_bytes=1024, context=32768)
+    assert auto_max_batch(processor="cuda", **small).rows == GPU_MAX
+    assert auto_max_batch(processor="metal", **small).rows == GPU_MAX
+    assert "the cuda cap" in auto_max_batch(processor="cuda", **small).why
+    assert auto_max_batch(processor="cpu", **small).rows == CPU_MAX
+    # Memory for less than one row still gives one: the memory guard then
+    # admits a row alone, whatever its size.
+    for free in (0, -5, GIB):
+        assert auto_max_batch(processor="cuda", free_bytes=free, guard_bytes=GIB, row_fixed_bytes=0, row_token_bytes=QWEN3_8B_TOKEN, context=None).rows == 1
+    # A CPU short of memory takes fewer than its cap.
+    assert auto_max_batch(processor="cpu", free_bytes=4 * GIB, guard_bytes=GIB, row_fixed_bytes=0, row_token_bytes=QWEN3_8B_TOKEN, context=None).rows == 1
+
+
+def test_a_short_context_sizes_rows_by_the_context():
+    size = auto_max_batch(processor="cuda", free_bytes=100 * GIB, guard_bytes=GIB, row_fixed_bytes=0, row_token_bytes=1 << 20, context=512)
+    assert size.rows == GIB // ((1 << 20) * 512) == 2
+    assert "512 tokens" in size.why
+
+
+@pytest.mark.parametrize(("args", "rows", "why"), [((), CPU_MAX, "auto: "), (("--max-batch", "3"), 3, "configured")])
+def test_the_workers_ready_line_says_what_it_chose(tiny_model, args, rows, why):
+    from harness.worker import WorkerProc
+
+    worker = WorkerProc(tiny_model, *args)
+    try:
+        ready = worker.wait_ready()
+        assert ready["max_batch"] == rows and ready["max_batch_why"].startswith(why)
+        assert f"max_batch={rows} (" in worker.stderr.decode()
+    finally:
+        assert worker.close() == 0
+
+
+def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "m"\npath = "{tiny_model}"\npreload = true\n')
+    pool = spawn_pool("--config", str(config), "--no-control-socket")
+    pool.wait_ev("ready", model="m")
+    pool.send({"op": "status"})
+    row = pool.wait_ev("status")["models"][0]
+    assert row["max_batch"] == CPU_MAX and row["max_batch_why"].startswith("auto: 8, the cpu cap")
+    assert pool.close() == 0
