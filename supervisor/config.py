@@ -59,6 +59,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # False keeps the embedding and LM head whole on every rank: more memory
     # per rank, no logits between ranks at each token (docs/scaling.md).
     split_vocab: bool = True
+    # How the model writes tool calls (docs/http.md, "Tool calls"); unset,
+    # it is read from the chat template.
+    tool_parser: Literal["qwen3", "qwen3_coder", "llama3_json", "mistral", "gemma", "deepseek"] | None = None
 
     def __post_init__(self) -> None:
         if self.ranks == 1:

@@ -33,8 +33,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi.exchange import Exchange
-from supervisor.httpapi.models import list_models, model_name, one_model
+from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
 from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body
+from supervisor.httpapi.tools import ToolReader
 from supervisor.pool import Pool
 from supervisor.requests import ClientLine
 from supervisor.resolve import UnknownModel
@@ -307,7 +308,10 @@ class App:
     async def _generate(self, scope: dict, receive, send, *, chat: bool) -> None:
         body = await _read_body(scope, receive, self.max_body, self.idle_timeout)
         request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        msg, opts = (chat_request if chat else completion_request)(body, request_id, self._model_name)
+        if chat:
+            msg, opts = chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
+        else:
+            msg, opts = completion_request(body, request_id, self._model_name)
         id_json = msg.id_json
         connection: Connection | None = scope.get("state", {}).get(CONNECTION)
         loop = asyncio.get_running_loop()
@@ -331,7 +335,8 @@ class App:
             loop.call_soon(self.pool.cancel, id_json, _ignore)
 
         reply = Reply(chat, request_id, int(time.time()), opts.model, opts.include_usage)
-        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow, fault)
+        tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
+        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow, fault, tools)
         self.pool.submit(msg, exchange, surface="http")
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(lambda _: exchange.changed.set())

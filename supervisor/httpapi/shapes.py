@@ -28,6 +28,7 @@ from ipc.events import (
     UNLOADED,
     WORKER_CRASHED,
 )
+from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, forced_format, hermes_messages, history_calls, read_tools
 from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
@@ -97,7 +98,6 @@ class HttpFields(msgspec.Struct):
     n: int | None = None
     logprobs: Any = None
     echo: bool | None = None
-    tools: list | None = None
     reasoning_effort: str | None = None
 
 
@@ -109,6 +109,10 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    function_call: Any = None  # the legacy form of one tool call
 
 
 class Options(msgspec.Struct):
@@ -117,6 +121,8 @@ class Options(msgspec.Struct):
     model: str
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None = None
+    tool_format: str | None = None
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -144,8 +150,6 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
         raise bad("logprobs are not supported", "logprobs")
     if fields.echo:
         raise bad("echo is not supported", "echo")
-    if fields.tools:
-        raise bad("tools are not supported", "tools")
     return data, fields
 
 
@@ -197,21 +201,58 @@ def _flatten(message: ChatMessage) -> dict:
             texts.append(part.text)
         content = "".join(texts)
     # OpenAI's newer name for the system role; chat templates know "system".
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    # "function" is the legacy name of a tool result.
+    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+    out: dict = {"role": role, "content": content or ""}
+    calls = message.tool_calls
+    if calls is None and message.function_call is not None:
+        calls = [{"type": "function", "function": message.function_call}]
+    if calls:
+        try:
+            out["tool_calls"] = history_calls(calls)
+        except ToolError as exc:
+            raise bad(str(exc), exc.param) from None
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
 
 
-def chat_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
+def chat_request(
+    body: bytes, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
+) -> tuple[ClientLine, Options]:
     """A /v1/chat/completions body as the pool's request. model_name(value)
-    gives the configured name the body's `model` means (or raises)."""
+    gives the name the body's `model` means (or raises); template(name)
+    what the model's chat template does with tools."""
     data, fields = _decode(body)
     model = model_name(data.get("model"))
     if data.get("messages") is None:
         raise bad('missing "messages" field', "messages")
-    messages = _convert(data["messages"], list[ChatMessage], "messages")
-    line = _pool_line(data, fields, request_id, model, constrained=data.get("response_format") is not None)
-    line["messages"] = [_flatten(m) for m in messages]
-    return _client_line(line), _options(fields, model)
+    messages = [_flatten(m) for m in _convert(data["messages"], list[ChatMessage], "messages")]
+    try:
+        tools = read_tools(data)
+    except ToolError as exc:
+        raise bad(str(exc), exc.param) from None
+    info = None
+    if template is not None and (tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages)):
+        info = template(model)
+        if not info.renders_tools:
+            messages = hermes_messages(messages, tools.tools if tools else None)
+    forced = tools is not None and tools.forced
+    if forced and data.get("response_format") is not None:
+        raise bad("response_format cannot be combined with a forced tool call (tool_choice required or a named function)", "response_format")
+    line = _pool_line(data, fields, request_id, model, constrained=data.get("response_format") is not None or forced)
+    line["messages"] = messages
+    if tools is not None and info is not None:
+        if info.renders_tools:
+            line["tools"] = tools.tools
+        if forced:
+            line["response_format"] = msgspec.json.decode(forced_format(tools, info.format))
+    options = _options(fields, model)
+    if tools is not None and info is not None:
+        options.tools, options.tool_format = tools, info.format
+    return _client_line(line), options
 
 
 def completion_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
@@ -289,11 +330,18 @@ class Reply:
             out += self._chunk([], usage=figures)
         return out + b"data: [DONE]\n\n"
 
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict) -> bytes:
+    def tool_calls(self, calls: list[dict]) -> bytes:
+        """The stream's chunk of the reply's tool calls (each whole, with its `index`)."""
+        extra = {"usage": None} if self.include_usage else {}
+        return self._chunk([{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
+
+    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
         """The non-streamed answer."""
         head = {**self._head, "object": "chat.completion" if self.chat else "text_completion"}
         if self.chat:
             message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
