@@ -289,13 +289,13 @@ class ToolReader:
         at = [i for i in (buf.find(m) for m in self._markers) if i >= 0]
         stripped = buf.lstrip()
         if not self._begun and any(stripped.startswith(m) for m in self._leading):
-            at.append(len(buf) - len(stripped))
+            at.append(0)  # the whitespace before it is no content either
         if at:
             start = min(at)
             self._calling = True
             self._held = buf[start:]
             return self._out(buf[:start])
-        if not self._begun and stripped and any(m.startswith(stripped) for m in self._leading):
+        if not self._begun and self._leading and (not stripped or any(m.startswith(stripped) for m in self._leading)):
             self._held = buf
             return ""
         keep = _partial_tail(buf, self._markers)
