@@ -275,3 +275,34 @@ def test_legacy_functions_map_to_tools(agents):
 def test_bad_tool_fields_are_400(agents, extra, param):
     status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": ASK, **extra}).encode())
     assert status == 400 and body["error"]["param"] == param, body
+
+
+# -- the rest of the chat surface -------------------------------------------------------
+
+
+def test_n_choices_are_rows_of_their_own(agents):
+    """n > 1: one row per choice; seeded, choice i is what seed + i gives
+    alone; streamed, the choices' deltas put together give the same."""
+    kwargs = dict(model="tiny", messages=HI, max_tokens=8, temperature=1.0, extra_body={"reasoning_budget": 2})
+    with client(agents) as c:
+        many = c.chat.completions.create(n=3, seed=11, **kwargs)
+        alone = [c.chat.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+        chunks = list(c.chat.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kwargs))
+        completions = c.completions.create(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", n=2, max_tokens=4, temperature=0)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in many.choices] == [a.choices[0].message.content for a in alone]
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    texts = {i: "" for i in range(3)}
+    finishes = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [a.choices[0].message.content for a in alone]
+    assert set(finishes) == {0, 1, 2}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    assert [ch.index for ch in completions.choices] == [0, 1] and completions.choices[0].text == completions.choices[1].text
+    status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "n": 9}).encode())
+    assert status == 400 and body["error"]["param"] == "n"

@@ -24,7 +24,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import uvicorn
@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
+from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
 from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body
@@ -312,7 +313,10 @@ class App:
             msg, opts = chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
         else:
             msg, opts = completion_request(body, request_id, self._model_name)
-        id_json = msg.id_json
+        # n > 1: one row per choice, each with an id (and seed) of its own.
+        msgs = [msg] + [
+            msgspec.structs.replace(msg, id=f"{request_id}-{i}", seed=None if msg.seed is None else (msg.seed + i) % 2**63) for i in range(1, opts.n)
+        ]
         connection: Connection | None = scope.get("state", {}).get(CONNECTION)
         loop = asyncio.get_running_loop()
         cancelled = False
@@ -321,7 +325,9 @@ class App:
             nonlocal cancelled
             if not cancelled and not exchange.ended:
                 cancelled = True
-                self.pool.cancel(id_json, _ignore)
+                for row, part in zip(msgs, parts):
+                    if not part.ended or part.error is not None:
+                        self.pool.cancel(row.id_json, _ignore)
 
         def overflow() -> None:
             # Called from the pool's write into the exchange: act after it.
@@ -330,14 +336,20 @@ class App:
             if connection is not None:
                 loop.call_soon(connection.abort)
 
-        def fault() -> None:
+        def fault(id_json: str | None) -> Callable[[], None]:
             # The exchange has ended itself: stop the row whatever it says.
-            loop.call_soon(self.pool.cancel, id_json, _ignore)
+            return lambda: loop.call_soon(self.pool.cancel, id_json, _ignore)
 
-        reply = Reply(chat, request_id, int(time.time()), opts.model, opts.include_usage)
-        tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
-        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow, fault, tools)
-        self.pool.submit(msg, exchange, surface="http")
+        created = int(time.time())
+        parts = []
+        for i, row in enumerate(msgs):
+            reply = Reply(chat, request_id, created, opts.model, opts.include_usage, index=i, closing=opts.n == 1)
+            tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
+            think = (lambda: self._opens_think(msg)) if chat else None
+            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))
+        exchange = parts[0] if opts.n == 1 else Choices(parts, reply)
+        for row, part in zip(msgs, parts):
+            self.pool.submit(row, part, surface="http")
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(lambda _: exchange.changed.set())
         try:

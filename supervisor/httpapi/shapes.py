@@ -123,6 +123,7 @@ class Options(msgspec.Struct):
     include_usage: bool
     tools: ToolRequest | None = None
     tool_format: str | None = None
+    n: int = 1
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -144,14 +145,18 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
     if not isinstance(data, dict):
         raise bad("request body must be a JSON object")
     fields = _convert(data, HttpFields, "")
-    if fields.n not in (None, 1):
-        raise bad("n must be 1: one choice per request", "n")
+    if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
+        raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
     if fields.logprobs not in (None, False, 0):
         raise bad("logprobs are not supported", "logprobs")
     if fields.echo:
         raise bad("echo is not supported", "echo")
     return data, fields
 
+
+# Choices one request may ask for (`n`): each is a row of its own in the
+# model's batch (and counts against max_queued), so a bound.
+MAX_CHOICES = 8
 
 # OpenAI's reasoning_effort as the pool's reasoning_budget (tokens of
 # thinking before </think> is forced); "high" and above leave it uncapped.
@@ -188,7 +193,7 @@ def _client_line(line: dict) -> ClientLine:
 
 def _options(fields: HttpFields, model: str) -> Options:
     usage = bool(fields.stream and fields.stream_options and fields.stream_options.include_usage)
-    return Options(model=model, stream=bool(fields.stream), include_usage=usage)
+    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1)
 
 
 def _flatten(message: ChatMessage) -> dict:
@@ -285,20 +290,24 @@ class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool):
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool, index: int = 0, closing: bool = True):
         self.chat = chat
         self.request_id = request_id
         self.include_usage = include_usage
+        self.index = index
+        # Whether last() ends the stream (usage, [DONE]); with n > 1 choices
+        # the request does that once all have ended (supervisor.httpapi.choices).
+        self.closing = closing
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
         self._head = head
         null_usage = b',"usage":null' if include_usage else b""
         # One chunk per text piece: the prefix and suffix around its JSON string.
         opened = _encode(head)[:-1]
         if chat:
-            self._prefix = {kind: b"data: " + opened + b',"choices":[{"index":0,"delta":{"%s":' % kind.encode() for kind in ("content", "reasoning_content")}
+            self._prefix = {kind: b"data: " + opened + b',"choices":[{"index":%d,"delta":{"%s":' % (index, kind.encode()) for kind in ("content", "reasoning_content")}
             self._suffix = b'},"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
         else:
-            self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":0,"text":'}
+            self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
@@ -316,24 +325,29 @@ class Reply:
     def first(self) -> bytes:
         """The chat stream's first chunk: the assistant role, no text yet."""
         extra = {"usage": None} if self.include_usage else {}
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
+        return self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
 
     def last(self, finish_reason: str, figures: dict | None) -> bytes:
         """The closing chunks: the finish reason, the usage when asked for, [DONE]."""
         extra = {"usage": None} if self.include_usage else {}
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         out = self._chunk([choice], **extra)
-        if figures is not None:
-            out += self._chunk([], usage=figures)
+        if not self.closing:
+            return out
+        return out + self.closing_chunks(figures)
+
+    def closing_chunks(self, figures: dict | None) -> bytes:
+        """The usage chunk (when asked for) and [DONE]."""
+        out = self._chunk([], usage=figures) if figures is not None else b""
         return out + b"data: [DONE]\n\n"
 
     def tool_calls(self, calls: list[dict]) -> bytes:
         """The stream's chunk of the reply's tool calls (each whole, with its `index`)."""
         extra = {"usage": None} if self.include_usage else {}
-        return self._chunk([{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
+        return self._chunk([{"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
 
     def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
         """The non-streamed answer."""
@@ -344,9 +358,9 @@ class Reply:
                 message = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return _encode({**head, "choices": [choice], "usage": figures})
 
 
