@@ -81,6 +81,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     max_context: Annotated[int, Meta(ge=2)] | None = None
     # Overrides the pool's prefix_cache_disk_bytes for this model.
     prefix_cache_disk_bytes: Size | None = None
+    # How the model writes tool calls (docs/http.md, "Tool calls"); unset,
+    # it is read from the chat template.
+    tool_parser: Literal["qwen3", "qwen3_coder", "llama3_json", "mistral", "gemma", "deepseek"] | None = None
 
     def __post_init__(self) -> None:
         if self.draft == "mtp":

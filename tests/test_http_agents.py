@@ -66,7 +66,7 @@ def test_a_local_unconfigured_model_is_served_over_http(agents, tiny_model):
         text = agents.text(request_id)
         message = reply.choices[0].message
         reasoning, answer = split_thinking(text)
-        assert (message.reasoning_content or "") + (message.content or "") == reasoning + answer
+        assert (getattr(message, "reasoning_content", None) or "") + (message.content or "") == reasoning + answer
     listed = {m["id"]: m for m in get(agents, "/models")["data"]}
     assert listed["tiny2"]["loaded"]
 
@@ -127,3 +127,182 @@ def test_response_format_json_lands_in_content(agents):
         assert minimal.choices[0].message.reasoning_content == "" and minimal.choices[0].message.content
     status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "reasoning_effort": "lots"}).encode())
     assert status == 400 and body["error"]["param"] == "reasoning_effort"
+
+
+# -- tool calls ----------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed(chunks) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish_reason) of a chat stream, put together
+    the way OpenAI's clients do."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] += (delta.function.name or "") if delta.function else ""
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_call(name: str, arguments: str) -> None:
+    tool = {t["function"]["name"]: t for t in TOOLS}[name]
+    args = json.loads(arguments)
+    assert set(tool["function"]["parameters"]["required"]) <= set(args) <= set(tool["function"]["parameters"]["properties"])
+
+
+def test_tools_are_rendered_by_the_chat_template(agents):
+    """The demo's template lists the tools in a system turn: the prompt
+    grows, and stdin (same messages and tools) gives the same prompt."""
+    with client(agents) as c:
+        bare = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, temperature=0)
+        auto = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
+        chunks = list(c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert auto.usage.prompt_tokens > bare.usage.prompt_tokens + 50
+    assert auto.choices[0].finish_reason == "length" and not auto.choices[0].message.tool_calls
+    assert chunks[-1].usage.prompt_tokens == auto.usage.prompt_tokens
+    agents.send({"id": "stdin-tools", "model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 1, "temperature": 0})
+    assert agents.terminal("stdin-tools")["prompt_tokens"] == auto.usage.prompt_tokens
+
+
+def test_a_forced_call_parses_at_temperature_1(agents):
+    with client(agents) as c:
+        for seed in range(5):
+            # One call each (parallel_tool_calls false), then up to 8 in one reply.
+            parallel = seed == 4
+            reply = c.chat.completions.create(
+                model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=600, temperature=1.0, seed=seed
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and (len(choice.message.tool_calls) >= 1 if parallel else len(choice.message.tool_calls) == 1), choice
+            for call in choice.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                check_call(call.function.name, call.function.arguments)
+        named = c.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=9
+        )
+        [call] = named.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+        content, calls, finish = streamed(
+            c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3, stream=True)
+        )
+        again = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3)
+    assert finish == "tool_calls" and content == ""
+    assert [(k["name"], k["arguments"]) for k in calls] == [(t.function.name, t.function.arguments) for t in again.choices[0].message.tool_calls]
+
+
+def test_tool_results_fed_back(agents):
+    """An assistant turn with tool_calls and the tool's result, rendered by
+    the template as stdin renders them; the reply goes on."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    with client(agents) as c:
+        reply = c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    assert reply.choices[0].message.content is not None
+    stdin_history = [{**m, "content": m["content"] or ""} for m in history]
+    stdin_history[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}}]
+    agents.send({"id": "stdin-history", "model": "tiny", "messages": stdin_history, "tools": TOOLS, "max_tokens": 1, "temperature": 0})
+    assert agents.terminal("stdin-history")["prompt_tokens"] == reply.usage.prompt_tokens
+
+
+def test_auto_reads_a_well_formed_call_and_returns_a_malformed_one_as_text(agents):
+    """With tool_choice auto the model chooses; a response_format makes the
+    tiny model write a call (or a broken one) on purpose."""
+    good = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone": "UTC"\\}\\}\\n</tool_call>'
+    broken = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone"\\n</tool_call>'
+    with client(agents) as c:
+        for stream in (False, True):
+            kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+            called = c.chat.completions.create(**kwargs, response_format={"type": "regex", "pattern": "Let me see\\. " + good}, stream=stream)
+            text = c.chat.completions.create(**kwargs, response_format={"type": "regex", "pattern": broken}, stream=stream)
+            if stream:
+                content, calls, finish = streamed(called)
+                assert (content.strip(), finish) == ("Let me see.", "tool_calls")
+                assert [(k["name"], json.loads(k["arguments"])) for k in calls] == [("get_time", {"zone": "UTC"})]
+                content, calls, finish = streamed(text)
+                assert calls == [] and finish == "stop" and content.startswith("<tool_call>")
+            else:
+                message = called.choices[0].message
+                assert called.choices[0].finish_reason == "tool_calls" and message.content == "Let me see."
+                assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [("get_time", {"zone": "UTC"})]
+                assert text.choices[0].finish_reason == "stop" and text.choices[0].message.content.startswith("<tool_call>")
+                assert not text.choices[0].message.tool_calls
+
+
+def test_legacy_functions_map_to_tools(agents):
+    body = {"model": "tiny", "messages": ASK, "functions": [CLOCK["function"]], "function_call": {"name": "get_time"}, "max_tokens": 200, "temperature": 1.0, "seed": 1}
+    status, reply = post(agents, "/chat/completions", json.dumps(body).encode())
+    assert status == 200 and reply["choices"][0]["finish_reason"] == "tool_calls", reply
+    assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+        ({"tools": [CLOCK, CLOCK]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tool_fields_are_400(agents, extra, param):
+    status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": ASK, **extra}).encode())
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+# -- the rest of the chat surface -------------------------------------------------------
+
+
+def test_n_choices_are_rows_of_their_own(agents):
+    """n > 1: one row per choice; seeded, choice i is what seed + i gives
+    alone; streamed, the choices' deltas put together give the same."""
+    kwargs = dict(model="tiny", messages=HI, max_tokens=8, temperature=1.0, extra_body={"reasoning_budget": 2})
+    with client(agents) as c:
+        many = c.chat.completions.create(n=3, seed=11, **kwargs)
+        alone = [c.chat.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+        chunks = list(c.chat.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kwargs))
+        completions = c.completions.create(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", n=2, max_tokens=4, temperature=0)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in many.choices] == [a.choices[0].message.content for a in alone]
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    texts = {i: "" for i in range(3)}
+    finishes = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [a.choices[0].message.content for a in alone]
+    assert set(finishes) == {0, 1, 2}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    assert [ch.index for ch in completions.choices] == [0, 1] and completions.choices[0].text == completions.choices[1].text
+    status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "n": 9}).encode())
+    assert status == 400 and body["error"]["param"] == "n"

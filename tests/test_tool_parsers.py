@@ -166,3 +166,67 @@ def test_a_forced_call_always_parses(walker, fmt, parallel):
             for call in calls:
                 required = names[call.name]["function"]["parameters"]["required"]
                 assert set(required) <= set(json.loads(call.arguments)), text
+
+
+# -- the HTTP side: streaming hold-back, templates without tools ------------------
+
+
+def reader_run(fmt: str, pieces: list[str], parallel: bool = True):
+    from supervisor.httpapi.tools import ToolReader, ToolRequest
+
+    reader = ToolReader(ToolRequest(TOOLS, "auto", parallel), fmt)
+    out = "".join(reader.feed(p) for p in pieces)
+    rest, calls = reader.finish()
+    return out, rest, calls
+
+
+@pytest.mark.parametrize("split", [1, 3, 1000])
+def test_a_stream_sends_content_until_a_call_may_begin(split):
+    reply = 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    pieces = [reply[i : i + split] for i in range(0, len(reply), split)]
+    out, rest, calls = reader_run("qwen3", pieces)
+    assert out == "Checking.\n" and rest == "" and calls == [Call("get_time", '{"zone": "UTC"}')]
+    # A marker's start that turns out to be text goes out after all.
+    text = "a <tool b <tool_cal"
+    out, rest, calls = reader_run("qwen3", [text[i : i + split] for i in range(0, len(text), split)])
+    assert out + rest == text and calls == []
+    # Held from the marker on, and given back as text when it does not parse.
+    broken = "x <tool_call>{oops"
+    out, rest, calls = reader_run("qwen3", [broken[i : i + split] for i in range(0, len(broken), split)])
+    assert (out, rest, calls) == ("x ", "<tool_call>{oops", [])
+
+
+def test_leading_markers_hold_only_at_the_start():
+    out, rest, calls = reader_run("llama3_json", [" ", '{"name": "get_time", ', '"parameters": {"zone": "CET"}}'])
+    assert out == "" and rest == "" and calls == [Call("get_time", '{"zone": "CET"}')]
+    out, rest, calls = reader_run("llama3_json", ["Use ", '{"name": "get_time"}'])
+    assert out + rest == 'Use {"name": "get_time"}' and calls == []
+    two = '[get_time(zone="UTC"), get_time(zone="CET")]'
+    assert reader_run("gemma", [two], parallel=False)[2] == [Call("get_time", '{"zone": "UTC"}')]
+
+
+def test_a_template_without_tools_gets_them_as_qwen_writes_them():
+    from supervisor.httpapi.shapes import chat_request
+    from supervisor.httpapi.tools import TemplateInfo
+
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+        ],
+        "tools": TOOLS,
+    }
+    plain, _ = chat_request(json.dumps(body).encode(), "r1", lambda v: v, lambda name: TemplateInfo("qwen3", False))
+    assert plain.tools is None
+    roles = [m.role for m in plain.messages]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert plain.messages[0].content.startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in plain.messages[0].content
+    assert plain.messages[2].content == '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert plain.messages[3].content == "<tool_response>\n12:00\n</tool_response>"
+    templated, opts = chat_request(json.dumps(body).encode(), "r2", lambda v: v, lambda name: TemplateInfo("qwen3", True))
+    assert templated.tools == TOOLS and opts.tool_format == "qwen3"
+    assert templated.messages[2].tool_calls == [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
+    assert templated.messages[3].tool_call_id == "c1"

@@ -22,6 +22,7 @@ import msgspec
 from ipc.events import INTERNAL, PREFIX
 from supervisor.httpapi.reasoning import ThinkSplitter
 from supervisor.httpapi.shapes import HttpError, Reply, stream_error, usage
+from supervisor.httpapi.tools import ToolReader, call_objects
 
 
 class _Token(msgspec.Struct, tag_field="ev", tag="gen_token"):
@@ -61,8 +62,10 @@ class Exchange:
         opens_think: Callable[[], bool] | None,
         overflow: Callable[[], None],
         fault: Callable[[], None],
+        tools: ToolReader | None = None,
     ):
         self.reply = reply
+        self.tools = tools  # reads tool calls out of the answer
         self.stream = stream
         self.limit = limit
         self._opens_think = opens_think  # None: no reasoning split (completions)
@@ -80,6 +83,7 @@ class Exchange:
         self._buffered = 0
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self._calls: list[dict] = []
 
     # -- the pool's side -------------------------------------------------------
 
@@ -132,6 +136,8 @@ class Exchange:
         """The stream's fast path: the token's JSON string as the worker
         wrote it goes into the chunk without being decoded and encoded
         again, unless it may hold a <think> tag (or the splitter holds text)."""
+        if self.tools is not None:
+            return False
         if self.splitter is None:
             self._put(self.reply.raw_piece(raw, False))
             return True
@@ -143,6 +149,10 @@ class Exchange:
 
     def _pieces(self, pieces: list[tuple[bool, str]]) -> None:
         for reasoning, text in pieces:
+            if self.tools is not None and not reasoning:
+                text = self.tools.feed(text)
+                if not text:
+                    continue
             if self.stream:
                 self._put(self.reply.piece(text, reasoning))
             else:
@@ -158,6 +168,12 @@ class Exchange:
     def _end_done(self, event: _Token) -> None:
         if self.splitter is not None:
             self._pieces(self.splitter.flush())
+        if self.tools is not None and event.finish_reason != "cancelled":
+            rest, calls = self.tools.finish()
+            self.tools = None  # what is left goes out as plain text
+            if rest:
+                self._pieces([(False, rest)])
+            self._calls = call_objects(calls, with_index=self.stream)
         self.ended = True
         if self.stream and event.finish_reason != "cancelled" and not self.started:
             self.started = True  # a reply with no text at all
@@ -169,7 +185,11 @@ class Exchange:
             self._end_error(HttpError(503, "the request was cancelled: its model was unloaded or the pool is shutting down", "server_error", "cancelled"))
             return
         self.finish_reason = event.finish_reason or "stop"
+        if self._calls:
+            self.finish_reason = "tool_calls"
         self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
+        if self.stream and self._calls:
+            self._put(self.reply.tool_calls(self._calls))
         if self.stream:
             self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None))
 
@@ -200,4 +220,4 @@ class Exchange:
             # empty for text the model did write.
             return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage)
         reasoning = "".join(self._reasoning) if splitter is not None and splitter.thought else None
-        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage)
+        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage, self._calls)

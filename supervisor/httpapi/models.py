@@ -16,6 +16,7 @@ import asyncio
 from ipc.context import read_context_limit
 from ipc.events import BAD_REQUEST, UNKNOWN_MODEL
 from supervisor.httpapi.shapes import HttpError
+from supervisor.httpapi.tools import TemplateInfo, template_info
 from supervisor.local_models import cache_models, hub_models
 from supervisor.pool import Pool
 from supervisor.resolve import UnknownModel
@@ -91,3 +92,11 @@ def one_model(pool: Pool, name: str) -> dict:
     """GET /v1/models/NAME."""
     name = model_name(pool, name)
     return model_object(pool, name, "configured" if name in pool.resolver.by_name else "local")
+
+
+def chat_template(pool: Pool, name: str) -> TemplateInfo:
+    """What the chat template of the model `name` (already checked by
+    model_name) does with tools; its configured `tool_parser` wins."""
+    spec = pool.resolver.resolve(name)
+    entry = pool.resolver.by_name.get(name)
+    return template_info(spec.tokenizer_dir or spec.path, entry.tool_parser if entry is not None else None)

@@ -31,7 +31,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import h11
 import msgspec
@@ -40,9 +40,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
+from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
-from supervisor.httpapi.models import list_models, model_name, one_model
+from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
 from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body
+from supervisor.httpapi.tools import ToolReader
 from supervisor.pool import Pool
 from supervisor.requests import ClientLine
 from supervisor.resolve import UnknownModel
@@ -450,8 +452,14 @@ class App:
         self._json_body(scope)
         body = await _read_body(scope, receive, self.max_body, self.request_timeout)
         request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        msg, opts = (chat_request if chat else completion_request)(body, request_id, self._model_name)
-        id_json = msg.id_json
+        if chat:
+            msg, opts = chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
+        else:
+            msg, opts = completion_request(body, request_id, self._model_name)
+        # n > 1: one row per choice, each with an id (and seed) of its own.
+        msgs = [msg] + [
+            msgspec.structs.replace(msg, id=f"{request_id}-{i}", seed=None if msg.seed is None else (msg.seed + i) % 2**63) for i in range(1, opts.n)
+        ]
         connection: Connection | None = scope.get("state", {}).get(CONNECTION)
         loop = asyncio.get_running_loop()
         cancelled = False
@@ -460,7 +468,9 @@ class App:
             nonlocal cancelled
             if not cancelled and not exchange.ended:
                 cancelled = True
-                self.pool.cancel(id_json, _ignore)
+                for row, part in zip(msgs, parts):
+                    if not part.ended or part.error is not None:
+                        self.pool.cancel(row.id_json, _ignore)
 
         def overflow() -> None:
             # Called from the pool's write into the exchange: act after it.
@@ -469,13 +479,20 @@ class App:
             if connection is not None:
                 loop.call_soon(connection.abort)
 
-        def fault() -> None:
+        def fault(id_json: str | None) -> Callable[[], None]:
             # The exchange has ended itself: stop the row whatever it says.
-            loop.call_soon(self.pool.cancel, id_json, _ignore)
+            return lambda: loop.call_soon(self.pool.cancel, id_json, _ignore)
 
-        reply = Reply(chat, request_id, int(time.time()), opts.model, opts.include_usage)
-        exchange = Exchange(reply, opts.stream, self.stream_buffer, (lambda: self._opens_think(msg)) if chat else None, overflow, fault)
-        self.pool.submit(msg, exchange, surface="http")
+        created = int(time.time())
+        parts = []
+        for i, row in enumerate(msgs):
+            reply = Reply(chat, request_id, created, opts.model, opts.include_usage, index=i, closing=opts.n == 1)
+            tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
+            think = (lambda: self._opens_think(msg)) if chat else None
+            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))
+        exchange = parts[0] if opts.n == 1 else Choices(parts, reply)
+        for row, part in zip(msgs, parts):
+            self.pool.submit(row, part, surface="http")
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(lambda _: exchange.changed.set())
         try:

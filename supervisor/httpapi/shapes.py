@@ -28,6 +28,7 @@ from ipc.events import (
     UNLOADED,
     WORKER_CRASHED,
 )
+from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, forced_format, hermes_messages, history_calls, read_tools
 from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
@@ -97,9 +98,6 @@ class HttpFields(msgspec.Struct):
     n: int | None = None
     logprobs: Any = None
     echo: bool | None = None
-    tools: list | None = None
-    # The older name of tools (with function_call for tool_choice).
-    functions: list | None = None
     reasoning_effort: str | None = None
 
 
@@ -111,6 +109,10 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    function_call: Any = None  # the legacy form of one tool call
 
 
 class Options(msgspec.Struct):
@@ -119,6 +121,9 @@ class Options(msgspec.Struct):
     model: str
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None = None
+    tool_format: str | None = None
+    n: int = 1
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -140,18 +145,18 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
     if not isinstance(data, dict):
         raise bad("request body must be a JSON object")
     fields = _convert(data, HttpFields, "")
-    if fields.n not in (None, 1):
-        raise bad("n must be 1: one choice per request", "n")
+    if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
+        raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
     if fields.logprobs not in (None, False, 0):
         raise bad("logprobs are not supported", "logprobs")
     if fields.echo:
         raise bad("echo is not supported", "echo")
-    if fields.tools:
-        raise bad("tools are not supported", "tools")
-    if fields.functions:
-        raise bad("functions (the older form of tools) are not supported", "functions")
     return data, fields
 
+
+# Choices one request may ask for (`n`): each is a row of its own in the
+# model's batch (and counts against max_queued), so a bound.
+MAX_CHOICES = 8
 
 # OpenAI's reasoning_effort as the pool's reasoning_budget (tokens of
 # thinking before </think> is forced); "high" and above leave it uncapped.
@@ -188,7 +193,7 @@ def _client_line(line: dict) -> ClientLine:
 
 def _options(fields: HttpFields, model: str) -> Options:
     usage = bool(fields.stream and fields.stream_options and fields.stream_options.include_usage)
-    return Options(model=model, stream=bool(fields.stream), include_usage=usage)
+    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1)
 
 
 def _flatten(message: ChatMessage) -> dict:
@@ -201,21 +206,58 @@ def _flatten(message: ChatMessage) -> dict:
             texts.append(part.text)
         content = "".join(texts)
     # OpenAI's newer name for the system role; chat templates know "system".
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    # "function" is the legacy name of a tool result.
+    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+    out: dict = {"role": role, "content": content or ""}
+    calls = message.tool_calls
+    if calls is None and message.function_call is not None:
+        calls = [{"type": "function", "function": message.function_call}]
+    if calls:
+        try:
+            out["tool_calls"] = history_calls(calls)
+        except ToolError as exc:
+            raise bad(str(exc), exc.param) from None
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
 
 
-def chat_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
+def chat_request(
+    body: bytes, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
+) -> tuple[ClientLine, Options]:
     """A /v1/chat/completions body as the pool's request. model_name(value)
-    gives the configured name the body's `model` means (or raises)."""
+    gives the name the body's `model` means (or raises); template(name)
+    what the model's chat template does with tools."""
     data, fields = _decode(body)
     model = model_name(data.get("model"))
     if data.get("messages") is None:
         raise bad('missing "messages" field', "messages")
-    messages = _convert(data["messages"], list[ChatMessage], "messages")
-    line = _pool_line(data, fields, request_id, model, constrained=data.get("response_format") is not None)
-    line["messages"] = [_flatten(m) for m in messages]
-    return _client_line(line), _options(fields, model)
+    messages = [_flatten(m) for m in _convert(data["messages"], list[ChatMessage], "messages")]
+    try:
+        tools = read_tools(data)
+    except ToolError as exc:
+        raise bad(str(exc), exc.param) from None
+    info = None
+    if template is not None and (tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages)):
+        info = template(model)
+        if not info.renders_tools:
+            messages = hermes_messages(messages, tools.tools if tools else None)
+    forced = tools is not None and tools.forced
+    if forced and data.get("response_format") is not None:
+        raise bad("response_format cannot be combined with a forced tool call (tool_choice required or a named function)", "response_format")
+    line = _pool_line(data, fields, request_id, model, constrained=data.get("response_format") is not None or forced)
+    line["messages"] = messages
+    if tools is not None and info is not None:
+        if info.renders_tools:
+            line["tools"] = tools.tools
+        if forced:
+            line["response_format"] = msgspec.json.decode(forced_format(tools, info.format))
+    options = _options(fields, model)
+    if tools is not None and info is not None:
+        options.tools, options.tool_format = tools, info.format
+    return _client_line(line), options
 
 
 def completion_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
@@ -248,20 +290,24 @@ class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool):
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool, index: int = 0, closing: bool = True):
         self.chat = chat
         self.request_id = request_id
         self.include_usage = include_usage
+        self.index = index
+        # Whether last() ends the stream (usage, [DONE]); with n > 1 choices
+        # the request does that once all have ended (supervisor.httpapi.choices).
+        self.closing = closing
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
         self._head = head
         null_usage = b',"usage":null' if include_usage else b""
         # One chunk per text piece: the prefix and suffix around its JSON string.
         opened = _encode(head)[:-1]
         if chat:
-            self._prefix = {kind: b"data: " + opened + b',"choices":[{"index":0,"delta":{"%s":' % kind.encode() for kind in ("content", "reasoning_content")}
+            self._prefix = {kind: b"data: " + opened + b',"choices":[{"index":%d,"delta":{"%s":' % (index, kind.encode()) for kind in ("content", "reasoning_content")}
             self._suffix = b'},"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
         else:
-            self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":0,"text":'}
+            self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
@@ -279,30 +325,42 @@ class Reply:
     def first(self) -> bytes:
         """The chat stream's first chunk: the assistant role, no text yet."""
         extra = {"usage": None} if self.include_usage else {}
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
+        return self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
 
     def last(self, finish_reason: str, figures: dict | None) -> bytes:
         """The closing chunks: the finish reason, the usage when asked for, [DONE]."""
         extra = {"usage": None} if self.include_usage else {}
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         out = self._chunk([choice], **extra)
-        if figures is not None:
-            out += self._chunk([], usage=figures)
+        if not self.closing:
+            return out
+        return out + self.closing_chunks(figures)
+
+    def closing_chunks(self, figures: dict | None) -> bytes:
+        """The usage chunk (when asked for) and [DONE]."""
+        out = self._chunk([], usage=figures) if figures is not None else b""
         return out + b"data: [DONE]\n\n"
 
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict) -> bytes:
+    def tool_calls(self, calls: list[dict]) -> bytes:
+        """The stream's chunk of the reply's tool calls (each whole, with its `index`)."""
+        extra = {"usage": None} if self.include_usage else {}
+        return self._chunk([{"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
+
+    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
         """The non-streamed answer."""
         head = {**self._head, "object": "chat.completion" if self.chat else "text_completion"}
         if self.chat:
             message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return _encode({**head, "choices": [choice], "usage": figures})
 
 

@@ -26,6 +26,10 @@ import json
 import re
 from dataclasses import dataclass
 
+# Calls one forced reply may make with parallel_tool_calls: a model that
+# keeps calling must still end its reply within a bound.
+MAX_CALLS = 8
+
 FORMATS = ("qwen3", "qwen3_coder", "llama3_json", "mistral", "gemma", "deepseek")
 
 _json = json.JSONDecoder()
@@ -365,7 +369,7 @@ def grammar(fmt: str, tools: list[dict], parallel: bool) -> str:
         sep = '"; "'
     elif fmt == "mistral":
         rules = [f"call: {_json_rule(_named(tools, 'arguments'))}"]
-        body = 'call ("," call)*' if parallel else "call"
+        body = f'call ("," call){{0,{MAX_CALLS - 1}}}' if parallel else "call"
         return "\n".join([f'start: "[TOOL_CALLS][" {body} "]"', *rules])
     elif fmt == "gemma":
         # Keyword arguments with JSON values (Python literals but for
@@ -384,7 +388,7 @@ def grammar(fmt: str, tools: list[dict], parallel: bool) -> str:
             rules.append(f"c{n}: {_lark_str(fn['name'] + '(')} {' '.join(words)} \")\"")
             alternatives.append(f"c{n}")
         rules.append("call: " + " | ".join(alternatives))
-        body = 'call (", " call)*' if parallel else "call"
+        body = f'call (", " call){{0,{MAX_CALLS - 1}}}' if parallel else "call"
         return "\n".join([f'start: "[" {body} "]"', *rules])
     elif fmt == "deepseek":
         rules = []
@@ -396,9 +400,9 @@ def grammar(fmt: str, tools: list[dict], parallel: bool) -> str:
             rules.append(f"c{n}: {head} a{n} {_lark_str(chr(10) + '```' + DS_CALL_END)}")
             alternatives.append(f"c{n}")
         rules.append("call: " + " | ".join(alternatives))
-        body = "call+" if parallel else "call"
+        body = f"call{{1,{MAX_CALLS}}}" if parallel else "call"
         return "\n".join([f"start: {_lark_str(DS_BEGIN)} {body} {_lark_str(DS_END)}", *rules])
     else:
         raise ValueError(f"unknown tool-call format {fmt!r}")
-    body = f"call ({sep} call)*" if parallel else "call"
+    body = f"call ({sep} call){{0,{MAX_CALLS - 1}}}" if parallel else "call"
     return "\n".join([f"start: {body}", *rules])
