@@ -39,6 +39,7 @@ class Done(msgspec.Struct, tag_field="ev", tag="gen_token"):
     gen_tokens: int = 0
     ttft_ms: float = 0.0
     tok_s: float = 0.0
+    total_ms: float = 0.0
     finish_reason: str | None = None
     # Present when the request ran with a drafter (speculative decoding).
     drafted_tokens: int = 0

@@ -30,7 +30,7 @@ from supervisor.lifecycle import RunningPool, first_set
 from supervisor.requests import BadRequest, ClientLine, parse_line
 from supervisor.resolve import UnknownModel
 from supervisor.screen import Screen
-from supervisor.terminal import EventSink, LoadProgress, cause, error_line, stats_line
+from supervisor.terminal import THINK_MODES, EventSink, LoadProgress, ReplyText, cause, error_line, stats_line
 
 # Sampling settings `/set` changes, as request fields (the same validation).
 KNOBS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "seed", "reasoning_budget")
@@ -49,6 +49,7 @@ HELP = f"""\
   /set                   show the sampling settings
   /set KNOB VALUE        {", ".join(KNOBS)}; VALUE `default` resets it
   /set system [TEXT]     set (or, alone, remove) the system prompt
+  /set think on|off|hidden  show the model's thinking apart (on), ask it not to think (off), or think unseen (hidden)
   {MULTILINE} ... {MULTILINE}          a message of several lines (pasting several lines works too)
   Ctrl-C stops a reply or clears the line; it never quits."""
 
@@ -176,6 +177,10 @@ class Chat:
         self.history: list[Message] = []
         self.ids = itertools.count(1)
         self.reply: list[str] = []
+        self.think = getattr(args, "think", None) or "on"
+        self.shown: ReplyText | None = None  # the reply being shown
+        # Whether a reply of each model starts inside <think> (its ready line says).
+        self.opens_think: dict[str, bool] = {}
         self.current: ClientLine | None = None  # the request being answered
         self.turn_done = asyncio.Event()
         # A wait for one of `events` of model `name` (a load, an unload).
@@ -199,6 +204,8 @@ class Chat:
             self.progress.update(event)
         if ev in ("ready", "adapter_loaded"):
             self.adapter_errors.pop(event.get("model"), None)
+        if ev == "ready":
+            self.opens_think[event.get("model")] = bool(event.get("opens_think"))
         if ev == "gen_token" and self.answers(event):
             self.on_token(event)
         elif ev == "error":
@@ -210,13 +217,24 @@ class Chat:
 
     def on_token(self, event: dict) -> None:
         if event["done"]:
+            if self.shown is not None:
+                self.shown.finish()
             self.screen.reply("\n")
             if self.args.verbose:
                 self.screen.note(stats_line(event))
             self.turn_done.set()
         else:
             self.reply.append(event["token"])
-            self.screen.reply(event["token"])
+            if self.shown is None:
+                self.shown = ReplyText(self.screen.reply, self.opens_think.get(self.model_name(), False), self.think == "on", self.screen.out.isatty())
+            self.shown.feed(event["token"])
+
+    def model_name(self) -> str | None:
+        """The name the next message's model has in the pool's events."""
+        try:
+            return self.pool.resolver.resolve(self.model).name
+        except UnknownModel:
+            return self.model
 
     def on_error(self, event: dict) -> None:
         if event.get("id") is None:
@@ -370,12 +388,19 @@ class Chat:
             for k in KNOBS:
                 value = self.knobs[k] if self.knobs[k] is not None else DEFAULTS[k]
                 shown.append(f"  {k} {'none' if value is None else value}" + (" (default)" if self.knobs[k] is None else ""))
-            self.screen.note("\n".join(shown + [f"  system {self.system!r}" if self.system else "  system (none)"]))
+            system = f"  system {self.system!r}" if self.system else "  system (none)"
+            self.screen.note("\n".join(shown + [system, f"  think {self.think}"]))
         elif knob == "system":
             self.system = value or None
             self.screen.note("system prompt set" if value else "system prompt removed")
+        elif knob == "think":
+            if value not in THINK_MODES:
+                self.screen.note(f"think {value}: say on (show the thinking apart), off (ask the model not to think) or hidden")
+                return
+            self.think = value
+            self.screen.note(f"think set to {value}")
         elif knob not in KNOBS:
-            self.screen.note(f"cannot set {knob!r}; settings: {', '.join(KNOBS)}, system")
+            self.screen.note(f"cannot set {knob!r}; settings: {', '.join(KNOBS)}, system, think")
         elif value in ("", "default"):
             self.knobs[knob] = None
             self.screen.note(f"{knob} back to its default")
@@ -394,10 +419,12 @@ class Chat:
 
     async def turn(self, text: str) -> None:
         messages = ([Message("system", self.system)] if self.system else []) + self.history + [Message("user", text)]
-        request = ClientLine(
-            id=f"chat-{next(self.ids)}", model=self.model, messages=messages, stop=self.stop, **{k: v for k, v in self.knobs.items() if v is not None}
-        )
+        knobs = {k: v for k, v in self.knobs.items() if v is not None}
+        if self.think == "off":
+            knobs["reasoning_budget"] = 0  # the think block closes before its first token
+        request = ClientLine(id=f"chat-{next(self.ids)}", model=self.model, messages=messages, stop=self.stop, **knobs)
         self.reply.clear()
+        self.shown = None
         self.turn_done.clear()
         self.current = request
         self.pool.submit(request, self.sink)

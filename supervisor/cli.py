@@ -24,7 +24,7 @@ from supervisor.demo import DEMO_NAME, ensure_demo_model
 from supervisor.lifecycle import serve
 from supervisor.requests import BadRequest, parse_line
 from supervisor.resolve import Resolver, UnknownModel, expand, model_cache_dir
-from supervisor.terminal import run_once
+from supervisor.terminal import THINK_MODES, run_once
 
 
 class UsageError(Exception):
@@ -387,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(chat)
     add_sampling_flags(chat)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--think", choices=THINK_MODES, default="on", help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it")
     chat.add_argument("--verbose", action="store_true", help="show logs (--log-level INFO) and a stats line after each reply")
     chat.set_defaults(func=cmd_chat)
 

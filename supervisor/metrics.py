@@ -13,8 +13,11 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
+import importlib.metadata
 import io
 import logging
+import platform
+import resource
 import socket
 import threading
 import time
@@ -23,14 +26,17 @@ from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ipc.events import ADAPTER_ERROR
 from ipc.worker_events import Done
 from supervisor.child import RESOURCE_ERRNOS
 from supervisor.config import ConfigError
 from supervisor.pool import Pool
+from supervisor.ps import by_worker
 from supervisor.resolve import ModelSpec
 from supervisor.states import State
 from supervisor.status import Status
@@ -42,28 +48,38 @@ log = logging.getLogger("lattice.metrics")
 SCRAPE_TIMEOUT = 5.0
 LABELS = ("model", "adapter")
 
+# Figures of a worker process, once per worker: labelled by the name it
+# serves without adapter (its first name otherwise; as `ps` lists it first)
+# and its pid, so that sum() over them counts each process once.
+WORKER_LABELS = ("model", "pid")
 # StatusRow field -> (metric name, help)
-MODEL_GAUGES = {
-    "rss_bytes": ("lattice_model_rss_bytes", "Resident set size of the worker process"),
-    "uss_bytes": ("lattice_model_uss_bytes", "Unique set size of the worker process (memory freed if it exits)"),
-    "mlx_active_bytes": ("lattice_model_mlx_active_bytes", "MLX active memory in the worker"),
-    "mlx_peak_bytes": ("lattice_model_mlx_peak_bytes", "MLX peak memory in the worker since it started"),
-    "mlx_cache_bytes": ("lattice_model_mlx_cache_bytes", "MLX buffer cache in the worker"),
-    "weights_bytes": ("lattice_model_weights_bytes", "Bytes of model weights loaded in the worker"),
-    "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of this name's LoRA adapter in the worker's memory (0 when not resident)"),
-    "queued": ("lattice_model_queued_requests", "Requests waiting for this worker"),
-    "in_flight": ("lattice_model_in_flight_requests", "Requests sent to this worker and not yet ended"),
-    "uptime_s": ("lattice_model_uptime_seconds", "Seconds since the worker process started"),
-    "max_batch": ("lattice_model_max_batch", "Requests the worker may decode together"),
-    "active_rows": ("lattice_model_active_rows", "Requests the worker is decoding (its batch rows)"),
-    "waiting_rows": ("lattice_model_waiting_rows", "Requests sent to the worker that wait for room in its batch"),
-    "rows_cache_bytes": ("lattice_model_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
-    "max_adapters": ("lattice_model_max_adapters", "Adapters the worker may keep in memory"),
+WORKER_GAUGES = {
+    "rss_bytes": ("lattice_worker_rss_bytes", "Resident set size of the worker process"),
+    "uss_bytes": ("lattice_worker_uss_bytes", "Unique set size of the worker process (memory freed if it exits)"),
+    "mlx_active_bytes": ("lattice_worker_mlx_active_bytes", "MLX active memory in the worker"),
+    "mlx_peak_bytes": ("lattice_worker_mlx_peak_bytes", "MLX peak memory in the worker since it started"),
+    "mlx_cache_bytes": ("lattice_worker_mlx_cache_bytes", "MLX buffer cache in the worker"),
+    "weights_bytes": ("lattice_worker_weights_bytes", "Bytes of model weights loaded in the worker"),
+    "uptime_s": ("lattice_worker_uptime_seconds", "Seconds since the worker process started"),
+    "max_batch": ("lattice_worker_max_batch", "Requests the worker may decode together"),
+    "active_rows": ("lattice_worker_active_rows", "Requests the worker is decoding (its batch rows)"),
+    "waiting_rows": ("lattice_worker_waiting_rows", "Requests sent to the worker that wait for room in its batch"),
+    "rows_cache_bytes": ("lattice_worker_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
+    "max_adapters": ("lattice_worker_max_adapters", "Adapters the worker may keep in memory"),
 }
+# Figures that differ between the names of one worker.
+NAME_GAUGES = {
+    "adapter_bytes": ("lattice_model_adapter_bytes", "Bytes of this name's LoRA adapter in the worker's memory (0 when not resident)"),
+    "queued": ("lattice_model_queued_requests", "Requests of this name waiting for the worker"),
+    "in_flight": ("lattice_model_in_flight_requests", "Requests of this name sent to the worker and not yet ended"),
+}
+# A name's state: the worker's, or adapter_error for a name whose adapter
+# could not be loaded.
+NAME_STATES = (*(s.value for s in State), ADAPTER_ERROR)
 
 # A model split over processes: RankFigures field -> (metric name, help),
 # one series per rank, labelled by its rank, host and pid.
-RANK_LABELS = (*LABELS, "rank", "host", "pid")
+RANK_LABELS = ("model", "rank", "host", "pid")
 RANK_GAUGES = {
     "rss_bytes": ("lattice_rank_rss_bytes", "Resident set size of one rank of a model split over processes"),
     "uss_bytes": ("lattice_rank_uss_bytes", "Unique set size of one rank of a model split over processes"),
@@ -72,7 +88,6 @@ RANK_GAUGES = {
 }
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
 
 
 # (model, adapter) label pairs that carry counter and histogram series at
@@ -119,32 +134,93 @@ class _MeasuredGauges(Collector):
         status = self._snapshot()
         if status is None:
             return
-        families = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in MODEL_GAUGES.items()}
-        state = GaugeMetricFamily("lattice_model_state", "1 for the worker's current state, 0 for the others", labels=(*LABELS, "state"))
+        workers = {field: GaugeMetricFamily(name, text, labels=WORKER_LABELS) for field, (name, text) in WORKER_GAUGES.items()}
+        names = {field: GaugeMetricFamily(name, text, labels=LABELS) for field, (name, text) in NAME_GAUGES.items()}
+        state = GaugeMetricFamily("lattice_model_state", "1 for the name's current state, 0 for the others", labels=(*LABELS, "state"))
         info = GaugeMetricFamily(
             "lattice_model_info",
-            "Always 1; format: how the weights are stored; worker: the worker serving this name (names on one base model share it)",
-            labels=(*LABELS, "format", "worker"),
+            "Always 1; format: how the weights are stored; worker and pid: the worker serving this name (the model and pid labels of its lattice_worker_* series)",
+            labels=(*LABELS, "format", "worker", "pid"),
         )
         ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
-        for row in status.models:
-            key = [row.model, self._adapter_name(row.lora)]
-            for field, family in families.items():
-                family.add_metric(key, getattr(row, field))
-            for rank in row.ranks or ():
-                rank_key = [*key, str(rank.rank), rank.host, str(rank.pid) if rank.pid is not None else ""]
+        for group in by_worker(status.models):
+            first = group[0]
+            pid = str(first.pid) if first.pid is not None else ""
+            for field, family in workers.items():
+                family.add_metric([first.model, pid], getattr(first, field))
+            for rank in first.ranks or ():
+                rank_key = [first.model, str(rank.rank), rank.host, str(rank.pid) if rank.pid is not None else ""]
                 for field, family in ranks.items():
                     family.add_metric(rank_key, getattr(rank, field))
-            for s in State:
-                state.add_metric([*key, s.value], 1.0 if row.state == s.value else 0.0)
-            info.add_metric([*key, row.format or "unknown", str(row.worker)], 1.0)
-        yield from families.values()
+            for row in group:
+                key = [row.model, self._adapter_name(row.lora)]
+                for field, family in names.items():
+                    family.add_metric(key, getattr(row, field))
+                for value in NAME_STATES:
+                    state.add_metric([*key, value], 1.0 if row.state == value else 0.0)
+                info.add_metric([*key, row.format or "unknown", first.model, pid], 1.0)
+        yield from workers.values()
+        yield from names.values()
         yield from (family for family in ranks.values() if family.samples)
         yield state
         yield info
         yield GaugeMetricFamily("lattice_supervisor_rss_bytes", "Resident set size of the supervisor process", value=status.rss_bytes)
         yield GaugeMetricFamily("lattice_system_memory_total_bytes", "Physical memory of the machine", value=status.system_total_bytes)
         yield GaugeMetricFamily("lattice_system_memory_available_bytes", "Memory available to new processes", value=status.system_available_bytes)
+
+
+class _Process(Collector):
+    """The supervisor's own process_* series, as prometheus-client's
+    ProcessCollector names them; measured with psutil, because that
+    collector reads /proc, which macOS does not have."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        p = self._process
+        try:
+            with p.oneshot():
+                cpu, memory, started = p.cpu_times(), p.memory_info(), p.create_time()
+                fds = p.num_fds()
+        except psutil.Error:
+            return
+        yield CounterMetricFamily("process_cpu_seconds_total", "Total user and system CPU time spent in seconds", value=cpu.user + cpu.system)
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes", value=memory.rss)
+        yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes", value=memory.vms)
+        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in seconds", value=started)
+        yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors", value=fds)
+        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors", value=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _build_info() -> GaugeMetricFamily:
+    try:
+        version = importlib.metadata.version("lattice-pool")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    family = GaugeMetricFamily("lattice_build_info", "Always 1; the lattice-pool and Python versions of the supervisor", labels=("version", "python"))
+    family.add_metric([version, platform.python_version()], 1.0)
+    return family
+
+
+class _BuildInfo(Collector):
+    def __init__(self) -> None:
+        self._family = _build_info()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family
+
+
+def only_metrics(app: Callable) -> Callable:
+    """The WSGI app at /metrics (and / , where a browser lands); 404 elsewhere."""
+
+    def serve(environ, start_response):
+        if environ.get("PATH_INFO", "") in ("/metrics", "/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: the metrics are at /metrics\n"]
+
+    return serve
 
 
 class PoolMetrics:
@@ -166,12 +242,19 @@ class PoolMetrics:
         self.errors = Counter(
             "lattice_errors", "Error events that end a request or refuse a line, by code; model is empty when no model was resolved", (*LABELS, "code", "surface"), registry=r
         )
-        self.restarts = Counter("lattice_worker_restarts", "Worker restarts after a crash, stall or kill", LABELS, registry=r)
         self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
-        self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
-        self.tok_s = Histogram("lattice_tokens_per_second", "Generated tokens per second of each request (chat_metal's tok_s)", LABELS, buckets=TOK_S_BUCKETS, registry=r)
+        # Throughput as counters: rate(tokens) / rate(decode seconds) is the
+        # decode speed over any window, which a histogram of per-request
+        # rates cannot give.
+        self.decode_seconds = Counter(
+            "lattice_decode_seconds", "Seconds from each request's first token to its end (its decode time)", (*LABELS, "surface"), registry=r
+        )
+        self.restarts = Counter("lattice_worker_restarts", "Worker restarts after a crash, stall or kill", ("model",), registry=r)
+        self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", (*LABELS, "surface"), buckets=TTFT_BUCKETS, registry=r)
         self.pairs = _LabelPairs()
         r.register(_MeasuredGauges(self._snapshot, pool.resolver.adapters.name_of))
+        r.register(_Process())
+        r.register(_BuildInfo())
 
     def _labels(self, spec: ModelSpec | None) -> tuple[str, str]:
         """A name's labels: the adapter by its name, never its path (a
@@ -202,8 +285,8 @@ class PoolMetrics:
         if done.gen_tokens:
             # A request cancelled before its first token has no TTFT or rate.
             self.pairs.use(self.tokens, key, surface).inc(done.gen_tokens)
-            self.pairs.use(self.ttft, key).observe(done.ttft_ms / 1000.0)
-            self.pairs.use(self.tok_s, key).observe(done.tok_s)
+            self.pairs.use(self.ttft, key, surface).observe(done.ttft_ms / 1000.0)
+            self.pairs.use(self.decode_seconds, key, surface).inc(max(0.0, done.total_ms - done.ttft_ms) / 1000.0)
         if done.drafted_tokens:
             self.pairs.use(self.drafted, key).inc(done.drafted_tokens)
             self.pairs.use(self.accepted, key).inc(done.accepted_tokens)
@@ -215,7 +298,7 @@ class PoolMetrics:
         self.pairs.use(self.adapter_reloads, self._labels(spec), "loaded" if loaded else "error").inc()
 
     def restarted(self, spec: ModelSpec) -> None:
-        self.pairs.use(self.restarts, self._labels(spec)).inc()
+        self.restarts.labels(spec.name).inc()
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -309,7 +392,7 @@ class MetricsServer:
         self.metrics = metrics
         server_class = functools.partial(_BoundedServer, max_connections=max_connections, request_timeout=request_timeout)
         try:
-            self._server = make_server("127.0.0.1", port, make_wsgi_app(metrics.registry), server_class, _QuietHandler)
+            self._server = make_server("127.0.0.1", port, only_metrics(make_wsgi_app(metrics.registry)), server_class, _QuietHandler)
         except OSError as exc:
             raise ConfigError(f"metrics_port {port}: cannot listen on 127.0.0.1: {exc.strerror or exc}") from exc
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)

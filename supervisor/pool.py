@@ -164,9 +164,12 @@ class Pool:
         return False
 
     def restarted(self, slot: WorkerSlot) -> None:
+        # Once per worker, under the name `ps` lists it by: its first name
+        # without adapter, else its first.
+        names = sorted(slot.names.values(), key=lambda n: (n.lora is not None, n.name, n.lora or ""))
+        spec = names[0].spec if names else slot.spec
         for observer in self.observers:
-            for name in slot.names.values():
-                observer.restarted(name.spec)
+            observer.restarted(spec)
 
     def idle(self, slot: WorkerSlot) -> None:
         self._room.set()

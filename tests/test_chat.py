@@ -292,3 +292,35 @@ def test_chat_verbose_logs_never_share_a_line(tiny_model, start_chat):
     assert b"% of" in raw
     starts = columns_at(raw, LOG_RECORD)
     assert len(starts) >= 3 and set(starts) == {0}, starts
+
+
+def test_chat_shows_thinking_apart_and_set_think(tiny_model, start_chat):
+    # The demo template opens <think>; a budget of 3 closes it after three
+    # tokens of thinking, so each reply has both parts.
+    chat = start_chat("--model-dir", str(tiny_model), "--max-tokens", "12", "--seed", "1", "--reasoning-budget", "3")
+    chat.wait("tiny ready")
+    chat.prompt()
+    chat.line("Hello")
+    chat.wait(rb"\x1b\[2mThinking\.\.\.\x1b\[0m\r?\n")
+    chat.wait(rb"\x1b\[2m\r?\n\.\.\.done thinking\.\x1b\[0m\r?\n\r?\n")
+    chat.prompt()
+    chat.wait_served(1)
+
+    for mode, served in (("hidden", 2), ("off", 3)):
+        chat.line(f"/set think {mode}")
+        chat.wait(f"think set to {mode}")
+        chat.prompt()
+        start = len(chat.raw)
+        chat.line("Hello")
+        chat.prompt()
+        chat.wait_served(served)
+        assert b"Thinking" not in chat.raw[start:] and b"done thinking" not in chat.raw[start:], bytes(chat.raw[start:])
+    chat.line("/set think maybe")
+    chat.wait("think maybe: say on")
+    chat.line("/set")
+    chat.wait(r"think off")
+    chat.prompt()
+    # The tags themselves are never shown.
+    assert b"<think>" not in chat.raw and b"</think>" not in chat.raw
+    chat.send("\x04")
+    assert chat.close() == 0

@@ -12,6 +12,7 @@ import stat
 import struct
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -136,9 +137,11 @@ def series(name: str, model: str, **labels) -> tuple:
 
 
 def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
-    pool = spawn_pool("--config", write_config(tmp_path, {"a": (tiny_model, None), "b": (second_model, None)}), "--metrics-port", "0")
-    pool.wait_ev("ready", model="a")
-    pool.wait_ev("ready", model="b")
+    lora = write_mlx(tmp_path / "style.safetensors", lora_pairs(targets_of(tiny_model), rank=4, seed=3), alpha=8.0)
+    models = {"a": (tiny_model, None), "a-styled": (tiny_model, lora), "b": (second_model, None)}
+    pool = spawn_pool("--config", write_config(tmp_path, models), "--metrics-port", "0", "--http", "0")
+    for m in models:
+        pool.wait_ev("ready", model=m)
     port = metrics_port(pool)
     listening = [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
@@ -147,33 +150,71 @@ def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
     done = pool.terminal(1)
     pool.send({"model": "no-such-model", "id": 2, "prompt": CHAT})
     assert pool.terminal(2)["code"] == "unknown_model"
+    # HTTP requests refused before they reach the pool count too.
+    http = int(wait_for(lambda: re.search(rb"http on http://127\.0\.0\.1:(\d+)/v1", pool.stderr), 60, message="the http line").group(1))
+    for body in (b"{not json", json.dumps({"model": "a"}).encode()):
+        request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        refused.value.close()
+        assert refused.value.code == 400
     os.kill(status(pool)["a"]["pid"], signal.SIGKILL)
     pool.wait_ev("restarting", model="a")
-    pool.wait_ev("ready", model="a")
+    for m in ("a", "a-styled"):
+        pool.wait_ev("ready", model=m)
 
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        page = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(page)}
     samples = scrape(port)
+    assert len(samples) == sum(len(f.samples) for f in families.values())  # no series twice
     rows = status(pool)
+    # A worker's figures once per worker (model: its name without adapter, pid);
+    # a name's own figures per name.
+    workers = {s.labels["model"]: s.labels["pid"] for s in families["lattice_worker_rss_bytes"].samples}
+    assert workers == {"a": str(rows["a"]["pid"]), "b": str(rows["b"]["pid"])} and rows["a"]["pid"] == rows["a-styled"]["pid"]
     for m in ("a", "b"):
-        assert samples[series("lattice_model_weights_bytes", m)] == rows[m]["weights_bytes"] > 0
-        assert samples[series("lattice_model_rss_bytes", m)] > samples[series("lattice_model_weights_bytes", m)]
-        assert samples[series("lattice_model_state", m, state="ready")] == 1
-        assert samples[series("lattice_model_state", m, state="busy")] == 0
-        assert samples[series("lattice_model_queued_requests", m)] == 0
+        key = ("lattice_worker_weights_bytes", (("model", m), ("pid", workers[m])))
+        assert samples[key] == rows[m]["weights_bytes"] > 0
+        assert samples[("lattice_worker_rss_bytes", key[1])] > samples[key]
+    for m in models:
+        adapter = str(lora) if m == "a-styled" else ""
+        assert samples[series("lattice_model_state", m, adapter=adapter, state="ready")] == 1
+        assert samples[series("lattice_model_state", m, adapter=adapter, state="busy")] == 0
+        assert samples[series("lattice_model_queued_requests", m, adapter=adapter)] == 0
+        info = {"model": m, "adapter": adapter, "format": "bf16", "worker": "b" if m == "b" else "a", "pid": workers["b" if m == "b" else "a"]}
+        assert samples[("lattice_model_info", tuple(sorted(info.items())))] == 1
+    assert samples[series("lattice_model_adapter_bytes", "a-styled", adapter=str(lora))] > 0
+    # Throughput as counters; the histograms carry the surface.
     assert samples[series("lattice_requests_total", "a", surface="stdin")] == 1
     assert samples[series("lattice_generated_tokens_total", "a", surface="stdin")] == done["gen_tokens"] == 7
-    assert samples[series("lattice_ttft_seconds_count", "a")] == 1
-    assert samples[series("lattice_ttft_seconds_sum", "a")] == pytest.approx(done["ttft_ms"] / 1000)
-    assert samples[series("lattice_tokens_per_second_count", "a")] == 1
+    assert samples[series("lattice_decode_seconds_total", "a", surface="stdin")] == pytest.approx((done["total_ms"] - done["ttft_ms"]) / 1000)
+    assert samples[series("lattice_ttft_seconds_count", "a", surface="stdin")] == 1
+    assert samples[series("lattice_ttft_seconds_sum", "a", surface="stdin")] == pytest.approx(done["ttft_ms"] / 1000)
+    assert not [name for name in families if "per_second" in name]
     assert series("lattice_requests_total", "b", surface="stdin") not in samples
     assert samples[series("lattice_errors_total", "", code="unknown_model", surface="stdin")] == 1
-    assert samples[series("lattice_worker_restarts_total", "a")] == 1
+    assert samples[series("lattice_errors_total", "", code="bad_request", surface="http")] == 2
+    # One restart of one worker, under its base name.
+    assert [(s.labels, s.value) for s in families["lattice_worker_restarts"].samples] == [({"model": "a"}, 1.0)]
     assert samples[("lattice_supervisor_rss_bytes", ())] > 0
+    # The supervisor's own process series, and what is running.
+    assert samples[("process_resident_memory_bytes", ())] > 0 and samples[("process_cpu_seconds_total", ())] > 0
+    assert samples[("process_open_fds", ())] > 0 and samples[("process_start_time_seconds", ())] > 0
+    (build,) = families["lattice_build_info"].samples
+    assert build.name == "lattice_build_info" and build.value == 1 and build.labels["version"]
+    for path in ("/nope", "/metrics/x", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30)
+        missing.value.close()
+        assert missing.value.code == 404
 
     pool.send({"op": "unload", "model": "b"})
     pool.wait_ev("unloaded", model="b")
     samples = scrape(port)
-    assert not [k for k in samples if k[0].startswith("lattice_model_") and ("model", "b") in k[1]]
-    assert samples[series("lattice_model_rss_bytes", "a")] > 0 and samples[series("lattice_requests_total", "a", surface="stdin")] == 1
+    assert not [k for k in samples if k[0].startswith(("lattice_model_", "lattice_worker_")) and ("model", "b") in k[1] and "total" not in k[0]]
+    assert samples[("lattice_worker_rss_bytes", (("model", "a"), ("pid", workers["a"])))] > 0
+    assert samples[series("lattice_requests_total", "a", surface="stdin")] == 1
     assert pool.close() == 0
 
 

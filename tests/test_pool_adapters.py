@@ -240,10 +240,12 @@ def test_status_ps_and_metrics_have_a_row_per_name(pool, live):
     now = rows(pool)
     for m in ("base", "x", "y"):
         adapter = m if m != "base" else ""  # a configured adapter's label is its name, never its path
-        info = {"model": m, "adapter": adapter, "format": "bf16", "worker": str(now[m]["worker"])}
+        # The names' worker: its figures under its base name and pid.
+        info = {"model": m, "adapter": adapter, "format": "bf16", "worker": "base", "pid": str(now["base"]["pid"])}
         assert samples[("lattice_model_info", tuple(sorted(info.items())))] == 1
-        assert samples[series("lattice_model_rss_bytes", m, adapter=adapter)] > 0
         assert samples[series("lattice_model_adapter_bytes", m, adapter=adapter)] == now[m]["adapter_bytes"]
+    worker = [k for k in samples if k[0] == "lattice_worker_rss_bytes"]
+    assert worker == [("lattice_worker_rss_bytes", (("model", "base"), ("pid", str(now["base"]["pid"]))))] and samples[worker[0]] > 0
     assert now["x"]["adapter_bytes"] > 0 and now["x"]["worker"] == now["base"]["worker"]
     assert samples[series("lattice_requests_total", "x", adapter="x", surface="stdin")] >= 2
     assert not [k for k in samples if any(v == str(live["x"]) for _, v in k[1])]

@@ -164,10 +164,10 @@ def test_status_reports_every_rank_and_the_sums(pool):
 
     samples = scrape(metrics_port(pool))
     for r in ranks:
-        labels = {"model": "two", "adapter": "", "rank": str(r["rank"]), "host": "127.0.0.1", "pid": str(r["pid"])}
+        labels = {"model": "two", "rank": str(r["rank"]), "host": "127.0.0.1", "pid": str(r["pid"])}
         assert samples[("lattice_rank_weights_bytes", tuple(sorted(labels.items())))] == r["weights_bytes"]
         assert samples[("lattice_rank_rss_bytes", tuple(sorted(labels.items())))] > 0
-    assert samples[("lattice_model_weights_bytes", (("adapter", ""), ("model", "two")))] == row["weights_bytes"]
+    assert samples[("lattice_worker_weights_bytes", (("model", "two"), ("pid", str(row["pid"]))))] == row["weights_bytes"]
 
     shown = cli("ps", "--control-socket", str(pool.socket))
     assert shown.returncode == 0, shown.stderr

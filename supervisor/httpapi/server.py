@@ -57,6 +57,9 @@ MAX_HEAD_BYTES = 64 * 1024
 # clients before the connections left are dropped.
 CLOSE_GRACE = 5.0
 CONNECTION = "lattice.connection"  # the key of a request's Connection in scope["state"]
+# Set in a request's scope once the pool has it: its errors are then the
+# pool's, counted there (lattice_errors_total); those before are counted here.
+_POOL_ANSWERS = "lattice.pool_answers"
 JSON = (b"content-type", b"application/json")
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -339,6 +342,9 @@ class App:
                 self._authorize(scope)
             await self._route(scope, receive, tracked)
         except HttpError as exc:
+            if not scope.get(_POOL_ANSWERS):
+                # Refused before the pool saw it (the pool counts its own).
+                self.pool.note_error(None, exc.code or f"http_{exc.status}", "http")
             if not started:
                 extra = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
                 if exc.status in (408, 413):
@@ -349,6 +355,7 @@ class App:
             pass
         except Exception:
             log.exception("http: %s %s failed", scope.get("method"), scope.get("path"))
+            self.pool.note_error(None, INTERNAL, "http")
             if not started:
                 await _send_json(send, 500, error_body("internal error; the pool logged it and goes on", "server_error", INTERNAL))
 
@@ -493,6 +500,7 @@ class App:
         exchange = parts[0] if opts.n == 1 else Choices(parts, reply)
         for row, part in zip(msgs, parts):
             self.pool.submit(row, part, surface="http")
+        scope[_POOL_ANSWERS] = True
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(lambda _: exchange.changed.set())
         try:
