@@ -291,3 +291,40 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
     assert json.loads(text[1])["kind"] in ("cat", "dog", "bird")
     assert done[1]["finish_reason"] == "stop"
     assert done[0]["accepted_tokens"] > 0 and done[1]["drafted_tokens"] > 0
+
+
+# -- through the pool ------------------------------------------------------------
+
+
+def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path, spawn_pool):
+    """`draft = "ngram"` in a [[models]] entry: the final line carries the
+    counts, a request with speculative false gets chat_metal's line, and
+    status sums the name's counts."""
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n')
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="a")
+    request = {"model": "a", "prompt": LOOPY, "max_tokens": 30, "temperature": 0, "repetition_penalty": 1.0}
+    pool.send(request | {"id": 1})
+    pool.send(request | {"id": 2, "speculative": False})
+    one, two = pool.terminal(1), pool.terminal(2)
+    assert pool.text(1) == pool.text(2)
+    assert one["accepted_tokens"] > 0 and one["drafted_tokens"] >= one["accepted_tokens"]
+    assert two["_line"].endswith(b',"finish_reason":"length","id":2}\n') and "drafted_tokens" not in two
+    pool.send({"op": "status"})
+    row = pool.wait_ev("status")["models"][0]
+    assert (row["drafted_tokens"], row["accepted_tokens"]) == (one["drafted_tokens"], one["accepted_tokens"])
+    assert pool.close() == 0
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [('draft = "mtp"', '"mtp" is not available'), ("draft = \"ngram\"\nranks = 2", "split over ranks"), ("draft = { tokens = 4 }", "model")],
+)
+def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, tmp_path):
+    from supervisor.config import ConfigError, load_config
+
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "a"\npath = "/m"\n{entry}\n')
+    with pytest.raises(ConfigError, match=needle):
+        load_config(config)
