@@ -402,5 +402,9 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
         raise DraftError(f"draft model {draft}: {exc}") from exc
     if not supported(make_prompt_cache(loaded.model)):
         raise DraftError(f"draft model {draft}: its caches cannot be rolled back after a draft")
+    try:  # a model that cannot run fails here, not at its first draft
+        mx.eval(loaded.model(mx.array([[0]]), cache=make_prompt_cache(loaded.model)))
+    except Exception as exc:
+        raise DraftError(f"draft model {draft} cannot run: {exc}") from exc
     log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
     return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)
