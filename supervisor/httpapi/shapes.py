@@ -31,7 +31,7 @@ from ipc.events import (
 from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
-POOL_FIELDS = ("lora", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "response_format", "reasoning_budget")
+POOL_FIELDS = ("lora", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "response_format", "reasoning_budget", "speculative")
 
 # The pool's error codes as HTTP statuses and OpenAI error types.
 STATUS = {
