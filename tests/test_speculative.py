@@ -185,3 +185,146 @@ def test_a_reasoning_budget_forces_think_end_where_plain_decoding_does(hybrid):
     assert_same_greedy(hybrid, [prompt, LOOPY], plain, drafted, 40)
     assert "</think>" in text[0] and text[0].index("</think>") == plain_text[0].index("</think>")
     assert done[0]["drafted_tokens"] > 0
+
+
+# -- a draft model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(which, request, second_model, dense_model):
+    """Attention-only target drafted by itself (every draft kept: the
+    whole-block path), hybrid target drafted by a demo model of another
+    seed (some kept, some not)."""
+    loaded = request.getfixturevalue(which)
+    draft = str(dense_model if which == "dense" else second_model)
+    kw = dict(max_tokens=16)
+    prompts = PROMPTS[:3]
+    plain, _, _, _ = generate(loaded, prompts, draft=None, **kw)
+    drafted, done, _, s = generate(loaded, prompts, draft=draft, **kw)
+    assert_same_greedy(loaded, prompts, plain, drafted, 16)
+    kept = sum(d["accepted_tokens"] for d in done.values())
+    assert kept > 10 and s.speculator.weights_bytes > 0
+    if which == "dense":
+        assert all(d["accepted_tokens"] == d["drafted_tokens"] for d in done.values())
+    seeds = {i: {"seed": 3 + i, "temperature": 0.8} for i in range(len(prompts))}
+    plain, _, _, _ = generate(loaded, prompts, draft=None, per_request=seeds, **kw)
+    drafted, _, _, _ = generate(loaded, prompts, draft=draft, per_request=seeds, **kw)
+    assert drafted == plain
+
+
+def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, dense_model):
+    """A random attention-only model never agrees with the demo model: each
+    row stops drafting after a few misses, and the rest of the text comes
+    from plain steps."""
+    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None, max_tokens=48)
+    s, lines = scheduler(hybrid, str(dense_model))
+    for i, prompt in enumerate(PROMPTS):
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=48, temperature=0.0, repetition_penalty=1.0), 0.0)
+    kinds: list[bool] = []
+    s._ended_ids = {}  # what drain() collects
+    while s.has_work:
+        before = s.speculator.verified
+        s.step()
+        kinds.append(s.speculator.verified > before)
+    done = done_lines(lines)
+    assert all(d["accepted_tokens"] == 0 for d in done.values())
+    assert all(d["drafted_tokens"] <= 16 for d in done.values()), done
+    assert any(kinds[:8]) and not any(kinds[-24:]), kinds
+    assert_same_greedy(hybrid, PROMPTS, plain, s._ended_ids, 48)
+
+
+def test_a_worker_slower_with_drafts_than_without_stops_speculating_then_probes_again():
+    """The worker's own judgement, on step times it is given: speculative
+    steps that give fewer tokens per second than plain ones of the same
+    batch size switch speculation off; after the pause it tries again."""
+    from worker.drafters import NgramDrafter
+    from worker.speculate import WORKER_JUDGE_AFTER, WORKER_PAUSE, Speculator
+
+    now = [0.0]
+    spec = Speculator(NgramDrafter(), 4, clock=lambda: now[0])
+
+    class Gen:
+        prefilling: list = []
+        decoding = [object()]
+
+    gen = Gen()
+
+    def step(kind: str, took: float, tokens: int) -> None:
+        spec._account(now[0], gen)
+        spec.steps += 1
+        spec._last = (now[0], kind, 1, tokens)
+        now[0] += took
+
+    for _ in range(3):
+        step("plain", 0.010, 1)
+    for _ in range(WORKER_JUDGE_AFTER):
+        assert spec.active
+        step("spec", 0.030, 2)  # 67 tokens/s against 100
+    spec._account(now[0], gen)
+    assert not spec.active
+    spec.steps += WORKER_PAUSE
+    assert spec.active  # probing again
+    for _ in range(3 * WORKER_JUDGE_AFTER):
+        step("spec", 0.015, 3)  # 200 tokens/s
+    assert spec.active
+
+
+def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, tmp_path):
+    """The adapter row is verified with its adapter; the JSON row's drafts
+    (copied from its prompt) are cut to what its grammar allows and each
+    position is drawn under its mask: both give their plain tokens, and
+    the JSON parses."""
+    from tests.lora_files import lora_pairs, targets_of, write_peft
+
+    adapter = str(write_peft(tmp_path / "style", lora_pairs(targets_of(tiny_model), rank=4, seed=2), r=4, alpha=8.0))
+    pet = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "tags": {"type": "array", "items": {"enum": ["loyal", "loud", "shy"]}, "maxItems": 4}},
+           "required": ["kind", "tags"], "additionalProperties": False}
+    schema = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
+    per = {0: {"lora": adapter}, 1: {"response_format": schema, "max_tokens": 60}, 2: {"lora": None}}
+    copy = '<|im_start|>user\nCopy {"kind":"dog","tags":["loyal","shy","loud"]}<|im_end|>\n<|im_start|>assistant\n'
+    prompts = [LOOPY, copy, PROMPTS[2]]
+    # A model of its own for each run: a scheduler wraps its layers for adapters.
+    plain, _, plain_text, _ = generate(load(tiny_model), prompts, draft=None, per_request=per, max_tokens=24)
+    drafted, done, text, _ = generate(load(tiny_model), prompts, per_request=per, max_tokens=24)
+    assert drafted == plain and text == plain_text
+    assert plain_text[0] != generate(load(tiny_model), [LOOPY], draft=None, max_tokens=24)[2][0], "the adapter changes the text"
+    assert json.loads(text[1])["kind"] in ("cat", "dog", "bird")
+    assert done[1]["finish_reason"] == "stop"
+    assert done[0]["accepted_tokens"] > 0 and done[1]["drafted_tokens"] > 0
+
+
+# -- through the pool ------------------------------------------------------------
+
+
+def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path, spawn_pool):
+    """`draft = "ngram"` in a [[models]] entry: the final line carries the
+    counts, a request with speculative false gets chat_metal's line, and
+    status sums the name's counts."""
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n')
+    pool = spawn_pool("--config", str(config))
+    pool.wait_ev("ready", model="a")
+    request = {"model": "a", "prompt": LOOPY, "max_tokens": 30, "temperature": 0, "repetition_penalty": 1.0}
+    pool.send(request | {"id": 1})
+    pool.send(request | {"id": 2, "speculative": False})
+    one, two = pool.terminal(1), pool.terminal(2)
+    assert pool.text(1) == pool.text(2)
+    assert one["accepted_tokens"] > 0 and one["drafted_tokens"] >= one["accepted_tokens"]
+    assert two["_line"].endswith(b',"finish_reason":"length","id":2}\n') and "drafted_tokens" not in two
+    pool.send({"op": "status"})
+    row = pool.wait_ev("status")["models"][0]
+    assert (row["drafted_tokens"], row["accepted_tokens"]) == (one["drafted_tokens"], one["accepted_tokens"])
+    assert pool.close() == 0
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [('draft = "mtp"', '"mtp" is not available'), ("draft = \"ngram\"\nranks = 2", "split over ranks"), ("draft = { tokens = 4 }", "model")],
+)
+def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, tmp_path):
+    from supervisor.config import ConfigError, load_config
+
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "a"\npath = "/m"\n{entry}\n')
+    with pytest.raises(ConfigError, match=needle):
+        load_config(config)

@@ -93,8 +93,9 @@ class RowSpec:
 
 
 class Speculator:
-    def __init__(self, drafter, tokens: int = DEFAULT_TOKENS, weights_bytes: int = 0):
+    def __init__(self, drafter, tokens: int = DEFAULT_TOKENS, weights_bytes: int = 0, clock=time.monotonic):
         self.drafter = drafter
+        self._clock = clock
         self.weights_bytes = weights_bytes  # a draft model's
         self.k_max = max(1, min(MAX_TOKENS, tokens))
         self._rows: dict[object, RowSpec] = {}
@@ -108,6 +109,7 @@ class Speculator:
         self._last: tuple[float, str, int, int] | None = None  # (start, kind, rows, tokens)
         self.drafted = 0
         self.accepted = 0
+        self.verified = 0  # speculative steps run
 
     def figures(self) -> dict[str, int]:
         """Totals for worker_stats (summed by the pool's status and metrics)."""
@@ -156,7 +158,7 @@ class Speculator:
     def step(self, gen) -> list | None:
         """One decode step of `gen`'s decode batch, speculative when some row
         has a draft; None when the plain step should run instead."""
-        now = time.monotonic()
+        now = self._clock()
         self._account(now, gen)
         self.steps += 1
         rows = gen.decoding
@@ -170,6 +172,7 @@ class Speculator:
             self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
             return None
         out = self._verify(gen, rows, pending, drafts)
+        self.verified += 1
         # Every entry is one token a row advanced by (a fresh row's first
         # one is pending, still one step of that row).
         self._last = (now, "spec", len(rows), len(out)) if not gen.prefilling else None
@@ -399,5 +402,9 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
         raise DraftError(f"draft model {draft}: {exc}") from exc
     if not supported(make_prompt_cache(loaded.model)):
         raise DraftError(f"draft model {draft}: its caches cannot be rolled back after a draft")
+    try:  # a model that cannot run fails here, not at its first draft
+        mx.eval(loaded.model(mx.array([[0]]), cache=make_prompt_cache(loaded.model)))
+    except Exception as exc:
+        raise DraftError(f"draft model {draft} cannot run: {exc}") from exc
     log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
     return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)

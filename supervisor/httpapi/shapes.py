@@ -32,7 +32,20 @@ from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, force
 from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
-POOL_FIELDS = ("lora", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "response_format", "reasoning_budget", "allow_special_tokens")
+POOL_FIELDS = (
+    "lora",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "response_format",
+    "reasoning_budget",
+    "allow_special_tokens",
+    "speculative",
+)
 
 # The pool's error codes as HTTP statuses and OpenAI error types.
 STATUS = {

@@ -1,0 +1,267 @@
+"""Speculative decoding against plain decoding, in one process, side by side.
+
+    python -m bench.speculative [--size small] [--runs 5] [--rows 1,8] [--max-tokens 128]
+
+Three cases, each run through two schedulers of the worker on the same
+target model, one plain and one with a drafter, alternated, `--runs`
+rounds after a warm-up round:
+
+- `draft-agrees`: a draft model built here from the target itself, two of
+  its decoder layers (the first, linear attention, and the first full
+  attention one), sharing the target's embedding, final norm and LM head. The demo model's embedding and head hold bigram statistics, so
+  the two agree often (the acceptance is measured and reported).
+- `lookup`: prompt lookup (`ngram`) on a request to rewrite a paragraph.
+- `draft-never`: a random attention-only model with the same tokenizer,
+  which never agrees: the worker must stop drafting and keep plain speed.
+
+Each request is greedy without repetition penalty, and every round checks
+that each request's text with the drafter is the text without it. One
+stream (1 row) and concurrent rows (`--rows`). Reported: tokens/s of each
+side, the ratio drafted/plain per round (median, min, max), acceptance.
+Results go to bench/results/speculative-<backend>[-tag].json after every
+round.
+
+`--parts rollback` instead measures the two ways a hybrid model's
+gated-delta state can be put back after a partly rejected draft: the
+verify forward with the chunked recurrence plus a second forward of the
+kept tokens (what the worker does), against the verify forward with the
+token-by-token recurrence, which keeps every position's state (the other
+way; its cost is at least this forward's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+PARAGRAPH = (
+    "The mill stood by the river for a hundred years. Every morning the miller opened the gate, "
+    "and the water turned the wheel, and the wheel turned the stones. The village brought its grain "
+    "in carts, and the miller weighed it, and ground it, and sent it back as flour."
+)
+PROMPTS = {
+    "draft-agrees": "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n",
+    "lookup": f"<|im_start|>user\nRewrite this paragraph, word for word:\n{PARAGRAPH}<|im_end|>\n<|im_start|>assistant\n",
+    "draft-never": "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+def two_layer_draft(target: Path, out: Path) -> Path:
+    """The target's first decoder layer (linear attention) and its first
+    full-attention layer, with its embedding, final norm and LM head."""
+    import shutil
+
+    import mlx.core as mx
+
+    if (out / "config.json").is_file():
+        return out
+    config = json.loads((target / "config.json").read_text())
+    text = config["text_config"]
+    full = text["full_attention_interval"] - 1
+    out.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(target / "model.safetensors"))
+    keep = {}
+    for key, value in weights.items():
+        if ".layers." not in key:
+            keep[key] = value
+        elif ".layers.0." in key:
+            keep[key] = value
+        elif f".layers.{full}." in key:
+            keep[key.replace(f".layers.{full}.", ".layers.1.")] = value
+    mx.save_safetensors(str(out / "model.safetensors"), keep)
+    text["num_hidden_layers"] = 2
+    text["full_attention_interval"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, out / name)
+    return out
+
+
+def random_draft(target: Path, out: Path) -> Path:
+    """A random attention-only model (Qwen3) with the target's tokenizer."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    if (out / "config.json").is_file():
+        return out
+    vocab = json.loads((target / "config.json").read_text())["text_config"]["vocab_size"]
+    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rms_norm_eps=1e-6, vocab_size=vocab, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(7)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, out / name)
+    return out
+
+
+def run_batch(scheduler, prompt: str, rows: int, max_tokens: int, rid0: int) -> tuple[float, dict, list]:
+    """Seconds for `rows` copies of the request; their ids; their final lines."""
+    from ipc.messages import Generate
+
+    scheduler._lines.clear()
+    before = len(scheduler.emitted)
+    start = time.perf_counter()
+    for i in range(rows):
+        scheduler.submit(Generate(rid=rid0 + i, prompt=prompt, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.0, id_json=str(rid0 + i)), 0.0)
+    ids = scheduler.drain()
+    took = time.perf_counter() - start
+    finals = [json.loads(line[len(b"@@lattice ") :]) for line in scheduler.emitted[before:] if b'"done":true' in line]
+    return took, ids, finals
+
+
+def speed(args, results, write) -> None:
+    from bench.common import summary
+    from worker.loader import load
+    from worker.scheduler import Scheduler
+    from worker.text import TextCodec
+
+    target = args.model_dir
+    loaded = load(target)
+    codec = TextCodec(target, loaded.config)
+    drafts = {
+        "draft-agrees": str(two_layer_draft(target, target.parent / f"{target.name}-draft2")),
+        "lookup": "ngram",
+        "draft-never": str(random_draft(target, target.parent / f"{target.name}-random")),
+    }
+    rows_list = [int(x) for x in args.rows.split(",")]
+
+    def scheduler(draft):
+        emitted: list[bytes] = []
+
+        def emit(data: bytes) -> None:
+            emitted.extend(data.splitlines(keepends=True))
+
+        s = Scheduler(loaded, codec, emit, batch_memory=1 << 34, max_batch=max(rows_list), prefix_cache_bytes=0, draft=draft, draft_tokens=args.draft_tokens)
+        s.emitted = emitted
+        return s
+
+    plain = scheduler(None)
+    rid = 0
+    for case in args.cases.split(","):
+        drafted = scheduler(drafts[case])
+        for rows in rows_list:
+            key = f"{case}/{rows}"
+            entry = results["cases"].setdefault(key, {"ratios": [], "plain_tok_s": [], "draft_tok_s": [], "accepted": [], "drafted": [], "same_text": []})
+            for round_ in range(args.runs + 1):
+                order = [("plain", plain), ("draft", drafted)] if round_ % 2 == 0 else [("draft", drafted), ("plain", plain)]
+                got = {}
+                for side, s in order:
+                    took, ids, finals = run_batch(s, PROMPTS[case], rows, args.max_tokens, rid)
+                    rid += rows
+                    got[side] = (took, [ids[k] for k in sorted(ids)], finals)
+                if round_ == 0:
+                    continue  # warm-up: traces, kernels, the worker's first timings
+                (tp, plain_ids, _), (td, draft_ids, finals) = got["plain"], got["draft"]
+                tokens = sum(len(x) for x in plain_ids)
+                entry["plain_tok_s"].append(round(tokens / tp, 1))
+                entry["draft_tok_s"].append(round(sum(len(x) for x in draft_ids) / td, 1))
+                entry["ratios"].append(round(tp / td * sum(len(x) for x in draft_ids) / tokens, 3))
+                entry["drafted"].append(sum(f.get("drafted_tokens", 0) for f in finals))
+                entry["accepted"].append(sum(f.get("accepted_tokens", 0) for f in finals))
+                entry["same_text"].append(draft_ids == plain_ids)
+                assert draft_ids == plain_ids, f"{key}: greedy text differs with the drafter"
+                entry["summary"] = summary(entry["ratios"])
+                entry["acceptance"] = round(sum(entry["accepted"]) / max(1, sum(entry["drafted"])), 3)
+                write()
+                print(f"{key} round {round_}: plain {entry['plain_tok_s'][-1]} tok/s, drafted {entry['draft_tok_s'][-1]} tok/s, "
+                      f"ratio {entry['ratios'][-1]}, kept {entry['accepted'][-1]}/{entry['drafted'][-1]}", flush=True)
+
+
+def rollback(args, results, write) -> None:
+    """Verify forward (chunked) + re-run of the kept tokens, against the
+    verify forward with the token-by-token recurrence."""
+    import mlx.core as mx
+    import mlx_lm.models.qwen3_5 as qwen3_5
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.gated_delta import gated_delta_update as stepwise
+
+    from bench.common import summary
+    from worker.loader import load
+
+    loaded = load(args.model_dir)
+    model = loaded.model
+    chunked = qwen3_5.gated_delta_update  # the worker's chunked recurrence (load installs it off Metal)
+    width, kept = args.draft_tokens + 1, (args.draft_tokens + 1) // 2
+    for rows in [int(x) for x in args.rows.split(",")]:
+        prompt = mx.array([[5 + (i * 7 + r) % 500 for i in range(200)] for r in range(rows)], dtype=mx.uint32)
+        block = prompt[:, :width]
+
+        def fresh():
+            cache = make_prompt_cache(model)
+            mx.eval(model(prompt, cache=cache))
+            return cache
+
+        def rerun(cache):
+            saved = [list(c.cache) if hasattr(c, "cache") else None for c in cache]
+            mx.eval(model(block, cache=cache))
+            for c, arrays in zip(cache, saved):
+                if arrays is not None:
+                    c.cache = arrays
+                else:
+                    c.trim(width)
+            mx.eval(model(block[:, :kept], cache=cache), [c.state for c in cache])
+
+        def per_position(cache):
+            qwen3_5.gated_delta_update = stepwise
+            try:
+                mx.eval(model(block, cache=cache), [c.state for c in cache])
+            finally:
+                qwen3_5.gated_delta_update = chunked
+
+        entry = results["rollback"].setdefault(str(rows), {"rerun_ms": [], "per_position_ms": []})
+        for round_ in range(args.runs + 1):
+            for name, fn in ((("rerun_ms", rerun), ("per_position_ms", per_position)) if round_ % 2 == 0 else (("per_position_ms", per_position), ("rerun_ms", rerun))):
+                samples = []
+                for _ in range(10):
+                    cache = fresh()
+                    start = time.perf_counter()
+                    fn(cache)
+                    samples.append((time.perf_counter() - start) * 1000)
+                if round_:
+                    entry[name].append(round(sorted(samples)[len(samples) // 2], 3))
+            if round_:
+                entry["rerun"] = summary(entry["rerun_ms"])
+                entry["per_position"] = summary(entry["per_position_ms"])
+                write()
+                print(f"rollback rows={rows}: re-run {entry['rerun_ms'][-1]} ms, per-position {entry['per_position_ms'][-1]} ms", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--cases", default="draft-agrees,lookup,draft-never")
+    p.add_argument("--parts", default="speed", choices=("speed", "rollback"))
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+
+    from worker.cpu_backend import load_openblas
+
+    load_openblas()
+    from bench.common import backend, demo_model, load_average, machine, tagged, write_result
+
+    args.model_dir = demo_model(args.size)
+    results = {"size": args.size, "max_tokens": args.max_tokens, "runs": args.runs, "machine": machine(), "cases": {}, "rollback": {}}
+    name = tagged(f"speculative-{backend()}-{args.size}" + ("-rollback" if args.parts == "rollback" else ""), args.tag)
+
+    def write() -> None:
+        results["load_avg_now"] = load_average()
+        write_result(name, results)
+
+    (speed if args.parts == "speed" else rollback)(args, results, write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
