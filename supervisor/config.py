@@ -41,6 +41,17 @@ class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
     reasoning_budget: Annotated[int, Meta(ge=0)] | None = None
 
 
+class WarmFile(msgspec.Struct, forbid_unknown_fields=True):
+    """A warm prompt read from a file: `{ file = "~/agent/system.txt" }`."""
+
+    file: str
+
+
+# A warm prompt given inline travels on the worker's command line, where
+# Linux takes at most 128 KiB per argument; longer ones go in a file.
+MAX_WARM_TEXT = 64 * 1024
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
@@ -64,9 +75,15 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     max_context: Annotated[int, Meta(ge=2)] | None = None
     # Overrides the pool's prefix_cache_disk_bytes for this model.
     prefix_cache_disk_bytes: Size | None = None
+    # Prompt prefixes (ChatML text, or { file = PATH }) prefilled when the
+    # worker starts and kept in its prefix cache (docs/context.md).
+    warm_prompts: list[str | WarmFile] = []
 
     def __post_init__(self) -> None:
         parse_size(self.prefix_cache_disk_bytes)
+        for text in self.warm_prompts:
+            if isinstance(text, str) and len(text.encode("utf-8", "surrogatepass")) > MAX_WARM_TEXT:
+                raise ValueError(f"model {self.name!r}: a warm prompt over {MAX_WARM_TEXT} bytes goes in a file: {{ file = PATH }}")
         if self.ranks == 1:
             given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
             given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])
@@ -111,7 +128,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Adapters one worker keeps in memory, least recently used out. A
     # [[models]] entry may set its own; entries that share a model path
     # share one worker when their tokenizer_dir, max_batch and max_adapters
-    # agree (supervisor.resolve.ModelSpec.key).
+    # agree, and max_context, prefix_cache_disk_bytes and warm_prompts
+    # (supervisor.resolve.ModelSpec.key).
     max_adapters: MaxAdapters = DEFAULT_MAX_ADAPTERS
     # Names one worker serves (configured ones and those requests name with
     # a `lora`). Beyond it the least recently used name with no request

@@ -52,11 +52,13 @@ class ModelSpec:
     group: GroupSpec | None = None
     max_context: int | None = None  # None: the model config's
     prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
+    # ("text", TEXT) or ("file", PATH) per warm prompt.
+    warm_prompts: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.max_context, self.prefix_disk_bytes)
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.max_context, self.prefix_disk_bytes, self.warm_prompts)
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
@@ -109,6 +111,7 @@ class Resolver:
             group=GroupSpec.of(entry),
             max_context=entry.max_context,
             prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),
+            warm_prompts=tuple(("text", w) if isinstance(w, str) else ("file", str(expand(w.file))) for w in entry.warm_prompts),
         )
 
     def default_ref(self) -> str | None:

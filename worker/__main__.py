@@ -89,6 +89,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bytes the prefix cache's files may take, least recently used out (default: min(30 GiB, a quarter of the free space))",
     )
     p.add_argument(
+        "--warm-prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt prefix (ChatML text) prefilled at start and kept in the prefix cache for good; repeatable",
+    )
+    p.add_argument(
+        "--warm-prompt-file",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="as --warm-prompt, the text of a file; repeatable",
+    )
+    p.add_argument(
         "--cpu-dtype",
         choices=("float32", "stored"),
         default="float32",
@@ -269,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     scheduler.warm_up()
+    if args.warm_prompt or args.warm_prompt_file:
+        from worker.warm import read_warm_file, warm_prompts
+
+        try:
+            texts = args.warm_prompt + [read_warm_file(p.expanduser()) for p in args.warm_prompt_file]
+        except ValueError as exc:
+            return fatal(str(exc))
+        warm_prompts(scheduler, texts)
     release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format

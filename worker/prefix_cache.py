@@ -82,6 +82,7 @@ class _Entry:
     tokens: np.ndarray
     layers: list
     nbytes: int
+    pinned: bool = False  # a warm prompt's: never evicted
 
 
 def _snapshot(cache: list) -> tuple[list, int]:
@@ -220,18 +221,32 @@ class PrefixCache:
         if any(e.adapter == adapter and len(e.tokens) == len(want) and (e.tokens == want).all() for e in self._entries.values()):
             return True
         nbytes = self._counted(nbytes)
-        if nbytes > self.budget:
+        if nbytes > self.budget - self.pinned_bytes:
             return False
         if self.trimmable:
             # A trimmable snapshot serves every shorter prefix of itself.
-            for key in [k for k, e in self._entries.items() if e.adapter == adapter and self._is_prefix(e.tokens, want)]:
+            for key in [k for k, e in self._entries.items() if e.adapter == adapter and not e.pinned and self._is_prefix(e.tokens, want)]:
                 self._drop(key)
-        while self.used + nbytes > self.budget and self._entries:
-            self._drop(next(iter(self._entries)))
+        while self.used + nbytes > self.budget:
+            self._drop(next(k for k, e in self._entries.items() if not e.pinned))
         self._entries[self._next] = _Entry(adapter, want, layers, nbytes)
         self._next += 1
         self.used += nbytes
         return True
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.pinned)
+
+    def pin(self, adapter: str | None, tokens: list[int]) -> bool:
+        """Keeps the snapshot of exactly these tokens for good (a warm
+        prompt's); False when there is none."""
+        want = np.asarray(tokens, dtype=np.int64)
+        for entry in self._entries.values():
+            if entry.adapter == adapter and len(entry.tokens) == len(want) and (entry.tokens == want).all():
+                entry.pinned = True
+                return True
+        return False
 
     def _counted(self, nbytes: int) -> int:
         """What a snapshot of `nbytes` counts against the budget (a rank of
