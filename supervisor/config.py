@@ -78,9 +78,15 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # Prompt prefixes (ChatML text, or { file = PATH }) prefilled when the
     # worker starts and kept in its prefix cache (docs/context.md).
     warm_prompts: list[str | WarmFile] = []
+    # Attention caches quantized to this many bits (docs/context.md), in
+    # groups of kv_group_size values (a divisor of the head dimension).
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
 
     def __post_init__(self) -> None:
         parse_size(self.prefix_cache_disk_bytes)
+        if self.kv_bits is not None and self.ranks > 1:
+            raise ValueError(f"model {self.name!r}: kv_bits is for a model in one process (ranks = 1)")
         for text in self.warm_prompts:
             if isinstance(text, str) and len(text.encode("utf-8", "surrogatepass")) > MAX_WARM_TEXT:
                 raise ValueError(f"model {self.name!r}: a warm prompt over {MAX_WARM_TEXT} bytes goes in a file: {{ file = PATH }}")

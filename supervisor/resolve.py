@@ -54,11 +54,12 @@ class ModelSpec:
     prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
     # ("text", TEXT) or ("file", PATH) per warm prompt.
     warm_prompts: tuple[tuple[str, str], ...] = ()
+    kv: tuple[int, int] | None = None  # (kv_bits, kv_group_size); None: the model's dtype
 
     @property
     def key(self) -> tuple:
         """The worker: its base model and everything on its command line."""
-        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.max_context, self.prefix_disk_bytes, self.warm_prompts)
+        return (self.path, self.tokenizer_dir, self.max_batch, self.max_adapters, self.group, self.max_context, self.prefix_disk_bytes, self.warm_prompts, self.kv)
 
     @property
     def name_key(self) -> tuple[str, Path | None]:
@@ -111,6 +112,7 @@ class Resolver:
             group=GroupSpec.of(entry),
             max_context=entry.max_context,
             prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),
+            kv=(entry.kv_bits, entry.kv_group_size) if entry.kv_bits is not None else None,
             warm_prompts=tuple(("text", w) if isinstance(w, str) else ("file", str(expand(w.file))) for w in entry.warm_prompts),
         )
 
