@@ -89,6 +89,11 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
         args += ["--prefix-disk-dir", str(pool_cache_dir(os.environ) / "prefix")]
         if disk_bytes is not None:
             args += ["--prefix-disk-bytes", str(disk_bytes)]
+    if spec.kv is not None:
+        args += ["--kv-bits", str(spec.kv[0]), "--kv-group-size", str(spec.kv[1])]
+    for kind, value in spec.warm_prompts:
+        # One argument with "=": a prompt that starts with "-" stays a value.
+        args.append(f"--warm-prompt={value}" if kind == "text" else f"--warm-prompt-file={value}")
     idle_release = parse_duration(config.idle_release)
     args += ["--idle-release", "inf" if idle_release is None else str(idle_release)]
     if not config.compile_decode:

@@ -52,6 +52,17 @@ class DraftModel(msgspec.Struct, forbid_unknown_fields=True):
     tokens: Annotated[int, Meta(ge=1, le=32)] = 4
 
 
+class WarmFile(msgspec.Struct, forbid_unknown_fields=True):
+    """A warm prompt read from a file: `{ file = "~/agent/system.txt" }`."""
+
+    file: str
+
+
+# A warm prompt given inline travels on the worker's command line, where
+# Linux takes at most 128 KiB per argument; longer ones go in a file.
+MAX_WARM_TEXT = 64 * 1024
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
@@ -84,6 +95,13 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # How the model writes tool calls (docs/http.md, "Tool calls"); unset,
     # it is read from the chat template.
     tool_parser: Literal["qwen3", "qwen3_coder", "llama3_json", "mistral", "gemma", "deepseek"] | None = None
+    # Prompt prefixes (ChatML text, or { file = PATH }) prefilled when the
+    # worker starts and kept in its prefix cache (docs/context.md).
+    warm_prompts: list[str | WarmFile] = []
+    # Attention caches quantized to this many bits (docs/context.md), in
+    # groups of kv_group_size values (a divisor of the head dimension).
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
 
     def __post_init__(self) -> None:
         if self.draft == "mtp":
@@ -91,6 +109,11 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
         if self.draft is not None and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         parse_size(self.prefix_cache_disk_bytes)
+        if self.kv_bits is not None and self.ranks > 1:
+            raise ValueError(f"model {self.name!r}: kv_bits is for a model in one process (ranks = 1)")
+        for text in self.warm_prompts:
+            if isinstance(text, str) and len(text.encode("utf-8", "surrogatepass")) > MAX_WARM_TEXT:
+                raise ValueError(f"model {self.name!r}: a warm prompt over {MAX_WARM_TEXT} bytes goes in a file: {{ file = PATH }}")
         if self.ranks == 1:
             given = [k for k in ("hosts", "parallel", "port") if getattr(self, k) is not None]
             given += (["backend"] if self.backend != "ring" else []) + (["split_vocab"] if not self.split_vocab else [])
@@ -135,7 +158,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Adapters one worker keeps in memory, least recently used out. A
     # [[models]] entry may set its own; entries that share a model path
     # share one worker when their tokenizer_dir, max_batch and max_adapters
-    # agree (supervisor.resolve.ModelSpec.key).
+    # agree, and max_context, prefix_cache_disk_bytes and warm_prompts
+    # (supervisor.resolve.ModelSpec.key).
     max_adapters: MaxAdapters = DEFAULT_MAX_ADAPTERS
     # Names one worker serves (configured ones and those requests name with
     # a `lora`). Beyond it the least recently used name with no request

@@ -61,6 +61,9 @@ class ModelSpec:
     draft_tokens: int = 4
     max_context: int | None = None  # None: the model config's
     prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
+    # ("text", TEXT) or ("file", PATH) per warm prompt.
+    warm_prompts: tuple[tuple[str, str], ...] = ()
+    kv: tuple[int, int] | None = None  # (kv_bits, kv_group_size); None: the model's dtype
 
     @property
     def key(self) -> tuple:
@@ -75,6 +78,8 @@ class ModelSpec:
             self.draft_tokens,
             self.max_context,
             self.prefix_disk_bytes,
+            self.warm_prompts,
+            self.kv,
         )
 
     @property
@@ -140,6 +145,8 @@ class Resolver:
             **draft_of(entry),
             max_context=entry.max_context,
             prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),
+            kv=(entry.kv_bits, entry.kv_group_size) if entry.kv_bits is not None else None,
+            warm_prompts=tuple(("text", w) if isinstance(w, str) else ("file", str(expand(w.file))) for w in entry.warm_prompts),
         )
 
     def default_ref(self) -> str | None:

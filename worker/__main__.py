@@ -107,6 +107,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bytes the prefix cache's files may take, least recently used out (default: min(30 GiB, a quarter of the free space))",
     )
     p.add_argument(
+        "--warm-prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt prefix (ChatML text) prefilled at start and kept in the prefix cache for good; repeatable",
+    )
+    p.add_argument(
+        "--warm-prompt-file",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="as --warm-prompt, the text of a file; repeatable",
+    )
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantize attention caches to this many bits (default: the model's dtype)")
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=64,
+        choices=(32, 64, 128),
+        help="values sharing one scale and bias in a quantized cache; must divide the head dimension (default %(default)s)",
+    )
+    p.add_argument(
         "--cpu-dtype",
         choices=("float32", "stored"),
         default="float32",
@@ -256,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
     except GroupError as exc:
         return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
+    if args.kv_bits is not None:
+        from worker import kv_quant
+
+        try:
+            kv_quant.install(loaded.model, args.kv_bits, args.kv_group_size)
+        except ValueError as exc:
+            return fatal(str(exc))
+        log.info("attention caches quantized: %d bits, groups of %d", args.kv_bits, args.kv_group_size)
     prefix_disk = None
     if group is None and args.prefix_disk_dir is not None and args.prefix_cache_bytes > 0 and args.prefix_disk_bytes != 0:
         from worker.prefix_disk import PrefixDisk, default_budget, model_key
@@ -263,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         root = args.prefix_disk_dir.expanduser()
         budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
         try:
-            prefix_disk = PrefixDisk(root, model_key(model_dir, loaded.format, loaded.model), budget, wake=server.wake)
+            kv = f"kv{args.kv_bits}g{args.kv_group_size}" if args.kv_bits else "kv"
+            prefix_disk = PrefixDisk(root, model_key(model_dir, f"{loaded.format} {kv}", loaded.model), budget, wake=server.wake)
             log.info("prefix cache on disk: %s (%d bytes at most)", prefix_disk.dir, budget)
         except OSError as exc:
             # A read-only or full disk costs the disk tier, not the worker.
@@ -304,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     scheduler.warm_up()
+    if args.warm_prompt or args.warm_prompt_file:
+        from worker.warm import read_warm_file, warm_prompts
+
+        try:
+            texts = args.warm_prompt + [read_warm_file(p.expanduser()) for p in args.warm_prompt_file]
+        except ValueError as exc:
+            return fatal(str(exc))
+        warm_prompts(scheduler, texts)
     release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format

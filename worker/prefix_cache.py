@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 log = logging.getLogger("worker")
 
@@ -82,39 +82,59 @@ class _Entry:
     tokens: np.ndarray
     layers: list
     nbytes: int
+    pinned: bool = False  # a warm prompt's: never evicted
+
+
+# Attention caches that can be cut back: plain, or quantized (kv_bits),
+# whose keys and values are each a tuple of packed values, scales, biases.
+_KV = (KVCache, QuantizedKVCache)
+
+
+def _head(x, n: int):
+    """The first n tokens of a cache tensor, copied."""
+    if isinstance(x, tuple):
+        return tuple(_head(a, n) for a in x)
+    # A copy, not a view: a view would pin the whole preallocated
+    # buffer and make every later in-place write copy it.
+    return mx.array(x[..., :n, :])
+
+
+def _fresh(x):
+    return tuple(a[...] for a in x) if isinstance(x, tuple) else x[...]
+
+
+def _bytes(x) -> int:
+    return sum(a.nbytes for a in x) if isinstance(x, tuple) else x.nbytes
 
 
 def _snapshot(cache: list) -> tuple[list, int]:
     layers = []
     nbytes = 0
     for c in cache:
-        if isinstance(c, KVCache):
+        if isinstance(c, _KV):
             if c.keys is None:
                 layers.append(None)
                 continue
-            # A copy, not a view: a view would pin the whole preallocated
-            # buffer and make every later in-place write copy it.
-            keys = mx.array(c.keys[..., : c.offset, :])
-            values = mx.array(c.values[..., : c.offset, :])
+            keys, values = _head(c.keys, c.offset), _head(c.values, c.offset)
             layers.append((keys, values))
-            nbytes += keys.nbytes + values.nbytes
+            nbytes += _bytes(keys) + _bytes(values)
         else:
             # Linear-attention layers replace their arrays on every step and
             # never write into them, so holding references is a snapshot.
             arrays = list(c.cache)
             layers.append(arrays)
             nbytes += sum(a.nbytes for a in arrays if a is not None)
-    mx.eval([x for layer in layers if layer is not None for x in layer if x is not None])
+    mx.eval([layer for layer in layers if layer is not None])
     return layers, nbytes
 
 
 def _restore(model, layers: list, length: int) -> list:
     cache = make_prompt_cache(model)
     for c, saved in zip(cache, layers):
-        if isinstance(c, KVCache):
+        if isinstance(c, _KV):
             if saved is not None:
-                # Fresh handles: KVCache writes into its arrays in place.
-                c.keys, c.values = saved[0][...], saved[1][...]
+                # Fresh handles: attention caches write into their arrays in place.
+                c.keys, c.values = _fresh(saved[0]), _fresh(saved[1])
                 c.offset = length
         else:
             c.cache = [a[...] if a is not None else None for a in saved]
@@ -130,8 +150,8 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
         kinds = {type(c) for c in make_prompt_cache(model)}
-        self.trimmable = kinds == {KVCache}
-        self.supported = kinds <= {KVCache, ArraysCache}
+        self.trimmable = all(issubclass(k, _KV) for k in kinds)
+        self.supported = all(issubclass(k, (*_KV, ArraysCache)) for k in kinds)
         if not self.supported:
             log.info("prefix cache off: cache types %s", sorted(k.__name__ for k in kinds))
 
@@ -220,18 +240,32 @@ class PrefixCache:
         if any(e.adapter == adapter and len(e.tokens) == len(want) and (e.tokens == want).all() for e in self._entries.values()):
             return True
         nbytes = self._counted(nbytes)
-        if nbytes > self.budget:
+        if nbytes > self.budget - self.pinned_bytes:
             return False
         if self.trimmable:
             # A trimmable snapshot serves every shorter prefix of itself.
-            for key in [k for k, e in self._entries.items() if e.adapter == adapter and self._is_prefix(e.tokens, want)]:
+            for key in [k for k, e in self._entries.items() if e.adapter == adapter and not e.pinned and self._is_prefix(e.tokens, want)]:
                 self._drop(key)
-        while self.used + nbytes > self.budget and self._entries:
-            self._drop(next(iter(self._entries)))
+        while self.used + nbytes > self.budget:
+            self._drop(next(k for k, e in self._entries.items() if not e.pinned))
         self._entries[self._next] = _Entry(adapter, want, layers, nbytes)
         self._next += 1
         self.used += nbytes
         return True
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.pinned)
+
+    def pin(self, adapter: str | None, tokens: list[int]) -> bool:
+        """Keeps the snapshot of exactly these tokens for good (a warm
+        prompt's); False when there is none."""
+        want = np.asarray(tokens, dtype=np.int64)
+        for entry in self._entries.values():
+            if entry.adapter == adapter and len(entry.tokens) == len(want) and (entry.tokens == want).all():
+                entry.pinned = True
+                return True
+        return False
 
     def _counted(self, nbytes: int) -> int:
         """What a snapshot of `nbytes` counts against the budget (a rank of

@@ -278,6 +278,11 @@ class PrefixDisk:
         self._work.set()
         return True
 
+    def load_now(self, entry: DiskEntry) -> Loaded | None:
+        """Reads an entry on the calling thread (a worker loading, before
+        any request runs); None when it is bad (then removed)."""
+        return self._load(entry)
+
     def results(self) -> list[tuple[DiskEntry, Loaded | None]]:
         """Reads that ended since the last call (None: the entry was bad)."""
         out = []
