@@ -47,7 +47,7 @@ import psutil
 from watchfiles._rust_notify import RustNotify
 
 from supervisor.adapter_policy import DIRECTORY_WEIGHTS
-from supervisor.resolve import ModelSpec
+from supervisor.spec import ModelSpec
 from supervisor.slot import WorkerSlot
 
 log = logging.getLogger("lattice.watch")

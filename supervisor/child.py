@@ -28,7 +28,7 @@ from ipc.framing import encode_frame
 from ipc.messages import ToWorker
 from ipc.paths import pool_cache_dir
 from supervisor.config import Config, parse_duration, parse_size
-from supervisor.resolve import GroupSpec, ModelSpec
+from supervisor.spec import GroupSpec, ModelSpec
 
 log = logging.getLogger("lattice.process")
 

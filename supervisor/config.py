@@ -159,7 +159,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # [[models]] entry may set its own; entries that share a model path
     # share one worker when their tokenizer_dir, max_batch and max_adapters
     # agree, and max_context, prefix_cache_disk_bytes and warm_prompts
-    # (supervisor.resolve.ModelSpec.key).
+    # (supervisor.spec.ModelSpec.key).
     max_adapters: MaxAdapters = DEFAULT_MAX_ADAPTERS
     # Names one worker serves (configured ones and those requests name with
     # a `lora`). Beyond it the least recently used name with no request

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ipc.messages import Generate
-from supervisor.resolve import ModelSpec
+from supervisor.spec import ModelSpec
 
 
 class Sink(Protocol):

@@ -37,7 +37,7 @@ from supervisor.child import RESOURCE_ERRNOS
 from supervisor.config import ConfigError
 from supervisor.pool import Pool
 from supervisor.ps import by_worker
-from supervisor.resolve import ModelSpec
+from supervisor.spec import ModelSpec
 from supervisor.states import State
 from supervisor.status import Status
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ipc.events import encode_event
 from ipc.worker_events import parse_event
-from supervisor.resolve import ModelSpec
+from supervisor.spec import ModelSpec
 
 
 @dataclass(eq=False)

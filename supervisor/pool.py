@@ -40,8 +40,9 @@ from supervisor.job import Job, Sink
 from supervisor.names import Name
 from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
 from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
-from supervisor.resolve import AdapterRefused, ModelSpec, Resolver, UnknownModel
+from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
+from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State
 from supervisor.status import Status, StatusRow, SurfaceRequests, stats_event, status, status_event, status_row
 from supervisor.stderr import relay_worker_stderr

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from ipc.group import HostSpec, encode_hosts
-from ipc.messages import AUTO_MAX_BATCH, DEFAULT_MAX_ADAPTERS
 from supervisor.adapter_policy import AdapterPolicy
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.local_models import hub_snapshot, is_hub_id
+from supervisor.spec import GroupSpec, ModelSpec
 
 
 class UnknownModel(Exception):
@@ -21,70 +20,12 @@ class AdapterRefused(UnknownModel):
     """A `lora` the adapter policy refuses: a bad_request, not an unknown model."""
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """A model run as one MLX distributed group of `ranks` processes."""
-
-    ranks: int
-    # The worker's --hosts (JSON): a string, so that the spec stays hashable
-    # (it is part of the worker's key).
-    hosts: str | None
-    parallel: str | None
-    backend: str
-    port: int | None
-    split_vocab: bool
-
-    @classmethod
-    def of(cls, entry: ModelEntry) -> "GroupSpec | None":
-        if entry.ranks == 1:
-            return None
-        hosts = None if entry.hosts is None else encode_hosts([h if isinstance(h, HostSpec) else HostSpec(ssh=h) for h in entry.hosts])
-        return cls(entry.ranks, hosts, entry.parallel, entry.backend, entry.port, entry.split_vocab)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A name for a (base model, adapter) pair. Names whose `key` is equal
-    share one worker (SPEC §10); `name_key` tells the names apart."""
-
-    name: str
-    path: Path
-    lora: Path | None = None
-    tokenizer_dir: Path | None = None
-    keep_alive: float | None = None
-    max_batch: int | str = AUTO_MAX_BATCH  # a number or "auto"
-    max_adapters: int = DEFAULT_MAX_ADAPTERS
-    group: GroupSpec | None = None
-    # Speculative decoding: "ngram" or a draft model's directory, and the
-    # most tokens drafted per step.
-    draft: str | None = None
-    draft_tokens: int = 4
-    max_context: int | None = None  # None: the model config's
-    prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
-    # ("text", TEXT) or ("file", PATH) per warm prompt.
-    warm_prompts: tuple[tuple[str, str], ...] = ()
-    kv: tuple[int, int] | None = None  # (kv_bits, kv_group_size); None: the model's dtype
-
-    @property
-    def key(self) -> tuple:
-        """The worker: its base model and everything on its command line."""
-        return (
-            self.path,
-            self.tokenizer_dir,
-            self.max_batch,
-            self.max_adapters,
-            self.group,
-            self.draft,
-            self.draft_tokens,
-            self.max_context,
-            self.prefix_disk_bytes,
-            self.warm_prompts,
-            self.kv,
-        )
-
-    @property
-    def name_key(self) -> tuple[str, Path | None]:
-        return (self.name, self.lora)
+def group_of(entry: ModelEntry) -> GroupSpec | None:
+    """The GroupSpec of an entry run on more than one rank."""
+    if entry.ranks == 1:
+        return None
+    hosts = None if entry.hosts is None else encode_hosts([h if isinstance(h, HostSpec) else HostSpec(ssh=h) for h in entry.hosts])
+    return GroupSpec(entry.ranks, hosts, entry.parallel, entry.backend, entry.port, entry.split_vocab)
 
 
 def draft_of(entry: ModelEntry) -> dict:
@@ -141,7 +82,7 @@ class Resolver:
             keep_alive=keep,
             max_batch=entry.max_batch if entry.max_batch is not None else self.config.max_batch,
             max_adapters=entry.max_adapters if entry.max_adapters is not None else self.config.max_adapters,
-            group=GroupSpec.of(entry),
+            group=group_of(entry),
             **draft_of(entry),
             max_context=entry.max_context,
             prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),

@@ -8,7 +8,7 @@ pool drives a slot through its methods and hears back through `SlotEvents`;
 a slot never reaches into the pool.
 
 A slot serves every name whose spec has its key (the base model and the
-worker's settings: supervisor.resolve.ModelSpec.key), each a (model name,
+worker's settings: supervisor.spec.ModelSpec.key), each a (model name,
 adapter) pair (supervisor.names). The worker starts without an adapter and
 every request carries its name's adapter (null for the base), so requests of
 different names share its batch. The name a request used travels with its
@@ -55,7 +55,7 @@ from supervisor.child import ChildProcess, MAX_WORKER_LINE, RESOURCE_ERRNOS
 from supervisor.job import Job, Sink
 from supervisor.names import Name, renamed
 from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
-from supervisor.resolve import ModelSpec
+from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
 from supervisor.stderr import LastMessage
 

@@ -75,3 +75,15 @@ def test_no_import_circle(package):
 def test_only_ipc_is_shared(package, never):
     for name, path in modules(package).items():
         assert not {m for m in imported(path) if m.split(".")[0] == never}, f"{name} imports {never}"
+
+
+def test_spec_imports_nothing_of_the_supervisor():
+    """The model's plain values are what every part passes around: they
+    depend on no part, so no part depends on the resolver through them."""
+    assert not {m for m in imported(ROOT / "supervisor" / "spec.py") if m.split(".")[0] == "supervisor"}
+
+
+@pytest.mark.parametrize("module", ["supervisor.slot", "supervisor.job", "supervisor.names"])
+@pytest.mark.parametrize("never", ["supervisor.resolve", "supervisor.pool"])
+def test_the_slot_does_not_depend_on_the_resolver_or_the_pool(module, never):
+    assert never not in imported(modules("supervisor")[module]), f"{module} imports {never}"

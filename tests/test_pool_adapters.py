@@ -396,7 +396,7 @@ def test_a_worker_stays_as_long_as_the_longest_keep_alive_of_its_names():
     from pathlib import Path
 
     from supervisor.policy import RestartPolicy
-    from supervisor.resolve import ModelSpec
+    from supervisor.spec import ModelSpec
     from supervisor.slot import WorkerSlot
 
     def spec(name, lora, keep):
