@@ -232,7 +232,7 @@ class Chat:
     def model_name(self) -> str | None:
         """The name the next message's model has in the pool's events."""
         try:
-            return self.pool.resolver.resolve(self.model).name
+            return self.pool.resolve(self.model).name
         except UnknownModel:
             return self.model
 
@@ -309,12 +309,11 @@ class Chat:
         """Loads `ref` (a failed model is started again) and waits for ready
         or failed, showing progress; Ctrl-C stops waiting, not the load."""
         try:
-            spec = self.pool.resolver.resolve(ref)
+            spec = self.pool.resolve(ref)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return False
-        slot = self.pool.slots.get(spec.key)
-        name = slot.name if slot is not None else spec.name
+        name = self.pool.model_state(spec).worker or spec.name
         self.expect(name, {"ready", "failed", "adapter_error"})
         self.pool.load(spec)
         outcome = await self.expected()
@@ -326,15 +325,15 @@ class Chat:
     async def unload(self) -> None:
         """Unloads the model and waits until its worker has stopped."""
         try:
-            spec = self.pool.resolver.resolve(self.model)
+            spec = self.pool.resolve(self.model)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return
-        slot = self.pool.slots.get(spec.key)
-        if slot is None:
+        worker = self.pool.model_state(spec).worker
+        if worker is None:
             self.screen.note(f"{spec.name} is not loaded")
             return
-        self.expect(slot.name, {"unloaded"})
+        self.expect(worker, {"unloaded"})
         self.pool.unload(spec, "unloaded from chat")
         await self.expected()
 
@@ -342,7 +341,7 @@ class Chat:
         """Makes `ref` the model of the next messages once it resolves (a
         model that fails to load stays chosen, for /load to retry)."""
         try:
-            self.pool.resolver.resolve(ref)
+            self.pool.resolve(ref)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return

@@ -16,6 +16,8 @@ import logging
 import random
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Coroutine, Protocol
 
 import psutil
@@ -35,7 +37,7 @@ from ipc.messages import Generate
 from ipc.worker_events import Done
 from supervisor.adapters import AdapterCopies, AdapterWatches
 from supervisor.child import worker_command
-from supervisor.config import Config, parse_duration, parse_size
+from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.names import Name
 from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
@@ -77,6 +79,17 @@ class PoolObserver(Protocol):
 
 # Where requests come from: stdin (and the terminal front ends), or HTTP.
 SURFACES = ("stdin", "http")
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model's worker as the front ends see it."""
+
+    worker: str | None  # the worker's own name (its first name's); None: no worker
+    state: str  # a State's value; "unloaded" with no worker
+    loaded: bool  # ready or busy
+    opens_think: bool  # the worker's chat template opens <think> (its ready line says)
+    max_context: int | None  # tokens a request may take; None with no worker
 
 
 class Pool:
@@ -306,6 +319,34 @@ class Pool:
 
     def _quiet(self) -> bool:
         return not self._active and not self._idless and self._idless_running is None
+
+    # -- questions from the front ends --------------------------------------------
+    # HTTP, the chat REPL and the CLI ask these instead of reading the slots
+    # or the resolver, so the pool's insides can change without them.
+
+    def resolve(self, ref: str | None, lora: str | None = None, *, paths: bool = True) -> ModelSpec:
+        """What the model reference `ref` (None: the default model) with
+        the adapter `lora` names; UnknownModel (or AdapterRefused) if none.
+        paths: whether `ref` may be a path on this machine (not for HTTP)."""
+        return self.resolver.resolve(ref, lora, paths=paths)
+
+    def default_model(self) -> str | None:
+        return self.resolver.default_ref()
+
+    def configured(self, name: str) -> ModelEntry | None:
+        """The config's entry for `name`, None if it is not a configured name."""
+        return self.resolver.by_name.get(name)
+
+    @property
+    def model_cache(self) -> Path:
+        return self.resolver.cache
+
+    def model_state(self, spec: ModelSpec) -> ModelState:
+        """Where the pool is with the worker of `spec`."""
+        slot = self.slots.get(spec.key)
+        if slot is None:
+            return ModelState(None, State.UNLOADED.value, False, False, None)
+        return ModelState(slot.name, slot.state.value, slot.state in (State.READY, State.BUSY), slot.opens_think, slot.max_context)
 
     # -- workers -------------------------------------------------------------------
 

@@ -87,3 +87,35 @@ def test_spec_imports_nothing_of_the_supervisor():
 @pytest.mark.parametrize("never", ["supervisor.resolve", "supervisor.pool"])
 def test_the_slot_does_not_depend_on_the_resolver_or_the_pool(module, never):
     assert never not in imported(modules("supervisor")[module]), f"{module} imports {never}"
+
+
+def front_ends() -> dict[str, Path]:
+    return {name: path for name, path in modules("supervisor").items() if name.startswith("supervisor.httpapi") or name in ("supervisor.chat", "supervisor.cli")}
+
+
+def test_there_are_front_ends():
+    assert {"supervisor.chat", "supervisor.cli", "supervisor.httpapi.server"} <= set(front_ends())
+
+
+@pytest.mark.parametrize("never", ["supervisor.slot", "supervisor.states"])
+def test_front_ends_do_not_import_the_pool_insides(never):
+    """HTTP, the chat REPL and the CLI ask the pool (Pool.model_state,
+    Pool.resolve, ...) rather than reading its workers' slots and states."""
+    for name, path in front_ends().items():
+        assert never not in imported(path), f"{name} imports {never}"
+
+
+def attributes(path: Path) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text("utf-8"))) if isinstance(node, ast.Attribute)}
+
+
+def test_the_attribute_scan_sees_attributes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("x = self.pool.slots.get(key)\n", "utf-8")
+    assert {"pool", "slots", "get"} <= attributes(probe)
+
+
+@pytest.mark.parametrize("never", ["slots", "resolver"])
+def test_front_ends_do_not_read_the_pool_insides(never):
+    for name, path in front_ends().items():
+        assert never not in attributes(path), f"{name} reads .{never}"

@@ -20,7 +20,6 @@ from supervisor.httpapi.tools import TemplateInfo, template_info
 from supervisor.local_models import cache_models, hub_models
 from supervisor.pool import Pool
 from supervisor.resolve import UnknownModel
-from supervisor.states import State
 
 # What GET /v1/models lists at most: a hub cache of thousands of repos
 # must not make one answer (and its scan) without bound.
@@ -30,20 +29,19 @@ MAX_LISTED = 1000
 def model_name(pool: Pool, value: object) -> str:
     """The name a body's `model` means, once it is known to resolve; an
     HttpError (404 `unknown_model`, 400) otherwise."""
-    resolver = pool.resolver
     if value is None:
-        name = resolver.default_ref()
+        name = pool.default_model()
         if name is None:
             raise HttpError(400, f'no "model" given and no default: {len(pool.config.models)} models are configured', code=BAD_REQUEST, param="model")
         return name
     if not isinstance(value, str):
         raise HttpError(400, "model must be a string", code=BAD_REQUEST, param="model")
-    if value in resolver.by_name:
+    if pool.configured(value) is not None:
         return value
     if pool.config.http_models == "configured":
         raise HttpError(404, f"model {value!r} is not configured; GET /v1/models lists the models", code=UNKNOWN_MODEL, param="model")
     try:
-        resolver.resolve(value, paths=False)
+        pool.resolve(value, paths=False)
     except UnknownModel as exc:
         raise HttpError(404, f"{exc}; GET /v1/models lists the models", code=UNKNOWN_MODEL, param="model") from None
     return value
@@ -51,25 +49,23 @@ def model_name(pool: Pool, value: object) -> str:
 
 def model_object(pool: Pool, name: str, source: str) -> dict:
     try:
-        spec = pool.resolver.resolve(name, paths=False)
+        spec = pool.resolve(name, paths=False)
     except UnknownModel:  # a path that broke; its requests say why
         return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": False, "state": "failed", "source": source}
-    slot = pool.slots.get(spec.key)
-    state = slot.state.value if slot is not None else State.UNLOADED.value
-    loaded = slot is not None and slot.state in (State.READY, State.BUSY)
-    if slot is not None:
-        context = slot.max_context
+    running = pool.model_state(spec)
+    if running.worker is not None:
+        context = running.max_context
     elif source == "configured":
         context = spec.max_context or read_context_limit(spec.path)
     else:  # not read for every model on disk: /v1/models answers from the loop
         context = None
-    return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": loaded, "state": state, "source": source, "max_context": context}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": running.loaded, "state": running.state, "source": source, "max_context": context}
 
 
 def _local(pool: Pool) -> list[tuple[str, str]]:
     """(name, source) of the models on disk; runs in a thread (it reads
     directories and imports huggingface_hub)."""
-    found = [(m.name, "cache") for m in cache_models(pool.resolver.cache)]
+    found = [(m.name, "cache") for m in cache_models(pool.model_cache)]
     found += [(m.name, "hub") for m in hub_models()]
     return found
 
@@ -91,12 +87,12 @@ async def list_models(pool: Pool) -> list[dict]:
 def one_model(pool: Pool, name: str) -> dict:
     """GET /v1/models/NAME."""
     name = model_name(pool, name)
-    return model_object(pool, name, "configured" if name in pool.resolver.by_name else "local")
+    return model_object(pool, name, "configured" if pool.configured(name) is not None else "local")
 
 
 def chat_template(pool: Pool, name: str) -> TemplateInfo:
     """What the chat template of the model `name` (already checked by
     model_name) does with tools; its configured `tool_parser` wins."""
-    spec = pool.resolver.resolve(name)
-    entry = pool.resolver.by_name.get(name)
+    spec = pool.resolve(name)
+    entry = pool.configured(name)
     return template_info(spec.tokenizer_dir or spec.path, entry.tool_parser if entry is not None else None)

@@ -441,11 +441,10 @@ class App:
     def _opens_think(self, msg: ClientLine) -> bool:
         """Whether the reply starts inside <think>: the worker's ready line says."""
         try:
-            spec = self.pool.resolver.resolve(msg.model, msg.lora)
+            spec = self.pool.resolve(msg.model, msg.lora)
         except UnknownModel:
             return False
-        slot = self.pool.slots.get(spec.key)
-        return slot is not None and slot.opens_think
+        return self.pool.model_state(spec).opens_think
 
     # -- generation -----------------------------------------------------------------
 
