@@ -7,11 +7,26 @@ from pathlib import Path
 
 import pytest
 
+from harness.engine import engine_for
 from harness.procs import build_demo_model, install_tag, tagged_processes, wait_for
+from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
 from harness.worker import WorkerProc
+from tests.lora_files import deltas, lora_pairs, merge_into, targets_of, write_mlx, write_mlx_lm, write_peft
 
 TAG = install_tag()
 _long_lived: set[int] = set()
+
+# How far batching or a compiled step may move a row's logits (float32 on
+# CPU). Measured: 0 in this process (mlx's bundled BLAS), as batched and
+# fused kernels compute each element as the ops do; the room is for
+# compilers that contract multiply-adds. A mask one column short moves a
+# lone row's logits by 1.5e-4, a batch's by 6e-2.
+LOGIT_TOLERANCE = 2e-5
+# How far every greedy choice must win for texts computed in two ways (a
+# worker's batch, this process alone) to be compared on any CPU: the
+# workers' OpenBLAS moves logits by about 1e-5, its kernels chosen by the
+# CPU and the matrix shapes, so this leaves room a thousandfold.
+GREEDY_MARGIN = 1e-2
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +123,69 @@ def margins_of(model_dir: Path):
 @pytest.fixture(scope="session")
 def greedy_margins(tiny_model):
     return margins_of(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """A scheduler of the tiny model in this process, with its prefix cache."""
+    return engine_for(tiny_model)
+
+
+# -- two adapters of the tiny model, in every format, and greedy references ----
+
+FORMATS = ("peft", "mlx", "mlx-lm")
+SCALE = 2.0  # every adapter below is written to scale by this
+
+
+# Two updates: "x" of rank 4 on every linear layer, "y" of rank 8 on the
+# attention and MLP layers only (so the stacks pad ranks, and some layers
+# hold one adapter of the two).
+UPDATES = {"x": dict(rank=4, groups=("attention", "mlp", "linear_attn"), seed=41), "y": dict(rank=8, groups=("attention", "mlp"), seed=42)}
+
+
+def write_update(fmt: str, out, pairs, rank: int):
+    if fmt == "peft":
+        return write_peft(out, pairs, r=rank, alpha=SCALE * rank)
+    if fmt == "mlx":
+        return write_mlx(out.with_suffix(".safetensors"), pairs, alpha=SCALE * rank)
+    return write_mlx_lm(out, pairs, rank=rank, scale=SCALE)
+
+
+@pytest.fixture(scope="module")
+def updates(tiny_model):
+    targets = targets_of(tiny_model)
+    return {name: (lora_pairs(targets, groups=u["groups"], rank=u["rank"], seed=u["seed"]), u["rank"]) for name, u in UPDATES.items()}
+
+
+@pytest.fixture(scope="module")
+def files(updates, tmp_path_factory):
+    """Each update in each format: (name, format) -> path."""
+    root = tmp_path_factory.mktemp("multi")
+    return {(name, fmt): str(write_update(fmt, root / f"{name}-{fmt}", pairs, rank)) for name, (pairs, rank) in updates.items() for fmt in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, updates):
+    """Greedy texts of the base and of each merged model, by (name, prompt
+    index) (and by (name, prompt index, ADAPTER_LONG) for the long rows), with the
+    smallest greedy margin of all of them."""
+    from worker.loader import load
+    from worker.text import TextCodec
+
+    codec = TextCodec(tiny_model, load(tiny_model).config)
+    texts, margins = {}, []
+    for name in (None, *updates):
+        model = load(tiny_model).model
+        if name is not None:
+            pairs, _ = updates[name]
+            merge_into(model, deltas(pairs, SCALE))
+        for i, prompt in enumerate(ADAPTER_PROMPTS):
+            ids, m = greedy_steps(model, codec, prompt, ADAPTER_LONG if i < 2 else ADAPTER_TOKENS)
+            texts[name, i] = codec.decode(ids[:ADAPTER_TOKENS])
+            texts[name, i, ADAPTER_LONG] = codec.decode(ids)
+            margins += m
+    assert len({texts[name, 0] for name in (None, *updates)}) == 3, "each adapter must change the text"
+    return texts, min(margins)
 
 
 @pytest.fixture(scope="session", autouse=True)

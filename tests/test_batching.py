@@ -9,21 +9,8 @@ from harness.procs import wait_for
 from harness.worker import WorkerProc, is_terminal, terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Cancel, Generate, Stats
-from tests.conftest import shared_worker
-from tests.test_generator import LOGIT_TOLERANCE
-
-QUESTIONS = [
-    "Tell me about the river.",
-    "Who built the mill?",
-    "What did the miller say?",
-    "Where does the old road go?",
-    "Describe the stone bridge.",
-    "What grows along the bank?",
-    "Who lives by the water?",
-    "When does the market open?",
-]
-PROMPTS = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in QUESTIONS]
-THINK = PROMPTS[0] + "<think>\n"
+from tests.conftest import GREEDY_MARGIN, shared_worker
+from harness.prompts import MIXED, PROMPTS, THINK
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +42,7 @@ def same_as(req: Generate, **kw) -> Generate:
     return request(**fields)
 
 
-def test_a_second_request_streams_before_the_first_ends(worker):
+def test_a_second_request_streams_before_the_first_ends(worker, greedy_margins):
     long, short = request(max_tokens=120), request(prompt=PROMPTS[1], max_tokens=6)
     long_alone, short_alone = text_of(alone(worker, long)), text_of(alone(worker, short))
     first, second = same_as(long), same_as(short)
@@ -72,6 +59,7 @@ def test_a_second_request_streams_before_the_first_ends(worker):
     assert first.rid in ids[short_done + 1 :], "the first request went on after the second ended"
     assert text_of([head] + [e for e in lines if e["id"] == first.rid]) == long_alone
     assert text_of([e for e in lines if e["id"] == second.rid]) == short_alone
+    assert min(greedy_margins([PROMPTS[0]], 120) + greedy_margins([PROMPTS[1]], 6)) > GREEDY_MARGIN
 
 
 def test_eight_greedy_requests_batched_give_their_alone_text(worker, greedy_margins):
@@ -86,19 +74,10 @@ def test_eight_greedy_requests_batched_give_their_alone_text(worker, greedy_marg
     # Why text equality is safe on any CPU: batching moves logits by float
     # noise (tests/test_generator.py bounds it), and every greedy choice of
     # these prompts wins by far more than that.
-    assert min(greedy_margins(PROMPTS, 32)) > 10 * LOGIT_TOLERANCE
+    assert min(greedy_margins(PROMPTS, 32)) > GREEDY_MARGIN
 
 
-MIXED = [
-    dict(temperature=0.0),
-    dict(temperature=1.0, top_k=5, top_p=1.0, repetition_penalty=1.0, seed=11),
-    dict(temperature=0.7, top_k=0, top_p=0.8, repetition_penalty=1.0, seed=12),
-    dict(temperature=1.2, top_k=50, top_p=0.9, repetition_penalty=1.5, seed=13),
-    dict(temperature=0.9, seed=14),
-]
-
-
-def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker):
+def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker, greedy_margins):
     first = [request(prompt=PROMPTS[i], max_tokens=40, **kw) for i, kw in enumerate(MIXED)]
     greedy_alone = text_of(alone(worker, same_as(first[0])))
     runs = []
@@ -107,6 +86,7 @@ def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker):
         runs.append([text_of(events[r.rid]) for r in reqs])
     assert runs[0] == runs[1], "the same requests sent the same way give the same tokens"
     assert runs[0][0] == greedy_alone
+    assert min(greedy_margins([PROMPTS[0]], 40)) > GREEDY_MARGIN
     assert len(set(runs[0])) == len(MIXED)
     # The seed decides: another seed on the same row gives other tokens.
     other = [same_as(r, seed=r.seed + 100) if r.seed is not None else same_as(r) for r in first]
@@ -115,7 +95,7 @@ def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker):
     assert changed == [False] + [True] * (len(MIXED) - 1)
 
 
-def test_cancel_one_row_while_the_others_go_on(worker):
+def test_cancel_one_row_while_the_others_go_on(worker, greedy_margins):
     reqs = [request(prompt=p, max_tokens=60) for p in PROMPTS[:3]]
     expected = [text_of(alone(worker, r)) for r in reqs]
     again = [same_as(r) for r in reqs]
@@ -133,9 +113,10 @@ def test_cancel_one_row_while_the_others_go_on(worker):
     for i in (0, 2):
         assert terminal(events[again[i].rid])["gen_tokens"] == 60
         assert text_of(events[again[i].rid]) == expected[i]
+    assert min(greedy_margins(PROMPTS[:3], 60)) > GREEDY_MARGIN
 
 
-def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(worker):
+def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(worker, greedy_margins):
     plain = request(prompt=PROMPTS[2], max_tokens=30)
     full = text_of(alone(worker, plain))
     stop = full[12:15]
@@ -153,6 +134,7 @@ def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(worker):
     assert tokens[:at] == free_tokens[:at]
     assert terminal(events[budget.rid])["gen_tokens"] == 20
     assert text_of(events[again.rid]) == full
+    assert min(greedy_margins([PROMPTS[2]], 30) + greedy_margins([THINK], 20)) > GREEDY_MARGIN
 
 
 def test_failing_rows_end_alone(worker):

@@ -9,25 +9,7 @@ import jsonschema
 
 from harness.procs import ROOT, child_env
 from tests.schemas import PET
-
-CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def cli(*args, input=None, env=None, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
-        input=input,
-        capture_output=True,
-        env=child_env(**(env or {})),
-        cwd=ROOT,
-        timeout=timeout,
-    )
-
-
-def events(stdout: bytes) -> list[dict]:
-    lines = stdout.splitlines(keepends=True)
-    assert all(line.startswith(b"@@lattice {") and line.endswith(b"}\n") for line in lines), stdout[:500]
-    return [json.loads(line[10:]) for line in lines]
+from harness.cli import CHAT, cli, events
 
 
 def test_run_json_prompt_prints_parseable_events(tiny_model):

@@ -16,12 +16,8 @@ from worker.compiled_step import CompiledDecode
 from worker.generator import Row, TokenGenerator
 from worker.prefix_cache import PrefixCache
 from worker.sampling import RowSampling, SamplingParams
+from tests.conftest import LOGIT_TOLERANCE
 
-# float32 on CPU. Measured: 0 in this process (mlx's bundled BLAS), as fused
-# kernels compute each element as the ops do; the room is for compilers that
-# contract multiply-adds. A mask one column short moves a lone row's logits
-# by 1.5e-4, a batch's by 6e-2.
-LOGIT_TOLERANCE = 2e-5
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 

@@ -15,6 +15,7 @@ from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
 from tests.schemas import PET, PET_VALUE
 from worker.constrain import BatchMasks, ConstraintViolation, Constraints
+from harness.engine import allowed_ids
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
@@ -63,11 +64,6 @@ def test_waiting_row_may_not_end_before_think_closes(kit):
     allowed = allowed_ids(masks, masks.fill([waiting])[0])
     assert not allowed & codec.eos_ids
     assert len(allowed) == masks.vocab_size - len(codec.eos_ids)
-
-
-def allowed_ids(masks, row_bits) -> set[int]:
-    bits = np.unpackbits(np.ascontiguousarray(row_bits).view(np.uint8), bitorder="little")[: masks.vocab_size]
-    return set(np.nonzero(bits)[0].tolist())
 
 
 def test_eos_is_allowed_only_when_the_grammar_accepts(kit):

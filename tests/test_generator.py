@@ -4,7 +4,6 @@ mlx-lm models use, and failures end each request exactly once."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -18,11 +17,9 @@ from worker.batch_cache import batchable
 from worker.generator import Row, TokenGenerator
 from worker.prefix_cache import PrefixCache
 from worker.sampling import RowSampling, SamplingParams
+from harness.engine import ends_by_id, events, scheduler_for
+from tests.conftest import LOGIT_TOLERANCE
 
-# How far batching may move a row's logits (float32 on CPU). Measured: 0
-# with mlx's bundled BLAS (this process), about 1e-5 with the workers'
-# OpenBLAS, whose kernels depend on the matrix shapes.
-LOGIT_TOLERANCE = 1e-3
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -160,31 +157,6 @@ def test_caches_without_batch_support_are_detected():
 
 
 # -- the scheduler: failures, memory guard, one-at-a-time fallback --------------
-
-
-def scheduler_for(loaded, model=None, **kw):
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
-
-    lines: list[bytes] = []
-    kw.setdefault("batch_memory", 1 << 30)
-    if model is not None:
-        loaded = dataclasses.replace(loaded, model=model)
-    s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, prefix_cache_bytes=0, **kw)
-    return s, lines
-
-
-def events(lines: list[bytes]) -> list[dict]:
-    """The events of what the scheduler wrote (each write holds whole lines)."""
-    return [json.loads(line[len(b"@@lattice ") :]) for line in b"".join(lines).splitlines()]
-
-
-def ends_by_id(lines: list[bytes]) -> dict:
-    out: dict = {}
-    for e in events(lines):
-        if e["ev"] == "error" or e.get("done"):
-            out.setdefault(e["id"], []).append(e)
-    return out
 
 
 def submit(s, n: int, start: int = 0, **kw) -> None:

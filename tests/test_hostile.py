@@ -11,12 +11,10 @@ import json
 import logging
 import re
 import resource
-import select
 import socket
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
@@ -29,7 +27,8 @@ from supervisor.control import CONTROL_RESERVE
 from supervisor.endpoint import dispatch
 from supervisor.pool import Pool
 from supervisor.terminal import EventSink
-from tests.test_cli import cli
+from harness.cli import cli
+from harness.http import drip, NEVER
 
 # Generous: the bound is what matters, not its size; unbounded, these floods
 # grow the supervisor by hundreds of MB.
@@ -110,37 +109,6 @@ def read_all(client: socket.socket) -> bytes:
     while chunk := client.recv(65536):
         data += chunk
     return data
-
-
-# A slow client drips a byte this often; one still open after NEVER
-# seconds was never cut off.
-DRIP = 0.1
-NEVER = 30.0
-
-
-def drip(sock: socket.socket, data: bytes) -> tuple[bytes, float | None]:
-    """Sends `data` one byte per DRIP until the peer closes the connection:
-    what came back, and the seconds from the first byte to the close (None
-    if it never closed)."""
-    answer = b""
-    start = time.monotonic()
-    for byte in data:
-        try:
-            sock.sendall(bytes([byte]))
-        except (BrokenPipeError, ConnectionResetError):
-            return answer, time.monotonic() - start
-        readable, _, _ = select.select([sock], [], [], DRIP)
-        if readable:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                return answer, time.monotonic() - start
-            answer += chunk
-        if time.monotonic() - start > NEVER:
-            break
-    return answer, None
 
 
 def test_control_clients_are_bounded_and_idle_ones_closed(fakes, spawn_pool, ctl):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -23,17 +22,12 @@ import pytest
 from harness.pool import PoolProc
 from harness.procs import ROOT, child_env, wait_for
 from tests.conftest import keep_alive_across_tests, release
-from tests.test_hostile import NEVER, drip
-from tests.test_monitoring import metrics_port, scrape
+from harness.http import drip, http_port, NEVER, post, split_thinking
+from harness.metrics import metrics_port, scrape
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 PROMPT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0}
-
-
-def http_port(pool) -> int:
-    found = wait_for(lambda: re.search(rb"http on http://127\.0\.0\.1:(\d+)/v1", pool.stderr), 60, message="the http log line")
-    return int(found.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -68,27 +62,9 @@ def stdin_answer(pool, request: dict) -> tuple[str, dict]:
     return pool.text(request_id), done
 
 
-def split_thinking(text: str) -> tuple[str, str]:
-    """A reply that starts inside <think> as (reasoning, answer), the way
-    the HTTP surface splits it."""
-    if "</think>" not in text:
-        return text, ""
-    reasoning, answer = text.split("</think>", 1)
-    return reasoning, answer.lstrip("\n")
-
-
 def status(pool) -> dict:
     pool.send({"op": "status"})
     return pool.wait_ev("status")
-
-
-def post(pool, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(pool.url + path, data=body, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_completions_equal_stdin_streamed_or_not(served):

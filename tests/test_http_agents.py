@@ -11,7 +11,7 @@ import pytest
 
 from harness.pool import PoolProc
 from tests.conftest import keep_alive_across_tests, release
-from tests.test_http import http_port, post, split_thinking
+from harness.http import http_port, post, split_thinking
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 

@@ -119,3 +119,10 @@ def test_the_attribute_scan_sees_attributes(tmp_path):
 def test_front_ends_do_not_read_the_pool_insides(never):
     for name, path in front_ends().items():
         assert never not in attributes(path), f"{name} reads .{never}"
+
+
+def test_tests_share_helpers_through_the_harness_or_the_conftest():
+    """A test file imports no other test file: importing one runs its module
+    fixtures' imports and ties the two files' failures together."""
+    for path in (ROOT / "tests").glob("*.py"):
+        assert not {m for m in imported(path) if m.startswith("tests.test_")}, f"{path.name} imports a test file"

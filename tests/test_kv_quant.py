@@ -4,6 +4,8 @@ model's dtype, batched like any other, with the prefix cache."""
 import pytest
 
 from ipc.messages import Generate
+from harness.engine import run
+from harness.prompts import chatml
 
 PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k + "<|im_end|>\n<|im_start|>assistant\n" for k in (1, 3, 6, 12)]
 
@@ -66,7 +68,6 @@ def test_quantized_logits_stay_near_the_models_dtype(tiny_model, plain, bits, to
 
 
 def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
-    from tests.test_prefix_cache import _chatml, run
     from worker.kv_quant import BatchQuantKV
     from worker.loader import load
     from worker.scheduler import Scheduler
@@ -104,8 +105,8 @@ def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
         assert q8.drain()[100 + i] == together[i]
 
     # The prefix cache holds quantized snapshots and resumes from them.
-    first = _chatml([("user", "Where does the river bend?")], "A long system prompt about the mill and the bridge.")
-    second = _chatml([("user", "Where does the river bend?"), ("assistant", "ok"), ("user", "More.")], "A long system prompt about the mill and the bridge.")
+    first = chatml([("user", "Where does the river bend?")], "A long system prompt about the mill and the bridge.")
+    second = chatml([("user", "Where does the river bend?"), ("assistant", "ok"), ("user", "More.")], "A long system prompt about the mill and the bridge.")
     run(q8, prompt=first)
     entry = next(iter(q8.prefix_cache._entries.values()))
     assert any(isinstance(layer, tuple) and isinstance(layer[0], tuple) and len(layer[0]) == 3 for layer in entry.layers)

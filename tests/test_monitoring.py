@@ -24,7 +24,8 @@ from harness.procs import ROOT, child_env, pid_alive, wait_for
 from supervisor.screen import Screen
 from supervisor.terminal import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
-from tests.test_cli import cli
+from harness.metrics import metrics_port, scrape, series
+from harness.cli import cli, ps_table
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -114,26 +115,6 @@ def test_status_and_stats_figures_are_measured(tiny_model, small_model, tmp_path
     pool.wait_for(lambda e: e["ev"] == "stats" and any(e is x for x in pool.events[after:]))
     assert not [e for e in pool.events[after:] if e["ev"] == "stats" and e["model"] == "small"]
     assert pool.close() == 0
-
-
-def metrics_port(pool) -> int:
-    found = wait_for(lambda: re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", pool.stderr), 60, message="the metrics log line")
-    return int(found.group(1))
-
-
-def scrape(port: int) -> dict:
-    """{(sample name, sorted labels): value}, parsed by prometheus-client's own parser."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def series(name: str, model: str, **labels) -> tuple:
-    return (name, tuple(sorted({"model": model, "adapter": "", **labels}.items())))
 
 
 def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
@@ -247,16 +228,6 @@ class ControlClient:
             event = json.loads(line[10:])
             if event["ev"] == ev and all(event.get(k) == v for k, v in fields.items()):
                 return event
-
-
-def ps_table(stdout: bytes) -> dict:
-    """Rows of the ps table by NAME, cut at the header's column starts."""
-    header, *lines = stdout.decode().splitlines()
-    names = header.split()
-    starts = [header.index(n) for n in names]
-    bounds = list(zip(starts, starts[1:] + [None]))
-    table = [{n: line[a:b].strip() for n, (a, b) in zip(names, bounds)} for line in lines]
-    return {row["NAME"]: row for row in table}
 
 
 def processor_shown() -> str:

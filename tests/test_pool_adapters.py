@@ -4,7 +4,7 @@ adapter, mixed batches, eviction under max_adapters, per-adapter hot
 reload, a crash, load/unload ops with a lora, and the monitoring rows.
 
 Texts are compared with greedy texts of models with the update merged in,
-computed in this process (tests/test_lora_multi.py's references), which
+computed in this process (tests/conftest.py's references), which
 also check that every greedy choice wins by far more than float noise: a
 row's text is then the same batched or alone, on any CPU."""
 
@@ -24,11 +24,10 @@ from harness.pool import PoolProc
 from harness.procs import pid_alive, wait_for
 from supervisor.ps import by_worker, table
 from supervisor.status import Status, StatusRow
-from tests.conftest import keep_alive_across_tests, release
-from tests.test_cli import cli
-from tests.test_generator import LOGIT_TOLERANCE
-from tests.test_lora_multi import LONG, PROMPTS, TOKENS, files, references, updates  # noqa: F401 (fixtures)
-from tests.test_monitoring import metrics_port, ps_table, scrape, series
+from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
+from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
+from harness.metrics import metrics_port, scrape, series
+from harness.cli import cli, ps_table
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -76,8 +75,8 @@ def pool(tiny_model, live, tmp_path_factory):
 _ids = iter(range(1, 1_000_000))
 
 
-def request(model: str, prompt: int, max_tokens: int = TOKENS, **fields) -> dict:
-    return {"model": model, "id": f"{model}-{next(_ids)}", "prompt": PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0, "repetition_penalty": 1.0, **fields}
+def request(model: str, prompt: int, max_tokens: int = ADAPTER_TOKENS, **fields) -> dict:
+    return {"model": model, "id": f"{model}-{next(_ids)}", "prompt": ADAPTER_PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0, "repetition_penalty": 1.0, **fields}
 
 
 def send_together(pool, reqs: list[dict]) -> None:
@@ -139,7 +138,7 @@ def test_rows_of_different_names_in_one_batch_match_each_alone(pool, references)
     batch = [("x", 0), ("y", 1), ("base", 2), ("x", 1), ("y", 3)]
     got = texts(pool, [request(model, p) for model, p in batch])
     assert got == [expected[None if model == "base" else model, p] for model, p in batch]
-    assert margin > 10 * LOGIT_TOLERANCE
+    assert margin > GREEDY_MARGIN
 
 
 def test_least_recently_used_adapter_is_evicted_and_read_again_on_next_use(pool, live, references):
@@ -166,7 +165,7 @@ def test_hot_reload_of_one_adapter_while_rows_of_another_decode(pool, live, file
     message: tests/test_hot_reload.py.)"""
     expected, _ = references
     assert texts(pool, [request("x", 0), request("y", 1)]) == [expected["x", 0], expected["y", 1]]
-    long_x, long_y = request("x", 0, LONG), request("y", 1, LONG)
+    long_x, long_y = request("x", 0, ADAPTER_LONG), request("y", 1, ADAPTER_LONG)
     send_together(pool, [long_x, long_y])
     for r in (long_x, long_y):
         pool.wait_for(lambda e: e.get("id") == r["id"])
@@ -182,7 +181,7 @@ def test_hot_reload_of_one_adapter_while_rows_of_another_decode(pool, live, file
         assert texts(pool, [request("x", 1)]) == [expected["y", 1]]
         pool.terminal(long_x["id"])
         pool.terminal(long_y["id"])
-        assert pool.text(long_x["id"]) == expected["x", 0, LONG] and pool.text(long_y["id"]) == expected["y", 1, LONG]
+        assert pool.text(long_x["id"]) == expected["x", 0, ADAPTER_LONG] and pool.text(long_y["id"]) == expected["y", 1, ADAPTER_LONG]
         assert not [e for e in pool.events if e["ev"] == "adapter_loaded" and e["model"] != "x" and e["_at"] >= loaded["_at"]]
     finally:
         restore(pool, live, files)

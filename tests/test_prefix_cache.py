@@ -1,6 +1,5 @@
 """Prefix cache: earlier requests' model state reused, output unchanged."""
 
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -8,11 +7,11 @@ from hypothesis import strategies as st
 
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
-from tests.conftest import keep_alive_across_tests, release
-from tests.test_generator import LOGIT_TOLERANCE
+from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
 from worker.prefix_cache import chunk_ends, message_starts
+from harness.engine import engine_for, run
+from harness.prompts import chatml, SYSTEM
 
-SYSTEM = "You are a terse guide to the river, the mill and the old stone bridge."
 QUESTIONS = [
     "Where does the river bend?",
     "Who built the mill, and when did it stop turning?",
@@ -99,13 +98,6 @@ def test_multi_turn_messages_same_output_with_and_without_cache(pair):
         messages.append(Message("assistant", "<think>\nhm\n</think>\n\n" + text_c))
 
 
-def _chatml(turns: list[tuple[str, str]], system: str | None = None) -> str:
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    for role, content in turns:
-        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
-    return text + "<|im_start|>assistant\n"
-
-
 def test_raw_chatml_turns_resume_from_the_previous_history(pair, tokenizer):
     cached, plain = pair
     im_start = tokenizer.token_to_id("<|im_start|>")
@@ -113,7 +105,7 @@ def test_raw_chatml_turns_resume_from_the_previous_history(pair, tokenizer):
     previous = None
     for question in QUESTIONS[:3]:
         turns.append(("user", question))
-        prompt = _chatml(turns)
+        prompt = chatml(turns)
         text_c, done_c = ask(cached, prompt=prompt)
         text_p, _ = ask(plain, prompt=prompt)
         assert text_c == text_p
@@ -129,8 +121,8 @@ def test_raw_chatml_turns_resume_from_the_previous_history(pair, tokenizer):
 def test_shared_system_prompt_serves_a_new_conversation(pair, tokenizer):
     cached, plain = pair
     system = SYSTEM + " Answer in one line."
-    ask(cached, prompt=_chatml([("user", "First conversation.")], system))
-    prompt = _chatml([("user", "A different conversation entirely.")], system)
+    ask(cached, prompt=chatml([("user", "First conversation.")], system))
+    prompt = chatml([("user", "A different conversation entirely.")], system)
     text_c, done_c = ask(cached, prompt=prompt)
     text_p, _ = ask(plain, prompt=prompt)
     assert text_c == text_p
@@ -140,7 +132,7 @@ def test_shared_system_prompt_serves_a_new_conversation(pair, tokenizer):
 
 def test_repeated_prompt_still_runs_its_last_token(pair):
     cached, plain = pair
-    prompt = _chatml([("user", "Say something about stones.")], SYSTEM)
+    prompt = chatml([("user", "Say something about stones.")], SYSTEM)
     first = ask(cached, prompt=prompt, temperature=0.8, seed=3)
     second = ask(cached, prompt=prompt, temperature=0.8, seed=3)
     reference = ask(plain, prompt=prompt, temperature=0.8, seed=3)
@@ -152,12 +144,12 @@ def test_rows_of_one_batch_resume_and_store_their_own_snapshots(pair, tokenizer,
     cached, plain = pair
     im_start = tokenizer.token_to_id("<|im_start|>")
     systems = [f"{SYSTEM} Conversation {i}." for i in range(3)]
-    firsts = [_chatml([("user", q)], system) for q, system in zip(QUESTIONS, systems)]
+    firsts = [chatml([("user", q)], system) for q, system in zip(QUESTIONS, systems)]
     rids = [next(_rid) for _ in firsts]
     events = cached.send_together([Generate(rid=r, id_json=str(r), prompt=p, temperature=0.0, max_tokens=24) for r, p in zip(rids, firsts)])
     replies = [text_of(events[r]) for r in rids]
     seconds = [
-        _chatml([("user", q), ("assistant", reply), ("user", "Go on.")], system)
+        chatml([("user", q), ("assistant", reply), ("user", "Go on.")], system)
         for q, reply, system in zip(QUESTIONS, replies, systems)
     ]
     rids = [next(_rid) for _ in seconds]
@@ -169,7 +161,7 @@ def test_rows_of_one_batch_resume_and_store_their_own_snapshots(pair, tokenizer,
         assert text_of(events[rid]) == ask(plain, prompt=second)[0]
     # Batched and resumed, a row's logits move by float noise only; these
     # greedy choices win by far more.
-    assert min(greedy_margins(seconds, 24)) > 10 * LOGIT_TOLERANCE
+    assert min(greedy_margins(seconds, 24)) > GREEDY_MARGIN
 
 
 def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
@@ -177,38 +169,13 @@ def test_budget_too_small_for_a_snapshot_caches_nothing(tiny_model):
     try:
         w.wait_ready()
         for _ in range(2):
-            _, done = ask(w, prompt=_chatml([("user", "Hello there.")], SYSTEM))
+            _, done = ask(w, prompt=chatml([("user", "Hello there.")], SYSTEM))
             assert "cached_tokens" not in done
     finally:
         assert w.close() == 0
 
 
 # -- in-process: eviction, adapter keys, trimmable models ------------------------
-
-
-def scheduler_for(model_dir, **kw):
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
-
-    loaded = load(model_dir)
-    lines: list[bytes] = []
-    scheduler = Scheduler(loaded, TextCodec(model_dir, loaded.config), lines.append, batch_memory=1 << 30, prefill_step=16, **kw)
-    scheduler.lines = lines
-    return scheduler
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    return scheduler_for(tiny_model)
-
-
-def run(scheduler, **kw):
-    kw.setdefault("temperature", 0.0)
-    kw.setdefault("max_tokens", 12)
-    scheduler.submit(Generate(rid=0, **kw), 0.0)
-    ids = scheduler.drain()[0]
-    return ids, json.loads(scheduler.lines[-1].splitlines()[-1][len(b"@@lattice ") :])
 
 
 def test_least_recently_used_snapshot_is_evicted_first(engine):
@@ -219,7 +186,7 @@ def test_least_recently_used_snapshot_is_evicted_first(engine):
 
     model = engine.loaded.model
     pc = PrefixCache(model, budget_bytes=1 << 30)
-    prompts = [engine.codec.encode(_chatml([("user", f"Conversation number {i}.")])) for i in range(3)]
+    prompts = [engine.codec.encode(chatml([("user", f"Conversation number {i}.")])) for i in range(3)]
     starts = [message_starts(ids, engine.generator.chat_marker) for ids in prompts]
 
     def store(ids, end):
@@ -251,8 +218,8 @@ def test_snapshots_are_keyed_by_adapter_content(engine, tiny_model, tmp_path):
     one = write_peft(tmp_path / "one", lora_pairs(targets_of(tiny_model), seed=31, strength=2.0), r=4, alpha=8.0)
     same = shutil.copytree(one, tmp_path / "same")
     other = write_peft(tmp_path / "other", lora_pairs(targets_of(tiny_model), seed=32, strength=2.0), r=4, alpha=8.0)
-    first = _chatml([("user", "Adapter keyed question.")], "Adapter test system.")
-    second = _chatml([("user", "Adapter keyed question."), ("assistant", "ok"), ("user", "More.")], "Adapter test system.")
+    first = chatml([("user", "Adapter keyed question.")], "Adapter test system.")
+    second = chatml([("user", "Adapter keyed question."), ("assistant", "ok"), ("user", "More.")], "Adapter test system.")
     run(engine, prompt=first, lora=str(one))
     ids_one, done = run(engine, prompt=second, lora=str(one))
     assert done["cached_tokens"] > 0
@@ -265,17 +232,17 @@ def test_snapshots_are_keyed_by_adapter_content(engine, tiny_model, tmp_path):
 
 
 def test_attention_only_model_trims_to_the_common_prefix(dense_model):
-    cached = scheduler_for(dense_model)
-    plain = scheduler_for(dense_model, prefix_cache_bytes=0)
+    cached = engine_for(dense_model)
+    plain = engine_for(dense_model, prefix_cache_bytes=0)
     codec = cached.codec
     assert cached.prefix_cache.trimmable
     turns = [("user", QUESTIONS[0])]
-    ids, done = run(cached, prompt=_chatml(turns, SYSTEM))
-    assert ids == run(plain, prompt=_chatml(turns, SYSTEM))[0] and "cached_tokens" not in done
-    first_ids = codec.encode(_chatml(turns, SYSTEM))
+    ids, done = run(cached, prompt=chatml(turns, SYSTEM))
+    assert ids == run(plain, prompt=chatml(turns, SYSTEM))[0] and "cached_tokens" not in done
+    first_ids = codec.encode(chatml(turns, SYSTEM))
     # The user rewrites the end of the question: the stored prompt is cut
     # back to where the two prompts part.
-    edited = _chatml([("user", QUESTIONS[0][:-1] + " today?")], SYSTEM)
+    edited = chatml([("user", QUESTIONS[0][:-1] + " today?")], SYSTEM)
     edited_ids = codec.encode(edited)
     common = next(i for i, (a, b) in enumerate(zip(first_ids, edited_ids)) if a != b)
     ids_c, done = run(cached, prompt=edited)
@@ -283,7 +250,7 @@ def test_attention_only_model_trims_to_the_common_prefix(dense_model):
     assert done["cached_tokens"] == common
     # One snapshot per prompt; a longer one replaces its own prefixes.
     turns = [("user", QUESTIONS[0][:-1] + " today?"), ("assistant", codec.decode(ids_c)), ("user", QUESTIONS[1])]
-    longer = _chatml(turns, SYSTEM)
+    longer = chatml(turns, SYSTEM)
     ids_l, done = run(cached, prompt=longer)
     assert ids_l == run(plain, prompt=longer)[0]
     assert done["cached_tokens"] == len(edited_ids) - 1
@@ -294,8 +261,8 @@ def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_
     from tests.lora_files import lora_pairs, targets_of, write_peft
 
     adapter = write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0)
-    first = _chatml([("user", QUESTIONS[0])], SYSTEM)
-    second = _chatml([("user", QUESTIONS[0]), ("assistant", "It bends twice."), ("user", QUESTIONS[1])], SYSTEM)
+    first = chatml([("user", QUESTIONS[0])], SYSTEM)
+    second = chatml([("user", QUESTIONS[0]), ("assistant", "It bends twice."), ("user", QUESTIONS[1])], SYSTEM)
     cached = WorkerProc(tiny_model)
     adapted = WorkerProc(tiny_model, "--lora", str(adapter), "--prefix-cache-bytes", "0")
     try:

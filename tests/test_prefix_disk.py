@@ -11,11 +11,12 @@ from harness.procs import wait_for
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
 from ipc.paths import pool_cache_dir
-from tests.test_prefix_cache import SYSTEM, _chatml, engine  # noqa: F401 (a fixture)
+from harness.engine import engine_for, run
+from harness.prompts import chatml, SYSTEM
 
 LONG_SYSTEM = SYSTEM + " " + "The mill wheel turns all day beside the bridge. " * 12
-FIRST = _chatml([("user", "Where does the river bend?")], LONG_SYSTEM)
-SECOND = _chatml([("user", "Who built the mill?")], LONG_SYSTEM)
+FIRST = chatml([("user", "Where does the river bend?")], LONG_SYSTEM)
+SECOND = chatml([("user", "Who built the mill?")], LONG_SYSTEM)
 
 _rid = iter(range(1, 1_000_000))
 
@@ -191,7 +192,6 @@ def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
     import shutil
 
     from tests.lora_files import lora_pairs, targets_of, write_peft
-    from tests.test_prefix_cache import run, scheduler_for
     from worker.loader import load
     from worker.prefix_disk import PrefixDisk, model_key
 
@@ -201,15 +201,15 @@ def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
     loaded = load(tiny_model)
     key = model_key(tiny_model, loaded.format, loaded.model)
     root = tmp_path / "prefix"
-    writer = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
     run(writer, prompt=FIRST, lora=str(one))
     assert writer.prefix_cache.disk.flush(30)
     for lora in (str(other), None):
         # A fresh worker's memory each time: only the disk could serve it.
-        reader = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+        reader = engine_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
         _, done = run(reader, prompt=SECOND, lora=lora)
         assert "cached_tokens" not in done
-    reader = scheduler_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
+    reader = engine_for(tiny_model, prefix_disk=PrefixDisk(root, key, 1 << 30))
     _, done = run(reader, prompt=SECOND, lora=str(same))
     assert done["cached_tokens"] > 0
 

@@ -16,9 +16,8 @@ import pytest
 
 from harness.pool import PoolProc, is_terminal
 from harness.procs import wait_for
-from tests.conftest import keep_alive_across_tests, release
-from tests.test_batching import MIXED, PROMPTS, THINK
-from tests.test_generator import LOGIT_TOLERANCE
+from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
+from harness.prompts import MIXED, PROMPTS, THINK
 
 MAX_BATCH = 8
 _ids = itertools.count(1)
@@ -74,7 +73,7 @@ def status(pool: PoolProc) -> dict:
     return pool.wait_ev("status")["models"][0]
 
 
-def test_a_request_joining_mid_stream_streams_before_the_first_ends(pool):
+def test_a_request_joining_mid_stream_streams_before_the_first_ends(pool, greedy_margins):
     long, short = request(max_tokens=120), request(prompt=PROMPTS[1], max_tokens=6)
     long_alone, short_alone = alone(pool, long), alone(pool, short)
     first, second = again(long), again(short)
@@ -88,6 +87,7 @@ def test_a_request_joining_mid_stream_streams_before_the_first_ends(pool):
     assert short_done < long_done, "the second request ended while the first went on"
     assert order.index(second["id"]) > order.index(first["id"])
     assert pool.text(first["id"]) == long_alone and pool.text(second["id"]) == short_alone
+    assert min(greedy_margins([PROMPTS[0]], 120) + greedy_margins([PROMPTS[1]], 6)) > GREEDY_MARGIN
 
 
 def test_eight_greedy_requests_batched_give_their_alone_text(pool, greedy_margins):
@@ -103,10 +103,10 @@ def test_eight_greedy_requests_batched_give_their_alone_text(pool, greedy_margin
     ids = [e["id"] for e in pool.events if e.get("id") in ends and e["ev"] == "gen_token" and not e["done"]]
     assert len({ids[i] for i in range(MAX_BATCH)}) > 1
     # Why text equality is safe on any CPU: tests/test_batching.py.
-    assert min(greedy_margins(PROMPTS, 32)) > 10 * LOGIT_TOLERANCE
+    assert min(greedy_margins(PROMPTS, 32)) > GREEDY_MARGIN
 
 
-def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(pool):
+def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(pool, greedy_margins):
     first = [request(prompt=PROMPTS[i], max_tokens=40, **kw) for i, kw in enumerate(MIXED)]
     greedy_alone = alone(pool, again(first[0]))
     runs = []
@@ -116,6 +116,7 @@ def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(pool):
         runs.append([pool.text(r["id"]) for r in reqs])
     assert runs[0] == runs[1], "the same requests sent the same way give the same tokens"
     assert runs[0][0] == greedy_alone
+    assert min(greedy_margins([PROMPTS[0]], 40)) > GREEDY_MARGIN
     assert len(set(runs[0])) == len(MIXED)
     other = [again(r, seed=r["seed"] + 100) if "seed" in r else again(r) for r in first]
     send_together(pool, other)
@@ -123,7 +124,7 @@ def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(pool):
     assert [pool.text(r["id"]) != runs[0][i] for i, r in enumerate(other)] == [False] + [True] * (len(MIXED) - 1)
 
 
-def test_cancel_one_row_while_the_others_go_on(pool):
+def test_cancel_one_row_while_the_others_go_on(pool, greedy_margins):
     reqs = [request(prompt=p, max_tokens=60) for p in PROMPTS[:3]]
     expected = [alone(pool, r) for r in reqs]
     batch = [again(r) for r in reqs]
@@ -136,9 +137,10 @@ def test_cancel_one_row_while_the_others_go_on(pool):
     assert expected[1].startswith(pool.text(batch[1]["id"]))
     for i in (0, 2):
         assert ends[batch[i]["id"]]["gen_tokens"] == 60 and pool.text(batch[i]["id"]) == expected[i]
+    assert min(greedy_margins(PROMPTS[:3], 60)) > GREEDY_MARGIN
 
 
-def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(pool):
+def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(pool, greedy_margins):
     plain = request(prompt=PROMPTS[2], max_tokens=30)
     full = alone(pool, plain)
     stop = full[12:15]
@@ -154,6 +156,7 @@ def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(pool):
     assert "</think>" in tokens and "</think>" not in free_tokens
     assert tokens[: tokens.index("</think>")] == free_tokens[: tokens.index("</think>")]
     assert ends[budget["id"]]["gen_tokens"] == 20 and pool.text(same["id"]) == full
+    assert min(greedy_margins([PROMPTS[2]], 30) + greedy_margins([THINK], 20)) > GREEDY_MARGIN
 
 
 def test_two_hundred_requests_with_max_batch_8_end_exactly_once(pool):
@@ -207,7 +210,7 @@ def test_idless_requests_never_interleave_with_each_other(pool):
     assert any("id" in e for e in pool.events[start:] if e["ev"] == "gen_token"), "the id'd request ran meanwhile"
 
 
-def test_a_worker_killed_mid_batch_ends_each_request_once(pool):
+def test_a_worker_killed_mid_batch_ends_each_request_once(pool, greedy_margins):
     """The worker is stopped (SIGSTOP) while one request streams, so the
     requests sent then are in flight at it but have emitted nothing, one
     more waits in the pool; SIGKILL then. The streaming request ends with
@@ -229,6 +232,7 @@ def test_a_worker_killed_mid_batch_ends_each_request_once(pool):
     for r in late:
         done = pool.terminal(r["id"])
         assert done["ev"] == "gen_token" and pool.text(r["id"]) == texts[r["id"]]
+    assert min(greedy_margins(PROMPTS, 10)) > GREEDY_MARGIN
     assert pool.stderr.count(b"will be retried after the restart") >= MAX_BATCH - 1
     pool.wait_ev("ready", model="m")
     assert status(pool)["pid"] not in (None, pid)

@@ -14,9 +14,9 @@ import pytest
 
 from harness.worker import terminal, text_of
 from ipc.messages import Cancel, Generate
-from tests.conftest import shared_worker
+from tests.conftest import GREEDY_MARGIN, shared_worker
 from tests.schemas import PET
-from tests.test_generator import LOGIT_TOLERANCE, ends_by_id, events as events_of, scheduler_for
+from harness.engine import ends_by_id, events as events_of, scheduler_for
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -100,7 +100,7 @@ def test_constrained_and_free_rows_in_one_batch(worker, greedy_margins):
         jsonschema.validate(json.loads(text_of(events[r.rid])), PET)
     # Text equality is safe on any CPU: batching moves logits by float
     # noise, and every greedy choice of this prompt wins by far more.
-    assert min(greedy_margins([FREE], 40)) > 10 * LOGIT_TOLERANCE
+    assert min(greedy_margins([FREE], 40)) > GREEDY_MARGIN
 
 
 def test_json_object_replies_parse_and_cut_ones_are_prefixes(worker, grammar):
@@ -156,7 +156,7 @@ def test_think_then_json(worker, greedy_margins):
     # budget closes it: greedy, it is the unconstrained row's thinking.
     free_thinking, end, _ = text_of(events[free.rid]).partition("</think>")
     assert end and text_of(events[greedy.rid]).startswith(free_thinking + "</think>")
-    assert min(greedy_margins([think], 5)) > 10 * LOGIT_TOLERANCE
+    assert min(greedy_margins([think], 5)) > GREEDY_MARGIN
 
 
 def test_cancel_mid_constraint(worker, grammar):

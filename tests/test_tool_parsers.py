@@ -14,10 +14,10 @@ import pytest
 
 from supervisor.httpapi import tool_parsers
 from supervisor.httpapi.tool_parsers import Call, detect, grammar, parse
-from tests.test_constrain import allowed_ids
 from worker.text import _compile_template
 
 from harness.procs import ROOT
+from harness.engine import allowed_ids
 
 TEMPLATES = ROOT / "tests" / "data" / "tool_templates"
 

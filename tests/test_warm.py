@@ -3,7 +3,7 @@ whatever else comes and goes."""
 
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
-from tests.test_prefix_cache import SYSTEM, _chatml
+from harness.prompts import chatml, SYSTEM
 
 WARM = f"<|im_start|>system\n{SYSTEM} Tools: river_depth(place), mill_hours(day).<|im_end|>\n"
 
@@ -30,7 +30,7 @@ def test_a_warm_prompt_serves_the_first_request_and_is_never_evicted(tiny_model)
         n = warm_tokens(tiny_model)
         _, done = ask(w, WARM + "<|im_start|>user\nHow deep is the river?<|im_end|>\n<|im_start|>assistant\n")
         assert done["cached_tokens"] == n
-        others = [_chatml([("user", f"Question {i} about the bridge.")], f"Another system prompt, number {i}.") for i in range(6)]
+        others = [chatml([("user", f"Question {i} about the bridge.")], f"Another system prompt, number {i}.") for i in range(6)]
         for prompt in others:
             ask(w, prompt)
         # The first of the others was pushed out...
