@@ -248,24 +248,20 @@ def main() -> int:
     p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from bench.common import backend, load_average, load_model, machine, tagged, write_result
 
-    load_openblas()  # before mlx, for the in-process kernel figures
+    model, loaded, _ = load_model(args.model or args.size)  # before mlx, for the in-process kernel figures
     from tokenizers import Tokenizer
 
     from bench.chat import user_messages
-    from bench.common import backend, demo_model, load_average, machine, tagged, write_result
     from bench.lora import write_adapter
-    from worker.loader import load
     from worker.lora.layers import LoRASlots, linear_dims
 
-    model = args.model or demo_model(args.size)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompts = [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" for text in user_messages(tokenizer, args.requests, 24)]
     result = {"model": str(model), "size": None if args.model else args.size, "backend": backend(), "machine": machine(), "load_average": {"before": load_average()}}
     result["complete"] = False
     name = tagged(f"adapters-{result['backend']}-{args.size if not args.model else model.name}", args.tag)
-    loaded = load(model)
     # The layer the kernels are timed on, in the dtype the worker computes in.
     d_in, d_out, dtype = linear_dims(loaded.model.layers[0].mlp.up_proj)
     targets = dict(LoRASlots(loaded.model).targets)

@@ -42,6 +42,21 @@ def demo_model(size: str, q4: bool = False) -> Path:
     return path
 
 
+def load_model(model: str | Path):
+    """(dir, Loaded, TextCodec): `model` (a demo model size, built once, or
+    a model dir) loaded in this process as a worker loads it. OpenBLAS goes
+    in first, as in a worker, so this runs before anything imports mlx."""
+    from worker.cpu_backend import load_openblas
+
+    load_openblas()
+    from worker.loader import load
+    from worker.text import TextCodec
+
+    path = model if isinstance(model, Path) else demo_model(model)
+    loaded = load(path)
+    return path, loaded, TextCodec(path, loaded.config)
+
+
 def weights_bytes(model: Path) -> int:
     """Bytes of the model's safetensors files: what one decode step reads."""
     return sum(p.stat().st_size for p in model.glob("*.safetensors"))
@@ -67,8 +82,7 @@ def backend() -> str:
 
 
 def version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as _version
+    from importlib.metadata import PackageNotFoundError, version as _version
 
     try:
         return _version(dist)

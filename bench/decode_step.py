@@ -31,23 +31,17 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from bench.common import load_average, load_model, machine, tagged, write_result
 
-    load_openblas()
+    path, loaded, codec = load_model(args.size)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    from bench.common import demo_model, load_average, machine, tagged, write_result
     from ipc.messages import Generate
-    from worker.loader import load
     from worker.sampling import BatchSampler, RowSampling, SamplingParams
     from worker.scheduler import Scheduler
-    from worker.text import TextCodec
 
-    path = demo_model(args.size)
-    loaded = load(path)
-    codec = TextCodec(path, loaded.config)
     model = loaded.model
     vocab = loaded.config["text_config"]["vocab_size"]
     text = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"

@@ -29,23 +29,17 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from bench.common import backend, load_average, load_model, machine, median, tagged, write_result
 
-    load_openblas()
+    path, loaded, codec = load_model(args.size)
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from bench.chat import user_messages
-    from bench.common import backend, demo_model, load_average, machine, median, tagged, write_result
     from ipc.messages import Generate
-    from worker.loader import load
     from worker.scheduler import Scheduler
-    from worker.text import TextCodec
 
-    path = demo_model(args.size)
-    loaded = load(path)
-    codec = TextCodec(path, loaded.config)
     tokenizer = load_tokenizer(loaded.path)
     texts = user_messages(codec.tokenizer, args.prompt_index + 1, 24)
     prompt = f"<|im_start|>user\n{texts[args.prompt_index]}<|im_end|>\n<|im_start|>assistant\n"

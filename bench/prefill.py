@@ -20,7 +20,7 @@ import argparse
 import sys
 import time
 
-from bench.common import demo_model, load_average, machine, median, tagged, write_result
+from bench.common import load_average, load_model, machine, median, tagged, write_result
 
 
 def main() -> int:
@@ -32,19 +32,14 @@ def main() -> int:
     p.add_argument("--tag", default="", help="suffix for the results file name")
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
-
-    load_openblas()
+    model_dir, loaded, _ = load_model(args.size)
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models import gated_delta as mlx_lm_gdn
     from mlx_lm.models.cache import make_prompt_cache
 
     from worker import gated_delta
-    from worker.loader import load
 
-    model_dir = demo_model(args.size)
-    loaded = load(model_dir)
     model = loaded.model
     backend = "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else "cpu")
     users = [m for m in list(sys.modules.values()) if getattr(m, "gated_delta_update", None) is gated_delta.gated_delta_update]
