@@ -9,5 +9,6 @@
 - harness.http: clients of the HTTP surface, polite and hostile;
 - harness.metrics: the Prometheus page, found in the log and scraped;
 - harness.engine: the worker's scheduler driven in this process;
-- harness.prompts: prompts for the demo models.
+- harness.prompts: prompts for the demo models;
+- harness.frames: a frame writer and reader to check ipc.framing against.
 """

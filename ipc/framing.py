@@ -6,7 +6,6 @@ lets the reader allocate once per frame.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import struct
 
@@ -101,20 +100,3 @@ class FrameReader:
         return out
 
 
-def write_frame(fd: int, msg: ToWorker) -> None:
-    view = memoryview(encode_frame(msg))
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-async def read_frame_async(reader: asyncio.StreamReader) -> ToWorker | None:
-    """asyncio counterpart of read_payload + decode_payload; None at EOF."""
-    try:
-        header = await reader.readexactly(HEADER.size)
-        (size,) = HEADER.unpack(header)
-        if size > MAX_FRAME:
-            raise FrameTooLarge(size)
-        payload = await reader.readexactly(size)
-    except asyncio.IncompleteReadError:
-        return None
-    return decode_payload(payload)

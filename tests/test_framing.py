@@ -4,7 +4,8 @@ import os
 import msgspec
 import pytest
 
-from ipc.framing import HEADER, MAX_FRAME, FrameReader, FrameTooLarge, decode_payload, encode_frame, read_frame_async, write_frame
+from harness.frames import read_frame_async, write_frame
+from ipc.framing import HEADER, MAX_FRAME, FrameReader, FrameTooLarge, decode_payload, encode_frame
 from ipc.messages import Cancel, Generate, LoadAdapter, Message, ReloadAdapter, SetAdapter, Shutdown, Stats, UnloadAdapter
 
 MESSAGES = [
