@@ -334,7 +334,9 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
             "share_of_masks_hidden_at_least": round(1 - exposed / filled, 3),
         },
     }
-    del engine, loaded
+    # The model goes before clear_cache; `decode` above shares the cell, so
+    # it is emptied rather than deleted.
+    engine = loaded = None
     mx.clear_cache()
     return out
 

@@ -162,7 +162,7 @@ class RssSampler:
         while not self._stop.wait(0.05):
             self.peak = max(self.peak, self.proc.memory_info().rss)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 

@@ -76,7 +76,7 @@ def stream_runs(model, tokenizer, ids: list[int], max_tokens: int, seeds: list[i
         t0 = time.perf_counter()
         first = last = None
         n = 0
-        for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=processors):
+        for _ in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=processors):
             now = time.perf_counter()
             first = first or now
             last = now

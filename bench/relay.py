@@ -187,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             "meets_goal": added_p99 <= 0.5,
         },
     }
-    c, l = result["capacity"], result["latency_ms"]
+    cap, lat = result["capacity"], result["latency_ms"]
     print(NOISY)
-    print(f"capacity  raw {c['events_per_s']['raw']['median']:,.0f} ev/s  serve {serve_rate:,.0f} ev/s  ratio {c['serve_over_raw']}  "
-          f"supervisor CPU {c['supervisor_cpu_us_per_event']['median']} us/event  (goal >= 1M ev/s: {'met' if c['meets_goal'] else 'MISSED'})")
-    print(f"latency ms  raw p50 {l['raw']['p50']} p99 {l['raw']['p99']}  serve p50 {l['serve']['p50']} p99 {l['serve']['p99']}  "
-          f"added p50 {l['added_p50']} p99 {l['added_p99']}  (goal p99 added <= 0.5 ms: {'met' if l['meets_goal'] else 'MISSED'})")
+    print(f"capacity  raw {cap['events_per_s']['raw']['median']:,.0f} ev/s  serve {serve_rate:,.0f} ev/s  ratio {cap['serve_over_raw']}  "
+          f"supervisor CPU {cap['supervisor_cpu_us_per_event']['median']} us/event  (goal >= 1M ev/s: {'met' if cap['meets_goal'] else 'MISSED'})")
+    print(f"latency ms  raw p50 {lat['raw']['p50']} p99 {lat['raw']['p99']}  serve p50 {lat['serve']['p50']} p99 {lat['serve']['p99']}  "
+          f"added p50 {lat['added_p50']} p99 {lat['added_p99']}  (goal p99 added <= 0.5 ms: {'met' if lat['meets_goal'] else 'MISSED'})")
     write("relay", result, args.out)
     return 0
 

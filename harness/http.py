@@ -12,6 +12,7 @@ import urllib.request
 
 from harness.procs import wait_for
 
+
 def http_port(pool) -> int:
     found = wait_for(lambda: re.search(rb"http on http://127\.0\.0\.1:(\d+)/v1", pool.stderr), 60, message="the http log line")
     return int(found.group(1))

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.procs import wait_for
 
+
 def metrics_port(pool) -> int:
     found = wait_for(lambda: re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", pool.stderr), 60, message="the metrics log line")
     return int(found.group(1))

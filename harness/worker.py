@@ -57,7 +57,7 @@ class WorkerProc:
             t.start()
 
     @classmethod
-    def started(cls, model: Path, *args: str, profile: Path | None = None) -> "WorkerProc":
+    def started(cls, model: Path, *args: str, profile: Path | None = None) -> WorkerProc:
         """A worker that has said `ready`."""
         w = cls(model, *args, profile=profile)
         w.wait_ready()

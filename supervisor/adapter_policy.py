@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from supervisor.config import Config, parse_size
 

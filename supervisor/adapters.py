@@ -38,17 +38,18 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
+
 # The watcher itself, not watchfiles.watch(): that arms it only on the
 # first iteration, and a round must arm before it looks at the files.
 from watchfiles._rust_notify import RustNotify
 
 from supervisor.adapter_policy import DIRECTORY_WEIGHTS
-from supervisor.spec import ModelSpec
 from supervisor.slot import WorkerSlot
+from supervisor.spec import ModelSpec
 
 log = logging.getLogger("lattice.watch")
 

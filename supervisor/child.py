@@ -21,8 +21,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ipc.framing import encode_frame
 from ipc.messages import ToWorker
@@ -127,7 +127,7 @@ def group_args(group: GroupSpec, config: Config) -> list[str]:
 
 
 class _Protocol(asyncio.SubprocessProtocol):
-    def __init__(self, proc: "ChildProcess"):
+    def __init__(self, proc: ChildProcess):
         self._proc = proc
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -300,7 +300,7 @@ class ChildProcess:
             try:
                 await asyncio.wait_for(self.exited.wait(), timeout)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         # Grandchildren may still hold the group; they go with it.
         self.signal_group(signal.SIGKILL)

@@ -170,7 +170,7 @@ class ControlServer:
         self._sessions: set[asyncio.Task] = set()
 
     @classmethod
-    def bind(cls, config: Config) -> "ControlServer | None":
+    def bind(cls, config: Config) -> ControlServer | None:
         """Claims the configured socket path. An explicitly configured path
         that cannot be had is an error; the default one is only a
         convenience, so the pool then runs without it."""
@@ -297,7 +297,7 @@ class ControlServer:
                 return None
             try:
                 data = await asyncio.wait_for(reader.read(65536), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             client.last_active = time.monotonic()
             return data

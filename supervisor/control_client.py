@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import msgspec
 
@@ -52,7 +52,7 @@ class ControlConnection:
             return f"the pool at {path} did not answer within {self.timeout:g}s"
         return f"cannot connect to {path}: {exc.strerror or exc}"
 
-    def __enter__(self) -> "ControlConnection":
+    def __enter__(self) -> ControlConnection:
         return self
 
     def __exit__(self, *exc) -> None:

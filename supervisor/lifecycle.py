@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 from supervisor.config import Config, ConfigError, parse_duration
 from supervisor.control import ControlServer
@@ -47,7 +47,7 @@ class RunningPool:
         self._signals: list[int] = []
 
     @classmethod
-    async def start(cls, config: Config, output, *, monitor: bool) -> "RunningPool":
+    async def start(cls, config: Config, output, *, monitor: bool) -> RunningPool:
         """A pool writing to `output` (stdout's Output, or a terminal's
         EventSink). monitor: also the control socket, the metrics page and
         the HTTP surface."""

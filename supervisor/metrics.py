@@ -21,8 +21,8 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
@@ -401,7 +401,7 @@ class MetricsServer:
         log.info("metrics on http://127.0.0.1:%d/metrics", self.port)
 
     @classmethod
-    def start(cls, pool: Pool, port: int, max_connections: int = 8, request_timeout: float = 10.0) -> "MetricsServer":
+    def start(cls, pool: Pool, port: int, max_connections: int = 8, request_timeout: float = 10.0) -> MetricsServer:
         metrics = PoolMetrics(pool, asyncio.get_running_loop())
         pool.observers.append(metrics)
         return cls(metrics, port, max_connections, request_timeout)

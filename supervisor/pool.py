@@ -16,9 +16,10 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Coroutine, Protocol
+from typing import Protocol
 
 import psutil
 

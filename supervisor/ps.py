@@ -35,7 +35,7 @@ def query_status(path: Path, timeout: float = TIMEOUT) -> Status:
 def human_bytes(n: int) -> str:
     """Decimal units, as `ollama ps` and macOS's Activity Monitor count them."""
     value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
+    for unit in ("B", "KB", "MB", "GB"):  # noqa: B007 (the unit the break stops at)
         if value < 1000:
             break
         value /= 1000
@@ -64,7 +64,7 @@ def until(row: StatusRow) -> str:
     if row.expires_in_s is None:
         return "Forever"
     s = int(row.expires_in_s)
-    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):
+    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):  # noqa: B007 (the unit the break stops at)
         if s >= size:
             break
     else:

@@ -28,7 +28,8 @@ import collections
 import logging
 import signal
 import time
-from typing import Callable, Coroutine, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Protocol
 
 from ipc.context import read_context_limit
 from ipc.events import ADAPTER_ERROR, LOAD_FAILED, MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error, encode_event
@@ -51,7 +52,7 @@ from ipc.worker_events import (
     read_line,
     token_block,
 )
-from supervisor.child import ChildProcess, MAX_WORKER_LINE, RESOURCE_ERRNOS
+from supervisor.child import MAX_WORKER_LINE, RESOURCE_ERRNOS, ChildProcess
 from supervisor.job import Job, Sink
 from supervisor.names import Name, renamed
 from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
@@ -69,23 +70,23 @@ CANCEL_GRACE = 5.0
 class SlotEvents(Protocol):
     """What a slot tells its owner; every call comes from the event loop."""
 
-    def request_ended(self, slot: "WorkerSlot", job: Job) -> None:
+    def request_ended(self, slot: WorkerSlot, job: Job) -> None:
         """The job's one terminal line has gone to its sink."""
 
-    def request_done(self, slot: "WorkerSlot", job: Job, done: Done) -> None:
+    def request_done(self, slot: WorkerSlot, job: Job, done: Done) -> None:
         """The worker finished a request of the name `job.spec` (its done line, for the counters)."""
 
-    def error_counted(self, slot: "WorkerSlot", job: Job, code: str | None) -> None:
+    def error_counted(self, slot: WorkerSlot, job: Job, code: str | None) -> None:
         """An error line ended a request (the worker's or the slot's)."""
 
-    def adapter_event(self, slot: "WorkerSlot", lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
+    def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
         """adapter_loaded (True) or adapter_error (False) from the worker
         about `lora`, to be written for the names of `specs`; True holds
         the line back (a failed reload that will be tried again)."""
 
-    def restarted(self, slot: "WorkerSlot") -> None: ...
+    def restarted(self, slot: WorkerSlot) -> None: ...
 
-    def idle(self, slot: "WorkerSlot") -> None:
+    def idle(self, slot: WorkerSlot) -> None:
         """Nothing in flight or queued (or the model failed): room for others."""
 
     def worker_stderr(self, data: bytes) -> None: ...
@@ -508,7 +509,7 @@ class WorkerSlot:
             return self.stats
         try:
             return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.stats
 
     def _capped(self, rows: int) -> int:
@@ -753,7 +754,7 @@ class WorkerSlot:
                 self._send(Cancel(rid=job.rid))
             try:
                 await asyncio.wait_for(self._drained.wait(), CANCEL_GRACE)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("%s: requests %s ignored their cancel", self._describe(), ", ".join(j.label for j in self.in_flight.values()))
         if child is not None and not child.exited.is_set():
             await child.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("lattice.state")
 

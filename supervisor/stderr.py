@@ -14,7 +14,7 @@ import queue
 import re
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 _MAX_QUEUED = 10_000
 # Worker stderr arrives in chunks of up to 256 KiB, so the count alone would

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import stat
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("lattice.output")
 
@@ -23,7 +23,7 @@ LOW_WATER = 1024 * 1024
 
 
 class _PipeProtocol(asyncio.Protocol):
-    def __init__(self, owner: "Output"):
+    def __init__(self, owner: Output):
         self._owner = owner
 
     def pause_writing(self) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import os
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from ipc.worker_events import parse_event
 from supervisor import stderr

@@ -19,13 +19,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.metrics import metrics_port, scrape
 from harness.pool import PoolProc, is_terminal
 from harness.procs import wait_for
 from supervisor.config import Config, ModelEntry
 from supervisor.resolve import AdapterRefused, Resolver
 from tests.conftest import keep_alive_across_tests, release
 from tests.lora_files import lora_pairs, targets_of, write_mlx, write_peft
-from harness.metrics import metrics_port, scrape
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 SECRET = "hf_demo_secret"

@@ -6,11 +6,11 @@ import random
 import pytest
 
 from harness.procs import wait_for
+from harness.prompts import MIXED, PROMPTS, THINK
 from harness.worker import WorkerProc, is_terminal, terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Cancel, Generate, Stats
 from tests.conftest import GREEDY_MARGIN, shared_worker
-from harness.prompts import MIXED, PROMPTS, THINK
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import sys
 
 import jsonschema
 
+from harness.cli import CHAT, cli, events
 from harness.procs import ROOT, child_env
 from tests.schemas import PET
-from harness.cli import CHAT, cli, events
 
 
 def test_run_json_prompt_prints_parseable_events(tiny_model):

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from tests.conftest import LOGIT_TOLERANCE
 from worker import compiled_step
 from worker.batch_cache import BatchCache
 from worker.compiled_step import CompiledDecode
 from worker.generator import Row, TokenGenerator
 from worker.prefix_cache import PrefixCache
 from worker.sampling import RowSampling, SamplingParams
-from tests.conftest import LOGIT_TOLERANCE
-
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 

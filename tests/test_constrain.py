@@ -10,12 +10,12 @@ import msgspec
 import numpy as np
 import pytest
 
+from harness.engine import allowed_ids
 from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
 from tests.schemas import PET, PET_VALUE
-from worker.constrain import BatchMasks, ConstraintViolation, Constraints
-from harness.engine import allowed_ids
+from worker.constrain import BatchMasks, Constraints, ConstraintViolation
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})

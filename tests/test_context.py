@@ -4,10 +4,10 @@ prompt plus max_tokens, shown by status, ps and /v1/models."""
 import json
 import urllib.request
 
+from harness.http import http_port
 from harness.worker import WorkerProc, terminal
 from ipc.context import context_limit
 from ipc.messages import Generate
-from harness.http import http_port
 
 # 30-odd tokens of the demo tokenizer.
 PROMPT = "<|im_start|>user\n" + "Tell me about the river and the mill. " * 2 + "<|im_end|>\n<|im_start|>assistant\n"

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from harness.procs import ROOT, child_env
-
-
 from harness.worker import WorkerProc
 
 

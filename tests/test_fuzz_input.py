@@ -14,20 +14,19 @@ import threading
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from harness.fakes import FAKE_ENV, FakeModels
-from ipc.framing import decode_payload, encode_frame
-from ipc.messages import Generate
-from supervisor.config import Config
-from supervisor.endpoint import TOO_LONG_HEAD, LineSplitter, TooLong, read_line
-from supervisor.requests import MAX_ID_BYTES, BadRequest, ClientLine, OPS, encode_id, parse_line, stop_list
-from supervisor.resolve import Resolver, UnknownModel
 
 # Seeded and without an example database, so every run checks the same cases.
 from harness.pool import RawPool
 from harness.procs import wait_for
+from ipc.framing import decode_payload, encode_frame
+from ipc.messages import Generate
+from supervisor.config import Config
+from supervisor.endpoint import TOO_LONG_HEAD, LineSplitter, TooLong, read_line
+from supervisor.requests import MAX_ID_BYTES, OPS, BadRequest, ClientLine, encode_id, parse_line, stop_list
+from supervisor.resolve import Resolver, UnknownModel
 
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
+from harness.engine import ends_by_id, events, scheduler_for
 from ipc.messages import Generate
+from tests.conftest import LOGIT_TOLERANCE
 from worker.batch_cache import batchable
 from worker.generator import Row, TokenGenerator
 from worker.prefix_cache import PrefixCache
 from worker.sampling import RowSampling, SamplingParams
-from harness.engine import ends_by_id, events, scheduler_for
-from tests.conftest import LOGIT_TOLERANCE
-
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 

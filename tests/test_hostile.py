@@ -19,7 +19,9 @@ import threading
 import psutil
 import pytest
 
+from harness.cli import cli
 from harness.fakes import FAKE_ENV, FakeModels
+from harness.http import NEVER, drip
 from harness.pool import RawPool
 from harness.procs import ROOT, child_env, wait_for
 from supervisor.config import Config, ModelEntry
@@ -27,8 +29,6 @@ from supervisor.control import CONTROL_RESERVE
 from supervisor.endpoint import dispatch
 from supervisor.pool import Pool
 from supervisor.terminal import EventSink
-from harness.cli import cli
-from harness.http import drip, NEVER
 
 # Generous: the bound is what matters, not its size; unbounded, these floods
 # grow the supervisor by hundreds of MB.
@@ -175,7 +175,7 @@ def test_slow_control_and_metrics_clients_are_cut_off_and_ps_still_works(fakes, 
     finally:
         for thread in threads:
             thread.join(NEVER + 30)
-    for name, (answer, closed_after) in results.items():
+    for name, (_, closed_after) in results.items():
         assert closed_after is not None and closed_after < 15, f"the slow {name} client was not cut off ({closed_after})"
     assert b"control_request_timeout" in results["control"][0]
 

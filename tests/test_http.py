@@ -19,11 +19,11 @@ import openai
 import psutil
 import pytest
 
+from harness.http import NEVER, drip, http_port, post, split_thinking
+from harness.metrics import metrics_port, scrape
 from harness.pool import PoolProc
 from harness.procs import ROOT, child_env, wait_for
 from tests.conftest import keep_alive_across_tests, release
-from harness.http import drip, http_port, NEVER, post, split_thinking
-from harness.metrics import metrics_port, scrape
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 PROMPT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"

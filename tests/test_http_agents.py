@@ -9,9 +9,9 @@ import json
 import openai
 import pytest
 
+from harness.http import http_port, post, split_thinking
 from harness.pool import PoolProc
 from tests.conftest import keep_alive_across_tests, release
-from harness.http import http_port, post, split_thinking
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 

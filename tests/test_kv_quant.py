@@ -3,9 +3,9 @@ model's dtype, batched like any other, with the prefix cache."""
 
 import pytest
 
-from ipc.messages import Generate
 from harness.engine import run
 from harness.prompts import chatml
+from ipc.messages import Generate
 
 PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k + "<|im_end|>\n<|im_start|>assistant\n" for k in (1, 3, 6, 12)]
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
+from harness.worker import WorkerProc, is_terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Generate, LoadAdapter, ReloadAdapter, Stats
 from tests.conftest import FORMATS, GREEDY_MARGIN, greedy_steps, shared_worker
 from tests.lora_files import lora_pairs, targets_of, use_only, write_mlx, write_peft
-from harness.worker import WorkerProc, is_terminal, text_of
 from worker.lora.residency import Entry, Version, choose_victim
-from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness.cli import CHAT, cli, events
 
+from harness.cli import CHAT, cli, events
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -20,12 +20,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.cli import cli, ps_table
+from harness.metrics import metrics_port, scrape, series
 from harness.procs import ROOT, child_env, pid_alive, wait_for
 from supervisor.screen import Screen
 from supervisor.terminal import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
-from harness.metrics import metrics_port, scrape, series
-from harness.cli import cli, ps_table
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -220,7 +220,7 @@ def test_status_reports_measured_memory(config_file, spawn_pool):
     event = pool.wait_ev("status")
     rows = {r["model"]: r for r in event["models"]}
     assert event["rss_bytes"] > 0 and event["system_total_bytes"] >= event["system_available_bytes"] > 0
-    for name, row in rows.items():
+    for row in rows.values():
         assert row["state"] == "ready" and pid_alive(row["pid"])
         assert row["rss_bytes"] >= row["uss_bytes"] > 0 and row["weights_bytes"] > 0
         assert row["mlx_active_bytes"] >= row["weights_bytes"] and row["format"] == "bf16"

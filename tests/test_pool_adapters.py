@@ -20,14 +20,14 @@ import mlx.core as mx
 import psutil
 import pytest
 
+from harness.cli import cli, ps_table
+from harness.metrics import metrics_port, scrape, series
 from harness.pool import PoolProc
 from harness.procs import pid_alive, wait_for
+from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
 from supervisor.ps import by_worker, table
 from supervisor.status import Status, StatusRow
 from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
-from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
-from harness.metrics import metrics_port, scrape, series
-from harness.cli import cli, ps_table
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -395,8 +395,8 @@ def test_a_worker_stays_as_long_as_the_longest_keep_alive_of_its_names():
     from pathlib import Path
 
     from supervisor.policy import RestartPolicy
-    from supervisor.spec import ModelSpec
     from supervisor.slot import WorkerSlot
+    from supervisor.spec import ModelSpec
 
     def spec(name, lora, keep):
         return ModelSpec(name, Path("/m"), Path(lora) if lora else None, keep_alive=keep)

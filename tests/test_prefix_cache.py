@@ -2,15 +2,14 @@
 
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from harness.engine import engine_for, run
+from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
 from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
 from worker.prefix_cache import chunk_ends, message_starts
-from harness.engine import engine_for, run
-from harness.prompts import chatml, SYSTEM
 
 QUESTIONS = [
     "Where does the river bend?",

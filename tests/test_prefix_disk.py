@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.engine import engine_for, run
 from harness.procs import wait_for
+from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
 from ipc.paths import pool_cache_dir
-from harness.engine import engine_for, run
-from harness.prompts import chatml, SYSTEM
 
 LONG_SYSTEM = SYSTEM + " " + "The mill wheel turns all day beside the bridge. " * 12
 FIRST = chatml([("user", "Where does the river bend?")], LONG_SYSTEM)

@@ -16,12 +16,12 @@ import socket
 import psutil
 import pytest
 
+from harness.cli import cli, ps_table
+from harness.metrics import metrics_port, scrape
 from harness.pool import PoolProc
 from harness.procs import pid_alive, wait_for
-from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, margins_of, release
 from harness.prompts import MIXED, PROMPTS
-from harness.metrics import metrics_port, scrape
-from harness.cli import cli, ps_table
+from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, margins_of, release
 
 TOKENS = 12
 _ids = itertools.count(1)

@@ -16,8 +16,8 @@ import pytest
 
 from harness.pool import PoolProc, is_terminal
 from harness.procs import wait_for
-from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
 from harness.prompts import MIXED, PROMPTS, THINK
+from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
 
 MAX_BATCH = 8
 _ids = itertools.count(1)

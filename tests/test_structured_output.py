@@ -12,11 +12,11 @@ import re
 import jsonschema
 import pytest
 
+from harness.engine import ends_by_id, events as events_of, scheduler_for
 from harness.worker import terminal, text_of
 from ipc.messages import Cancel, Generate
 from tests.conftest import GREEDY_MARGIN, shared_worker
 from tests.schemas import PET
-from harness.engine import ends_by_id, events as events_of, scheduler_for
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -448,7 +448,7 @@ def test_a_constrained_steps_tokens_are_written_before_its_draw_is_handed_over(t
     assert early_replies == late_replies and len(early_counts) == len(late_counts)
     # Each draw after the first rows' first tokens found more lines written.
     assert sum(early_counts) > sum(late_counts)
-    assert all(e >= l for e, l in zip(early_counts, late_counts))
+    assert all(early >= late for early, late in zip(early_counts, late_counts))
 
 
 def test_on_a_gpu_a_constrained_steps_tokens_are_streamed_after_its_forward_pass_is_launched(tiny_model, monkeypatch):

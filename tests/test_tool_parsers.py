@@ -12,12 +12,11 @@ import random
 import numpy as np
 import pytest
 
+from harness.engine import allowed_ids
+from harness.procs import ROOT
 from supervisor.httpapi import tool_parsers
 from supervisor.httpapi.tool_parsers import Call, detect, grammar, parse
 from worker.text import _compile_template
-
-from harness.procs import ROOT
-from harness.engine import allowed_ids
 
 TEMPLATES = ROOT / "tests" / "data" / "tool_templates"
 

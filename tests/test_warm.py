@@ -1,9 +1,9 @@
 """Warm prompts: prefilled while the worker loads, kept in its prefix cache
 whatever else comes and goes."""
 
+from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
-from harness.prompts import chatml, SYSTEM
 
 WARM = f"<|im_start|>system\n{SYSTEM} Tools: river_depth(place), mill_hours(day).<|im_end|>\n"
 

@@ -4,13 +4,13 @@ import json
 import re
 import subprocess
 import sys
+
 import pytest
 
 from harness.procs import ROOT, child_env, pid_alive, wait_for
+from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Cancel, Generate, Message, Stats
 from tests.conftest import keep_alive_across_tests, release
-
-from harness.worker import WorkerProc, terminal, text_of
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 THINK = CHAT + "<think>\n"

@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker.lora.manager import AdapterManager
     from worker.memory import device_memory, processor, release_free_memory
     from worker.scheduler import Scheduler
-    from worker.speculate import DraftError
     from worker.server import WorkerServer
+    from worker.speculate import DraftError
     from worker.text import TextCodec, TokenizerError
 
     group = None

@@ -58,12 +58,12 @@ class BatchCache:
         self.merged = merged
 
     @classmethod
-    def lone(cls, layers: list) -> "BatchCache":
+    def lone(cls, layers: list) -> BatchCache:
         """One row's own caches, as the model made them."""
         return cls(layers, 1, False)
 
     @classmethod
-    def of_rows(cls, rows: list[list]) -> "BatchCache":
+    def of_rows(cls, rows: list[list]) -> BatchCache:
         """Several rows' lone caches as one batch (copied into batch caches
         when there are two or more)."""
         if len(rows) == 1:
@@ -73,7 +73,7 @@ class BatchCache:
     def _merged_layers(self) -> list:
         return self.layers if self.merged else _merge([self.layers])
 
-    def extend(self, other: "BatchCache") -> "BatchCache":
+    def extend(self, other: BatchCache) -> BatchCache:
         """Appends other's rows after this batch's; returns the joined batch
         (self and other must not be used afterwards)."""
         layers = self._merged_layers()
@@ -98,7 +98,7 @@ class BatchCache:
         """Row i as lone caches (a copy when the batch is merged)."""
         return [c.extract(i) for c in self.layers] if self.merged else self.layers
 
-    def split(self, take: list[int]) -> "BatchCache":
+    def split(self, take: list[int]) -> BatchCache:
         """Removes the rows at `take` from this batch and returns them."""
         if len(take) == self.rows:
             part = BatchCache(self.layers, self.rows, self.merged)

@@ -17,7 +17,7 @@ class EventChannel:
         self._lock = threading.Lock()
 
     @classmethod
-    def take_stdout(cls) -> "EventChannel":
+    def take_stdout(cls) -> EventChannel:
         sys.stdout.flush()
         events = os.dup(1)
         os.dup2(2, 1)

@@ -24,8 +24,8 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Sequence
 
 import llguidance
 import mlx.core as mx
@@ -147,7 +147,7 @@ class Constraints:
         self._lexers = max(1, lexers)
 
     @classmethod
-    def for_codec(cls, codec, vocab_size: int, lexers: int = 1) -> "Constraints":
+    def for_codec(cls, codec, vocab_size: int, lexers: int = 1) -> Constraints:
         return cls(codec.tokenizer.to_str(), vocab_size, codec.eos_ids, codec.think_start, codec.think_end, lexers=lexers)
 
     def prepare(self) -> llguidance.LLTokenizer:
@@ -184,7 +184,7 @@ class Constraints:
             raise ConstraintError(f"invalid {kind} in response_format: {matcher.get_error()}")
         return matcher
 
-    def row(self, text: str, prompt: Sequence[int]) -> "RowConstraint":
+    def row(self, text: str, prompt: Sequence[int]) -> RowConstraint:
         """The constraint of one request. When the prompt leaves a think block
         open, the grammar starts after the model's `</think>`.
 
@@ -227,7 +227,7 @@ class RowConstraint:
 
     __slots__ = ("matcher", "start_after", "lexer", "__weakref__")
 
-    def __init__(self, matcher: llguidance.LLMatcher, start_after: int | None = None, lexer: "_Lexer | None" = None):
+    def __init__(self, matcher: llguidance.LLMatcher, start_after: int | None = None, lexer: _Lexer | None = None):
         self.matcher = matcher
         self.start_after = start_after
         self.lexer = lexer  # the compiled matcher it copies

@@ -22,9 +22,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 

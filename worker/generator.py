@@ -59,9 +59,9 @@ computes while the caller streams them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache

@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn

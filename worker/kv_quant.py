@@ -44,7 +44,7 @@ class QuantKV(QuantizedKVCache):
         return self.offset
 
     @classmethod
-    def of(cls, plain: KVCache, group_size: int, bits: int) -> "QuantKV":
+    def of(cls, plain: KVCache, group_size: int, bits: int) -> QuantKV:
         """A plain cache's tokens, quantized."""
         q = cls(group_size, bits)
         if plain.keys is not None and plain.offset:
@@ -54,7 +54,7 @@ class QuantKV(QuantizedKVCache):
         return q
 
     @classmethod
-    def merge(cls, caches: list) -> "BatchQuantKV":
+    def merge(cls, caches: list) -> BatchQuantKV:
         return BatchQuantKV.merge(caches)
 
 
@@ -161,7 +161,7 @@ class BatchQuantKV(BatchKVCache):
         return cache
 
     @classmethod
-    def merge(cls, caches: list) -> "BatchQuantKV":
+    def merge(cls, caches: list) -> BatchQuantKV:
         first = caches[0]
         lengths = [c.offset for c in caches]
         longest = max(lengths)

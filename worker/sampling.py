@@ -28,7 +28,7 @@ class SamplingParams:
     seed: int | None
 
     @classmethod
-    def of(cls, req: Generate) -> "SamplingParams":
+    def of(cls, req: Generate) -> SamplingParams:
         return cls(req.temperature, req.top_k, req.top_p, req.repetition_penalty, req.seed)
 
 
@@ -166,7 +166,7 @@ def _penalize(logits: mx.array, seen: mx.array, penalty: mx.array) -> mx.array:
 _split = mx.vmap(mx.random.split)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _draw(top_k: int, use_top_p: bool, vocab: int):
     # A Gumbel-max draw whose noise comes from each row's own key (vmap over
     # the keys): categorical sampling without one row's noise depending on

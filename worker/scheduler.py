@@ -44,9 +44,9 @@ from worker.compiled_step import CompiledDecode
 from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.generator import BatchFailed, Row, TokenGenerator
 from worker.loader import LoadedModel
-from worker.memory import device_memory, processor, trim_heap
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
+from worker.memory import device_memory, processor, trim_heap
 from worker.prefix_cache import PrefixCache, cut_points
 from worker.prefix_disk import PrefixDisk
 from worker.prompts import PromptReader, RequestError, model_limit

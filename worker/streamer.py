@@ -9,7 +9,7 @@ ids, timing, and the final line. It never touches the model; the generator
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ipc.events import encode_done, encode_token, tokens_per_second
 from ipc.messages import Generate

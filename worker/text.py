@@ -219,7 +219,7 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def detokenizer(self) -> "ByteDetokenizer | WindowDetokenizer":
+    def detokenizer(self) -> ByteDetokenizer | WindowDetokenizer:
         if self._byte_table is not None:
             return ByteDetokenizer(self._byte_table)
         return WindowDetokenizer(self)

@@ -31,7 +31,8 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import h11
 import msgspec
@@ -275,7 +276,7 @@ async def _read_body(scope: dict, receive, limit: int, timeout: float) -> bytes:
         deadline = connection.request_deadline if connection is not None else None
         try:
             message = await asyncio.wait_for(receive(), None if deadline is None else max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HttpError(408, f"the request did not arrive whole within {timeout:g}s (http_request_timeout)", code="request_timeout") from None
         if message["type"] == "http.disconnect":
             raise _ClientGone()
@@ -554,7 +555,7 @@ class HttpServer:
         self.url = url
 
     @classmethod
-    async def start(cls, pool: Pool, config: Config) -> "HttpServer":
+    async def start(cls, pool: Pool, config: Config) -> HttpServer:
         api_key = api_key_of(config)
         sock = listen(config.http, api_key)
         app = App(pool, config, api_key, {split_address(config.http)[0].lower(), sock.getsockname()[0]})
@@ -585,7 +586,7 @@ class HttpServer:
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), CLOSE_GRACE)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for connection in list(self.server.server_state.connections):
                 connection.transport.abort()
             await self.task

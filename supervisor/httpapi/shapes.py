@@ -11,7 +11,8 @@ request.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -77,7 +78,7 @@ class HttpError(Exception):
         self.param = param
 
     @classmethod
-    def from_pool(cls, code: str | None, message: str) -> "HttpError":
+    def from_pool(cls, code: str | None, message: str) -> HttpError:
         """The pool's `error` line (code, msg) as an HTTP error."""
         status, type_ = STATUS.get(code or "", (500, "server_error"))
         return cls(status, message, type_, code, "model" if code == UNKNOWN_MODEL else None)

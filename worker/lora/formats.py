@@ -30,9 +30,10 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NoReturn
+from typing import NoReturn
 
 import numpy as np
 import safetensors

@@ -22,7 +22,7 @@ every layer computes
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
