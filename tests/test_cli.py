@@ -158,7 +158,7 @@ def test_demo_model_command_help():
 
 def test_run_exits_when_its_reader_goes_away(tiny_model):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "100000"],
+        [sys.executable, "-m", "supervisor", "run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "30000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env(),

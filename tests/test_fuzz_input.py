@@ -357,7 +357,7 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     sock = tmp_path / "ctl.sock"
     config = fakes.config(f'control_socket = "{sock}"', preload=False)
     with open(config, "a") as f:
-        f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\n')
+        f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\noptional = true\n')
     lines, ids = hostile_corpus(loops)
     pool = RawPool(config, stderr=None, env=FAKE_ENV)
     try:
@@ -411,7 +411,7 @@ def test_the_corpus_over_http(tmp_path, loops, spawn_pool):
         ("POST", "/v1/completions", b'{"model":"a","prompt":"x"}', {}),
         ("GET", "/v1/models", b"", {"host": "rebound.evil.example"}),
         ("GET", "/v1/models", b"", {"origin": "null"}),
-        ("POST", "/v1/chat/completions", b'{"model":"a","messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}', json_type),
+        ("POST", "/v1/chat/completions", b'{"model":"a","messages":[{"role":"user","content":"x"}],"functions":"f"}', json_type),
     ]
     statuses = []
     for method, path, body, headers in asks:
