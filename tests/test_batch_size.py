@@ -3,7 +3,7 @@ and what a worker and the pool say they chose."""
 
 import pytest
 
-from worker.batch_size import CPU_MAX, FREE_SHARE, GPU_MAX, SIZING_TOKENS, auto_max_batch
+from worker.batch_size import CPU_MAX, FREE_SHARE, GPU_MAX, SIZING_TOKENS, auto_max_batch, gpu_memory
 
 GIB = 1024**3
 # Qwen3-8B in bf16: 36 layers x (keys + values) x 8 heads x 128 x 2 bytes a token.
@@ -40,6 +40,13 @@ def test_a_short_context_sizes_rows_by_the_context():
     size = auto_max_batch(processor="cuda", free_bytes=100 * GIB, guard_bytes=GIB, row_fixed_bytes=0, row_token_bytes=1 << 20, context=512)
     assert size.rows == GIB // ((1 << 20) * 512) == 2
     assert "512 tokens" in size.why
+
+
+def test_gpu_memory_reads_metal_and_cuda_device_info():
+    # As mlx 0.32 reports them on an M-series Mac and on an H200.
+    assert gpu_memory({"memory_size": 68719476736, "architecture": "applegpu_g15d"}) == 64 * GIB
+    assert gpu_memory({"total_memory": 150754820096, "free_memory": 149557477376, "architecture": "sm_90"}) == 150754820096
+    assert gpu_memory({"architecture": "x"}) is None
 
 
 @pytest.mark.parametrize(("args", "rows", "why"), [((), CPU_MAX, "auto: "), (("--max-batch", "3"), 3, "configured")])

@@ -137,6 +137,8 @@ class Scheduler:
         if self.max_batch > 1 and not self.generator.can_batch:
             log.info("this architecture's caches cannot be batched: one request at a time")
             self.max_batch, self.max_batch_why = 1, "this architecture's caches cannot be batched"
+        if self.compiled is not None:
+            self.compiled.keep_for(self.max_batch)
         self.waiting: deque[Waiting] = deque()
         self.streams: dict[Row, RowStream] = {}
         self._by_rid: dict[int, Row] = {}
