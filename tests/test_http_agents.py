@@ -306,3 +306,74 @@ def test_n_choices_are_rows_of_their_own(agents):
     assert [ch.index for ch in completions.choices] == [0, 1] and completions.choices[0].text == completions.choices[1].text
     status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "n": 9}).encode())
     assert status == 400 and body["error"]["param"] == "n"
+
+
+# -- Anthropic Messages ---------------------------------------------------------------
+
+
+def anthropic_client(pool, **kwargs):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=pool.url.removesuffix("/v1"), api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=120, **kwargs)
+
+
+def test_anthropic_messages_whole_and_streamed(agents):
+    with anthropic_client(agents) as c:
+        whole = c.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3})
+        with c.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3}) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+    assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
+    assert [b.type for b in whole.content] == ["thinking", "text"] and whole.stop_reason == "max_tokens"
+    assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert (final.content[0].thinking, final.content[1].text) == (whole.content[0].thinking, whole.content[1].text)
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_start" in kinds
+
+
+def test_anthropic_tool_use_round_trip(agents):
+    tools = [{"name": "get_time", "description": "The time", "input_schema": CLOCK["function"]["parameters"]}]
+    with anthropic_client(agents) as c:
+        first = c.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 1.0})
+        [use] = [b for b in first.content if b.type == "tool_use"]
+        assert first.stop_reason == "tool_use" and use.name == "get_time" and use.input["zone"] in ("UTC", "CET") and use.id.startswith("toolu_")
+        with c.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0}) as stream:
+            streamed_use = [b for b in stream.get_final_message().content if b.type == "tool_use"]
+        assert streamed_use and streamed_use[0].name == "get_time" and streamed_use[0].input["zone"] in ("UTC", "CET")
+        history = ASK + [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12:00"}]},
+        ]
+        after = c.messages.create(model="tiny", max_tokens=4, messages=history, tools=tools, extra_body={"temperature": 0})
+    assert after.stop_reason == "max_tokens" and after.usage.input_tokens > first.usage.input_tokens
+
+
+def test_anthropic_errors_in_its_shape(agents):
+    import anthropic
+
+    with anthropic_client(agents) as c:
+        with pytest.raises(anthropic.NotFoundError) as exc:
+            c.messages.create(model="no-such-model", max_tokens=4, messages=ASK)
+        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            c.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        assert exc.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_x_api_key_is_accepted_like_the_bearer_key(tiny_model, tmp_path, spawn_pool):
+    import anthropic
+
+    config = tmp_path / "pool.toml"
+    config.write_text(f'api_key = "s3cret"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
+    pool = spawn_pool("--config", str(config), "--http", "0")
+    pool.port = http_port(pool)
+    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    with anthropic_client(pool, api_key="wrong") as c:
+        with pytest.raises(anthropic.AuthenticationError) as exc:
+            c.messages.create(model="tiny", max_tokens=4, messages=ASK)
+        assert exc.value.body["error"]["type"] == "authentication_error"
+    with anthropic_client(pool, api_key="s3cret") as c:
+        with pytest.raises(anthropic.NotFoundError):  # past the key: the model is unknown
+            c.messages.create(model="nope", max_tokens=4, messages=ASK)
+    assert pool.close() == 0

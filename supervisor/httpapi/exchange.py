@@ -21,7 +21,7 @@ import msgspec
 
 from ipc.events import INTERNAL, PREFIX
 from supervisor.httpapi.reasoning import ThinkSplitter
-from supervisor.httpapi.shapes import HttpError, Reply, stream_error, usage
+from supervisor.httpapi.shapes import HttpError, Reply, usage
 from supervisor.httpapi.tools import ToolReader, call_objects
 
 
@@ -197,7 +197,7 @@ class Exchange:
         self.ended = True
         self.error = error
         if self.stream and self.started:
-            self._put(stream_error(error))
+            self._put(self.reply.stream_error(error))
 
     # -- the response's side ---------------------------------------------------
 

@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
+from supervisor.httpapi import anthropic, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
@@ -220,6 +221,10 @@ class App:
         self.max_body = parse_size(config.max_http_body_bytes)
         self.stream_buffer = parse_size(config.http_stream_buffer)
         self.idle_timeout = parse_duration(config.http_idle_timeout)
+        # Other APIs on the same pool, by route: each reads its body as a chat
+        # request and writes its own answers and errors.
+        self.apis = {"/v1/responses": responses, "/v1/messages": anthropic}
+        self.stored = responses.ResponseStore()
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
@@ -237,7 +242,8 @@ class App:
         except HttpError as exc:
             if not started:
                 extra = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
-                await _send_json(send, exc.status, exc.body(), *extra)
+                api = self.apis.get(scope.get("path", ""))
+                await _send_json(send, exc.status, (api.error(exc) if api is not None else exc).body(), *extra)
         except _ClientGone:
             pass
         except Exception:
@@ -250,7 +256,11 @@ class App:
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
         if given is None:
-            raise HttpError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="missing_api_key")
+            # Anthropic's clients send the key as x-api-key.
+            key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+            if key is None:
+                raise HttpError(401, "missing API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')", code="missing_api_key")
+            given = b"Bearer " + key
         scheme, _, key = given.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
             raise HttpError(401, "incorrect API key", code="invalid_api_key")
@@ -262,6 +272,8 @@ class App:
             "/v1/models": ("GET", self._models),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
+            "/v1/responses": ("POST", self._other_api),
+            "/v1/messages": ("POST", self._other_api),
         }
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", self._model)
@@ -301,18 +313,35 @@ class App:
     # -- generation -----------------------------------------------------------------
 
     async def _chat(self, scope, receive, send) -> None:
-        await self._generate(scope, receive, send, chat=True)
+        def parse(body: bytes, request_id: str):
+            return chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
+
+        await self._generate(scope, receive, send, "chatcmpl-", parse, Reply.maker(True))
 
     async def _completions(self, scope, receive, send) -> None:
-        await self._generate(scope, receive, send, chat=False)
+        def parse(body: bytes, request_id: str):
+            return completion_request(body, request_id, self._model_name)
 
-    async def _generate(self, scope: dict, receive, send, *, chat: bool) -> None:
+        await self._generate(scope, receive, send, "cmpl-", parse, Reply.maker(False))
+
+    async def _other_api(self, scope, receive, send) -> None:
+        """/v1/responses and /v1/messages: their bodies read as a chat's, their
+        answers in their own shapes (supervisor.httpapi.responses, .anthropic)."""
+        api = self.apis[scope["path"]]
+
+        def parse(body: bytes, request_id: str):
+            return api.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self)
+
+        try:
+            await self._generate(scope, receive, send, api.PREFIX, parse, api.reply_maker(self))
+        except HttpError as exc:
+            raise api.error(exc) from None
+
+    async def _generate(self, scope: dict, receive, send, prefix: str, parse, make_reply) -> None:
         body = await _read_body(scope, receive, self.max_body, self.idle_timeout)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        if chat:
-            msg, opts = chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
-        else:
-            msg, opts = completion_request(body, request_id, self._model_name)
+        request_id = prefix + secrets.token_hex(12)
+        msg, opts = parse(body, request_id)
+        chat = make_reply.chat
         # n > 1: one row per choice, each with an id (and seed) of its own.
         msgs = [msg] + [
             msgspec.structs.replace(msg, id=f"{request_id}-{i}", seed=None if msg.seed is None else (msg.seed + i) % 2**63) for i in range(1, opts.n)
@@ -343,7 +372,7 @@ class App:
         created = int(time.time())
         parts = []
         for i, row in enumerate(msgs):
-            reply = Reply(chat, request_id, created, opts.model, opts.include_usage, index=i, closing=opts.n == 1)
+            reply = make_reply(request_id, created, opts, i)
             tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
             think = (lambda: self._opens_think(msg)) if chat else None
             parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))

@@ -124,6 +124,7 @@ class Options(msgspec.Struct):
     tools: ToolRequest | None = None
     tool_format: str | None = None
     n: int = 1
+    extra: Any = None  # what another API's answer needs of its request (supervisor.httpapi.responses)
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -309,6 +310,19 @@ class Reply:
         else:
             self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
+
+    @classmethod
+    def maker(cls, chat: bool):
+        """The server's factory of one choice's Reply."""
+
+        def make(request_id: str, created: int, opts: "Options", index: int) -> "Reply":
+            return cls(chat, request_id, created, opts.model, opts.include_usage, index=index, closing=opts.n == 1)
+
+        make.chat = chat  # type: ignore[attr-defined]
+        return make
+
+    def stream_error(self, error: "HttpError") -> bytes:
+        return stream_error(error)
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
         """The SSE chunk of one piece of text (reasoning: a reasoning_content delta)."""
