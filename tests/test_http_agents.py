@@ -377,3 +377,49 @@ def test_x_api_key_is_accepted_like_the_bearer_key(tiny_model, tmp_path, spawn_p
         with pytest.raises(anthropic.NotFoundError):  # past the key: the model is unknown
             c.messages.create(model="nope", max_tokens=4, messages=ASK)
     assert pool.close() == 0
+
+
+# -- OpenAI Responses -----------------------------------------------------------------
+
+
+def test_responses_text_streaming_and_previous_response(agents):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"], "additionalProperties": False}
+    kwargs = dict(
+        model="tiny", input="Tell me about the river.", instructions="Be brief.", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, extra_body={"reasoning_budget": 3},
+    )
+    with client(agents) as c:
+        whole = c.responses.create(**kwargs)
+        with c.responses.stream(**kwargs) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        follow = c.responses.create(model="tiny", previous_response_id=whole.id, input="And the sea?", max_output_tokens=4, temperature=0)
+        unkept = c.responses.create(model="tiny", input="Hi", max_output_tokens=2, temperature=0, store=False)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model="tiny", previous_response_id=unkept.id, input="Hi", max_output_tokens=2)
+    assert whole.id.startswith("resp_") and whole.status == "completed" and set(json.loads(whole.output_text)) == {"n"}
+    assert [item.type for item in whole.output] == ["reasoning", "message"] and whole.usage.output_tokens > 0
+    assert final.output_text == whole.output_text and [item.type for item in final.output] == ["reasoning", "message"]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    assert [e for e in kinds if e.startswith("response.output_item")] == ["response.output_item.added", "response.output_item.done"] * 2
+    assert follow.status == "incomplete" and follow.incomplete_details.reason == "max_output_tokens" and follow.usage.output_tokens == 4
+    # The follow-up's prompt is the first exchange (without its instructions) and the new input.
+    conversation = [{"role": "user", "content": "Tell me about the river."}, {"role": "assistant", "content": whole.output_text}, {"role": "user", "content": "And the sea?"}]
+    agents.send({"id": "stdin-follow", "model": "tiny", "messages": conversation, "max_tokens": 1})
+    assert agents.terminal("stdin-follow")["prompt_tokens"] == follow.usage.input_tokens
+
+
+def test_responses_function_calls_round_trip(agents):
+    tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
+    with client(agents) as c:
+        first = c.responses.create(model="tiny", input=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=1.0)
+        [call] = [item for item in first.output if item.type == "function_call"]
+        assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET") and first.status == "completed"
+        with c.responses.stream(model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200, temperature=1.0) as stream:
+            kinds = [event.type for event in stream]
+            streamed = [item for item in stream.get_final_response().output if item.type == "function_call"]
+        assert streamed and streamed[0].name == "get_time" and "response.function_call_arguments.done" in kinds
+        after = c.responses.create(
+            model="tiny", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}], tools=tools, max_output_tokens=4, temperature=0
+        )
+    assert after.usage.input_tokens > first.usage.input_tokens and after.output_text is not None
