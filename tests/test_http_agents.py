@@ -5,6 +5,7 @@ name, thinking that never hides the answer, tool calls."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 
 import openai
 import pytest
@@ -423,3 +424,54 @@ def test_responses_function_calls_round_trip(agents):
             model="tiny", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}], tools=tools, max_output_tokens=4, temperature=0
         )
     assert after.usage.input_tokens > first.usage.input_tokens and after.output_text is not None
+
+
+# -- Ollama's API -----------------------------------------------------------------------
+
+
+def ollama_client(pool):
+    import ollama
+
+    return ollama.Client(host=pool.url.removesuffix("/v1"), timeout=120)
+
+
+def test_ollama_chat_generate_and_listing(agents):
+    with ollama_client(agents) as c:
+        ollama_calls(agents, c)
+
+
+def ollama_calls(agents, c) -> None:
+    import ollama
+
+    options = {"temperature": 0, "num_predict": 10}
+    whole = c.chat(model="tiny", messages=ASK, options=options, think=True)
+    parts = list(c.chat(model="tiny", messages=ASK, options=options, think=True, stream=True))
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 10 and whole.prompt_eval_count > 0
+    # (Cut short inside its thinking: the whole reply is content, the stream's was thinking.)
+    assert "".join((p.message.thinking or "") + p.message.content for p in parts) == (whole.message.thinking or "") + whole.message.content
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    generated = c.generate(model="tiny", prompt="Tell me about the river.", options=options, think=False)
+    assert generated.done and generated.eval_count == 10 and generated.response
+    raw = "".join(p.response for p in c.generate(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", raw=True, options=options, stream=True))
+    assert raw
+    forced = c.chat(model="tiny", messages=ASK, tools=[CLOCK], format={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}, options={"num_predict": 40, "temperature": 0})
+    assert set(json.loads(forced.message.content)) == {"a"}
+    names = [m.model for m in c.list().models]
+    assert names[:1] == ["tiny"] and "tiny2" in names
+    assert "tiny" in [m.model for m in c.ps().models]
+    assert "tools" in c.show("tiny").capabilities
+    with pytest.raises(ollama.ResponseError) as exc:
+        c.chat(model="no-such-model", messages=ASK)
+    assert exc.value.status_code == 404
+    version = json.loads(__import__("urllib.request").request.urlopen(agents.url.removesuffix("/v1") + "/api/version", timeout=30).read())
+    assert version["version"]
+
+
+def test_ollama_keep_alive_zero_unloads_after_the_request(agents):
+    with ollama_client(agents) as c:
+        c.generate(model="tiny2", prompt="Hi", options={"num_predict": 2, "temperature": 0}, keep_alive=0)
+        agents.wait_ev("unloaded", model="tiny2", timeout=60)
+        c.generate(model="tiny", prompt="Hi", options={"num_predict": 2, "temperature": 0}, keep_alive="1h")
+        [entry] = [m for m in c.ps().models if m.model == "tiny"]
+        # keep_alive "1h" from now: not the configured never (far off), not gone.
+        assert timedelta(minutes=50) < entry.expires_at - datetime.now(timezone.utc) < timedelta(minutes=70)

@@ -29,6 +29,10 @@ class Choices:
         self._closed = False
 
     @property
+    def headers(self) -> list:
+        return self.exchanges[0].headers
+
+    @property
     def error(self) -> HttpError | None:
         return next((e.error for e in self.exchanges if e.error is not None), None)
 

@@ -85,6 +85,11 @@ class Exchange:
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
 
+    @property
+    def headers(self) -> list:
+        """A stream's response headers: its API's (SSE, or Ollama's NDJSON)."""
+        return self.reply.headers
+
     # -- the pool's side -------------------------------------------------------
 
     def write(self, data: bytes) -> None:

@@ -32,7 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
-from supervisor.httpapi import anthropic, responses
+from supervisor.httpapi import anthropic, ollama, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
@@ -51,7 +51,6 @@ MAX_HEAD_BYTES = 64 * 1024
 CLOSE_GRACE = 5.0
 CONNECTION = "lattice.connection"  # the key of a request's Connection in scope["state"]
 JSON = (b"content-type", b"application/json")
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def _ignore(line: bytes) -> None:
@@ -223,7 +222,7 @@ class App:
         self.idle_timeout = parse_duration(config.http_idle_timeout)
         # Other APIs on the same pool, by route: each reads its body as a chat
         # request and writes its own answers and errors.
-        self.apis = {"/v1/responses": responses, "/v1/messages": anthropic}
+        self.apis = {"/v1/responses": responses, "/v1/messages": anthropic, "/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE}
         self.stored = responses.ResponseStore()
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -274,6 +273,12 @@ class App:
             "/v1/completions": ("POST", self._completions),
             "/v1/responses": ("POST", self._other_api),
             "/v1/messages": ("POST", self._other_api),
+            "/api/chat": ("POST", self._other_api),
+            "/api/generate": ("POST", self._other_api),
+            "/api/tags": ("GET", self._ollama_info),
+            "/api/ps": ("GET", self._ollama_info),
+            "/api/version": ("GET", self._ollama_info),
+            "/api/show": ("POST", self._ollama_info),
         }
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", self._model)
@@ -328,14 +333,27 @@ class App:
         """/v1/responses and /v1/messages: their bodies read as a chat's, their
         answers in their own shapes (supervisor.httpapi.responses, .anthropic)."""
         api = self.apis[scope["path"]]
+        parsed = []
 
         def parse(body: bytes, request_id: str):
-            return api.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self)
+            parsed.append(api.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self))
+            return parsed[0]
 
         try:
             await self._generate(scope, receive, send, api.PREFIX, parse, api.reply_maker(self))
         except HttpError as exc:
             raise api.error(exc) from None
+        finally:
+            if parsed and hasattr(api, "after"):
+                api.after(self, *parsed[0])
+
+    async def _ollama_info(self, scope, receive, send) -> None:
+        body = await _read_body(scope, receive, self.max_body, self.idle_timeout) if scope["method"] == "POST" else b""
+        try:
+            answer = await ollama.info(self, scope["path"], body)
+        except HttpError as exc:
+            raise ollama.error(exc) from None
+        await _send_json(send, 200, answer)
 
     async def _generate(self, scope: dict, receive, send, prefix: str, parse, make_reply) -> None:
         body = await _read_body(scope, receive, self.max_body, self.idle_timeout)
@@ -414,7 +432,7 @@ class App:
                         raise exchange.error  # before the first token: a plain HTTP error
                     exchange.changed.clear()
                     continue
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                await send({"type": "http.response.start", "status": 200, "headers": exchange.headers})
                 headers_sent = True
             ended = exchange.ended
             data = exchange.take()

@@ -287,9 +287,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return figures
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
 class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
+
+    headers = SSE_HEADERS  # a stream's
 
     def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool, index: int = 0, closing: bool = True):
         self.chat = chat
