@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "msg_"
@@ -181,6 +181,7 @@ class MessagesReply:
 
     chat = True
     include_usage = True
+    headers = SSE_HEADERS
 
     def __init__(self, request_id: str, model: str):
         self.request_id = request_id

@@ -20,6 +20,7 @@ import msgspec
 from supervisor.config import parse_duration
 from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request
 from supervisor.httpapi.tools import TemplateInfo
+from supervisor.resolve import UnknownModel
 
 PREFIX = "ollama-"
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
@@ -160,7 +161,10 @@ class _Api:
         keep = opts.extra["keep_alive"]
         if keep is False:
             return
-        slot = app.pool.slots.get(app.pool.resolver.resolve(msg.model, msg.lora).key)
+        try:
+            slot = app.pool.slots.get(app.pool.resolver.resolve(msg.model, msg.lora).key)
+        except UnknownModel:  # its path broke meanwhile; the request said so
+            return
         if slot is not None:
             slot.keep_alive_request = keep
             slot.touch()

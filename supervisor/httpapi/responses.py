@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "resp_"
@@ -226,6 +226,7 @@ class ResponsesReply:
 
     chat = True
     include_usage = True
+    headers = SSE_HEADERS
 
     def __init__(self, request_id: str, model: str, extra: dict, store: ResponseStore):
         self.request_id = request_id

@@ -248,7 +248,9 @@ class App:
         except Exception:
             log.exception("http: %s %s failed", scope.get("method"), scope.get("path"))
             if not started:
-                await _send_json(send, 500, error_body("internal error; the pool logged it and goes on", "server_error", INTERNAL))
+                error = HttpError(500, "internal error; the pool logged it and goes on", "server_error", INTERNAL)
+                api = self.apis.get(scope.get("path", ""))
+                await _send_json(send, 500, (api.error(error) if api is not None else error).body())
 
     def _authorize(self, scope: dict) -> None:
         if self.api_key is None:
