@@ -137,6 +137,9 @@ class WorkerSlot:
         self.history = CrashHistory()
         self.restarts = 0
         self.last_used = time.monotonic()
+        # A client's keep_alive (Ollama's API): seconds, None for ever; it
+        # replaces the names' keep_alive for this worker. False: none given.
+        self.keep_alive_request: float | None | bool = False
         self.last_heard = time.monotonic()
         self._ready: dict = {}  # the fields of the running worker's ready line
         self._config_context: list[int | None] | None = None  # max_context before a worker says it
@@ -217,6 +220,8 @@ class WorkerSlot:
     def keep_alive(self) -> float | None:
         """Idle seconds before the worker is unloaded: the longest of its
         names' keep_alive, None (never) if any of them has none."""
+        if self.keep_alive_request is not False:
+            return self.keep_alive_request
         values = [n.spec.keep_alive for n in self.names.values()]
         return None if not values or None in values else max(values)
 

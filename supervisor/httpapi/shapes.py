@@ -137,6 +137,7 @@ class Options(msgspec.Struct):
     tools: ToolRequest | None = None
     tool_format: str | None = None
     n: int = 1
+    extra: Any = None  # what another API's answer needs of its request (supervisor.httpapi.responses)
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -299,9 +300,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return figures
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
 class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
+
+    headers = SSE_HEADERS  # a stream's
 
     def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool, index: int = 0, closing: bool = True):
         self.chat = chat
@@ -322,6 +328,19 @@ class Reply:
         else:
             self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
+
+    @classmethod
+    def maker(cls, chat: bool):
+        """The server's factory of one choice's Reply."""
+
+        def make(request_id: str, created: int, opts: "Options", index: int) -> "Reply":
+            return cls(chat, request_id, created, opts.model, opts.include_usage, index=index, closing=opts.n == 1)
+
+        make.chat = chat  # type: ignore[attr-defined]
+        return make
+
+    def stream_error(self, error: "HttpError") -> bytes:
+        return stream_error(error)
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
         """The SSE chunk of one piece of text (reasoning: a reasoning_content delta)."""
