@@ -9,12 +9,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
 from supervisor import local_models, preflight, ps, stderr
-from supervisor.chat import chat
+from supervisor.chat import Attach, chat
 from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, parse_size, validate
 from supervisor.control import socket_path
@@ -125,11 +126,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config, eof_grace=config.shutdown_grace, read_stdin=not args.no_stdin))
 
 
+def preflight_args(args: argparse.Namespace, *, lora: bool = False) -> None:
+    """The checks of the command line alone, whichever pool runs the model."""
+    problems = []
+    if args.model_dir is not None:
+        path = expand(str(args.model_dir))
+        if not path.is_dir():
+            # Said once, at start, rather than by a worker that cannot start.
+            problems.append(f"--model-dir {args.model_dir}: {'not a directory' if path.exists() else 'no such directory'}")
+    if lora and args.lora:
+        problem = preflight.lora_problem(args.lora)
+        problems += [problem] if problem else []
+    if problems:
+        raise UsageError("\n".join(problems))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     config = base_config(args)
-    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    check_start(config, args, lora=True)
     if args.serve:
+        add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+        check_start(config, args, lora=True)
         if not args.json:
             raise UsageError("--serve speaks the event protocol: add --json")
         if args.json_schema:
@@ -159,7 +175,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except BadRequest as exc:
         raise UsageError(exc.msg) from exc
     think = None if not templated else "on" if args.think else "off" if args.no_think else "hidden"
-    return asyncio.run(run_once(config, request, as_json=args.json, think=think))
+    preflight_args(args, lora=True)
+    # A --json run is chat_metal's: a process of its own, with its lines alone.
+    attach = None if args.json else attach_to(config, args)
+    return asyncio.run(run_once(request, as_json=args.json, think=think, local=local_config(config, args, lora=True), attach=attach))
 
 
 def run_prompt(args: argparse.Namespace, limit: int) -> tuple[dict, bool]:
@@ -210,11 +229,35 @@ def json_schema_format(path: Path) -> dict:
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
+def attach_to(config: Config, args: argparse.Namespace) -> Attach | None:
+    """The running pool `chat` or `run` tries first (the control socket
+    `serve` would open with the same flags and config), unless --own-pool
+    or --no-control-socket; the model as the command line names it."""
+    if args.own_pool:
+        return None
+    path = socket_path(config)
+    if path is None:
+        return None
+    ref = str(expand(str(args.model_dir))) if args.model_dir is not None else args.model
+    return Attach(path, ref, str(expand(args.lora)) if args.lora else None)
+
+
+def local_config(config: Config, args: argparse.Namespace, *, lora: bool) -> Callable[[], Config]:
+    """The config of a pool of the command's own, made only when needed
+    (the demo model is generated on first use)."""
+
+    def make() -> Config:
+        add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+        check_start(config, args, lora=lora)
+        return config
+
+    return make
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     config = base_config(args)
-    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    check_start(config, args, lora=False)
-    return asyncio.run(chat(config, args))
+    preflight_args(args)
+    return asyncio.run(chat(args, local_config(config, args, lora=False), attach_to(config, args)))
 
 
 def control_path(args: argparse.Namespace) -> Path:
@@ -364,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
     run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema)")
     run.add_argument("--verbose", action="store_true", help="show the pool's and the worker's logs (--log-level INFO)")
+    run.add_argument("--own-pool", action="store_true", help="start a pool of this command's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive chat (a REPL: /help lists its commands)")
@@ -374,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--think", choices=THINK_MODES, default="on", help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it")
     chat.add_argument("--verbose", action="store_true", help="show logs (--log-level INFO) and a stats line after each reply")
+    chat.add_argument("--own-pool", action="store_true", help="start a pool of this chat's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
     chat.set_defaults(func=cmd_chat)
 
     ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, processor, pid, uptime, keep_alive, requests")
@@ -432,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         return args.func(args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, UnknownModel) as exc:
         for line in str(exc).splitlines():
             print(f"lattice-pool: error: {line}", file=sys.stderr)
         return 2
