@@ -58,6 +58,13 @@ STATS_REFRESH_INTERVAL = 5.0
 Answer = Callable[[bytes], None]
 
 
+class _Answering:
+    """An op's answer function as the sink of a request."""
+
+    def __init__(self, answer: Answer):
+        self.write = answer
+
+
 class PoolObserver(Protocol):
     """Told of what the pool counts (supervisor.metrics is one), labelled by
     the worker's spec (None: no model was resolved) and the surface the
@@ -439,6 +446,9 @@ class Pool:
         stdin; lifecycle events (loading, ready, unloaded...) always go to
         stdout. Returns the task that will still write a reply, if any."""
         id_json = msg.id_json
+        if msg.op == "generate":
+            self.submit(msg, None if answer is None else _Answering(answer))
+            return None
         if msg.op == "status":
             return self.spawn(self._write_status(answer or self.output.write))
         if msg.op == "cancel":
@@ -469,6 +479,17 @@ class Pool:
         elif msg.op == "reload":
             self.reload(spec, id_json, answer)
         return None
+
+    def cancel_for(self, id_json: str, sink: Sink) -> None:
+        """Cancels the request `id_json` if it still runs for `sink` (a
+        control client that went away: nobody reads its lines any more)."""
+        job = self._active.get(id_json)
+        if job is not None and job.sink is sink:
+            self.cancel(id_json, lambda _: None)
+
+    def runs_for(self, id_json: str, sink: Sink) -> bool:
+        job = self._active.get(id_json)
+        return job is not None and job.sink is sink
 
     def _refuse(self, code: str, msg: str, id_json: str | None, answer: Answer | None) -> None:
         if answer is None:

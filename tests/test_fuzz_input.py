@@ -357,6 +357,7 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     sock = tmp_path / "ctl.sock"
     config = fakes.config(f'control_socket = "{sock}"', preload=False)
     with open(config, "a") as f:
+        # optional: a path that is no directory at start is otherwise refused then.
         f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\noptional = true\n')
     lines, ids = hostile_corpus(loops)
     pool = RawPool(config, stderr=None, env=FAKE_ENV)

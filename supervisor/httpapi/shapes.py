@@ -11,6 +11,8 @@ request.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Callable
 
 import msgspec
@@ -202,7 +204,10 @@ def _client_line(line: dict) -> ClientLine:
     try:
         return parse_line(_encode(line))
     except BadRequest as exc:
-        raise bad(exc.msg.removeprefix("malformed request: ")) from None
+        msg = exc.msg.removeprefix("malformed request: ")
+        # OpenAI names the offending field in `param`.
+        field = re.match(r"invalid field '([^'.\[]+)", msg)
+        raise bad(msg, field.group(1) if field else "response_format" if "response_format" in msg else None) from None
 
 
 def _options(fields: HttpFields, model: str) -> Options:
