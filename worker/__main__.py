@@ -167,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_context is not None and args.max_context < 2:
         p.error(f"--max-context must be at least 2 tokens, not {args.max_context}")
+    if args.ranks > 1 and (args.kv_bits or args.warm_prompt or args.warm_prompt_file):
+        p.error("--kv-bits and warm prompts are for a model in one process (--ranks 1)")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
     return args
