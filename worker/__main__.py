@@ -311,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             return fatal(str(exc))
         warm_prompts(scheduler, texts)
+    if prefix_disk is not None:
+        # On the disk thread, while the worker goes on (they enter memory
+        # from its first step); the oldest first, so that the newest ends up
+        # the most recently used in memory.
+        recent = prefix_disk.recent(args.prefix_cache_bytes // 2)
+        for entry in reversed(recent):
+            prefix_disk.read(entry)
+        if recent:
+            log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
     release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format
