@@ -65,6 +65,7 @@ def test_a_prefix_on_disk_is_used_after_a_pool_restart(tiny_model, tmp_path, spa
     assert done["cached_tokens"] > 0.8 * done["prompt_tokens"]
     assert pool.text("b") == plain_answers[SECOND]
     assert b"prefix cache on disk: 2 entries" in pool.stderr
+    assert b"reading the 2 most recently used files back into memory" in pool.stderr
     assert pool.close() == 0
 
 

@@ -18,7 +18,10 @@ the byte budget, and a hit touches its file: the order survives restarts.
 
 Reads go through the same thread: a request whose prompt has a longer
 prefix on disk than in memory waits while its file is read (worker.scheduler),
-and the main thread turns the read bytes into arrays.
+and the main thread turns the read bytes into arrays. A worker that starts
+reads the most recently used files back into memory the same way, up to
+half its memory budget, so that after a restart the prefixes in use are in
+memory again by the time their requests come.
 """
 
 from __future__ import annotations
@@ -268,6 +271,19 @@ class PrefixDisk:
             if n > 0 and n > best.get(entry.adapter, (0, None))[0]:
                 best[entry.adapter] = (n, entry)
         return best
+
+    def recent(self, limit_bytes: int) -> list[DiskEntry]:
+        """The most recently used entries, newest first, as many as fit in
+        `limit_bytes` (of file size, about their size in memory)."""
+        with self._lock:
+            entries = sorted(self._index.values(), key=lambda e: e.used, reverse=True)
+        out, total = [], 0
+        for entry in entries:
+            if total + entry.size > limit_bytes:
+                break
+            out.append(entry)
+            total += entry.size
+        return out
 
     def read(self, entry: DiskEntry) -> bool:
         """Starts reading an entry; False when it is already being read."""
