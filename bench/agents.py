@@ -70,7 +70,9 @@ def run(model: Path, rounds: int, max_tokens: int, out: Path | None, tag: str) -
             http_rate = (stdin["gen_tokens"] - 1) / (sse["times"][-1] - sse["times"][0])
             held = pool.generate({**chat, "max_tokens": 400, "response_format": forced, "id": f"f{i}"})
             free = pool.generate({**chat, "max_tokens": held["gen_tokens"], "id": f"t{i}"})
-            if i == 0:
+            if i == 0 or free["gen_tokens"] != held["gen_tokens"]:
+                # A free reply that ended early (end of sequence) has no
+                # decode rate to compare over the same length.
                 continue
             rates["stdin"].append(rate(stdin))
             rates["http"].append(http_rate)
