@@ -281,7 +281,7 @@ def _format_type(text: str) -> object:
 
 def prompt_bytes(msg: ClientLine, limit: int) -> int:
     """The request's prompt text in UTF-8 bytes (for `messages`, every role
-    and content), exact up to `limit`."""
+    and content, and the JSON of tools and tool calls), exact up to `limit`."""
     if msg.prompt is not None:
         return utf8_len(msg.prompt, limit)
     total = len(_float_encoder.encode(msg.tools)) if msg.tools else 0

@@ -10,6 +10,7 @@ idle), in place of its configured keep_alive.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from datetime import datetime, timezone
@@ -18,8 +19,10 @@ from typing import Any, Callable
 import msgspec
 
 from supervisor.config import parse_duration
+from supervisor.httpapi.models import list_models, model_name
 from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request
 from supervisor.httpapi.tools import TemplateInfo
+from supervisor.local_models import model_format
 from supervisor.resolve import UnknownModel
 
 PREFIX = "ollama-"
@@ -260,8 +263,6 @@ class OllamaReply:
 
 
 def _details(name: str, pool) -> dict:
-    from supervisor.local_models import model_format
-
     try:
         path = pool.resolver.resolve(name).path
         fmt = model_format(path)
@@ -284,13 +285,17 @@ def _entry(name: str, pool, extra: dict | None = None) -> dict:
     return {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "", "details": _details(name, pool), **(extra or {})}
 
 
-async def info(app, path: str, body: bytes) -> bytes:
-    from supervisor.cli import version
-    from supervisor.httpapi.models import list_models, model_name
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lattice-pool")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
 
+
+async def info(app, path: str, body: bytes) -> bytes:
     pool = app.pool
     if path == "/api/version":
-        return _encode({"version": version()})
+        return _encode({"version": _version()})
     if path == "/api/tags":
         return _encode({"models": [_entry(m["id"], pool) for m in await list_models(pool)]})
     if path == "/api/ps":
