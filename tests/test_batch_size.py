@@ -51,13 +51,16 @@ def test_gpu_memory_reads_metal_and_cuda_device_info():
 
 @pytest.mark.parametrize(("args", "rows", "why"), [((), CPU_MAX, "auto: "), (("--max-batch", "3"), 3, "configured")])
 def test_the_workers_ready_line_says_what_it_chose(tiny_model, args, rows, why):
+    from harness.procs import wait_for
     from harness.worker import WorkerProc
 
     worker = WorkerProc(tiny_model, *args)
     try:
         ready = worker.wait_ready()
         assert ready["max_batch"] == rows and ready["max_batch_why"].startswith(why)
-        assert f"max_batch={rows} (" in worker.stderr.decode()
+        # The log line comes before the ready line, but over stderr, which
+        # another thread reads.
+        wait_for(lambda: f"max_batch={rows} (" in worker.stderr.decode(), 30, message="the ready log line")
     finally:
         assert worker.close() == 0
 
