@@ -3,7 +3,14 @@ and what a worker and the pool say they chose."""
 
 import pytest
 
-from worker.batch_size import CPU_MAX, FREE_SHARE, GPU_MAX, SIZING_TOKENS, auto_max_batch, gpu_memory
+from worker.batch_size import (
+    CPU_MAX,
+    FREE_SHARE,
+    GPU_MAX,
+    SIZING_TOKENS,
+    auto_max_batch,
+    gpu_memory,
+)
 
 GIB = 1024**3
 # Qwen3-8B in bf16: 36 layers x (keys + values) x 8 heads x 128 x 2 bytes a token.
@@ -23,7 +30,7 @@ def test_free_memory_bounds_it_below_the_guard():
 
 
 def test_rows_stay_within_bounds():
-    small = dict(free_bytes=100 * GIB, guard_bytes=30 * GIB, row_fixed_bytes=1 << 20, row_token_bytes=1024, context=32768)
+    small = {"free_bytes": 100 * GIB, "guard_bytes": 30 * GIB, "row_fixed_bytes": 1 << 20, "row_token_bytes": 1024, "context": 32768}
     assert auto_max_batch(processor="cuda", **small).rows == GPU_MAX
     assert auto_max_batch(processor="metal", **small).rows == GPU_MAX
     assert "the cuda cap" in auto_max_batch(processor="cuda", **small).why
