@@ -139,7 +139,7 @@ def test_rows_with_different_acceptance_share_a_batch(hybrid):
 
 
 def test_a_stop_string_inside_a_drafted_block_ends_the_row_there(hybrid):
-    plain, _, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60)
+    _, _, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60)
     # A stop string from well inside the loop, where blocks of drafts are kept.
     text = plain_text[0]
     stop = text[len(text) // 2 : len(text) // 2 + 6]
