@@ -81,7 +81,7 @@ TOK_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 200
 MAX_LABEL_PAIRS = 256
 
 
-class _LabelPairs:
+class LabelPairs:
     """The (model, adapter) label pairs in use, least recently used first,
     each with the series made for it (so that they can be removed)."""
 
@@ -167,7 +167,7 @@ class PoolMetrics:
         self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
         self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
         self.tok_s = Histogram("lattice_tokens_per_second", "Generated tokens per second of each request (chat_metal's tok_s)", LABELS, buckets=TOK_S_BUCKETS, registry=r)
-        self.pairs = _LabelPairs()
+        self.pairs = LabelPairs()
         r.register(_MeasuredGauges(self._snapshot, pool.resolver.adapters.name_of))
 
     def _labels(self, spec: ModelSpec | None) -> tuple[str, str]:

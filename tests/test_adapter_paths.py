@@ -334,3 +334,22 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     assert {dict(labels).get("adapter") for _, labels in grown} <= {"", "junk"}, sorted(grown)
     assert len(grown) <= 3, sorted(grown)  # bad_request; adapter_error; junk's failed load
     assert not [e for e in pool.events if e["ev"] in ("failed", "restarting")]
+
+
+def test_metric_label_pairs_are_bounded_least_recently_used_out():
+    """Each (model, adapter) pair a counter saw kept its series for ever:
+    6,000 distinct paths made 6,001 series. Past the cap, the least
+    recently used pair's series go."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from supervisor.metrics import LabelPairs
+
+    registry = CollectorRegistry()
+    errors = Counter("errors", "test", ("model", "adapter", "code"), registry=registry)
+    pairs = LabelPairs(cap=3)
+    for i in range(3):
+        pairs.use(errors, ("m", f"a{i}"), "x").inc()
+    pairs.use(errors, ("m", "a0"), "y").inc()  # a0 used again: a1 is the oldest now
+    pairs.use(errors, ("m", "a3"), "x").inc()
+    left = {(s.labels["adapter"], s.labels["code"]) for metric in registry.collect() for s in metric.samples if s.name == "errors_total"}
+    assert left == {("a0", "x"), ("a0", "y"), ("a2", "x"), ("a3", "x")} and len(pairs) == 3
