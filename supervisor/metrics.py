@@ -126,8 +126,14 @@ class _MeasuredGauges(Collector):
             labels=(*LABELS, "format", "worker"),
         )
         ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
+        shown: set[tuple[str, str]] = set()
         for row in status.models:
             key = [row.model, self._adapter_name(row.lora)]
+            if tuple(key) in shown:
+                # Two adapter files of one name on one model: a page with a
+                # series twice is refused whole, so the first one stands.
+                continue
+            shown.add(tuple(key))
             for field, family in families.items():
                 family.add_metric(key, getattr(row, field))
             for rank in row.ranks or ():

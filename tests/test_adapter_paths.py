@@ -305,6 +305,11 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     else:
         raise AssertionError(f"the stream stalled under each flood: {stalls}")
     grown = metric_series(pool) - before
+    # The 20 names of files called junk.safetensors share one label: one
+    # series each, not one per name (a page with a series twice is refused).
+    with urllib.request.urlopen(f"http://127.0.0.1:{pool.metrics}/metrics", timeout=30) as response:
+        page = [line.rsplit(" ", 1)[0] for line in response.read().decode().splitlines() if line and not line.startswith("#")]
+    assert len(page) == len(set(page)), sorted(line for line in page if page.count(line) > 1)[:5]
     assert {dict(labels).get("adapter") for _, labels in grown} <= {"", "junk"}, sorted(grown)
     assert len(grown) <= 3, sorted(grown)  # bad_request; adapter_error; junk's failed load
     assert not [e for e in pool.events if e["ev"] in ("failed", "restarting")]
