@@ -161,7 +161,6 @@ def test_rapid_rewrites_while_requests_stream(setup, tmp_path, tiny_model):
 
 def test_adapter_directories_reload_too(tmp_path, tiny_model, spawn_pool):
     """A PEFT adapter given as its directory: a new config alone is a new adapter."""
-    from harness.procs import wait_for
     from tests.lora_files import write_peft
 
     pairs = lora_pairs(targets_of(tiny_model), seed=4)
