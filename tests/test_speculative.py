@@ -342,3 +342,17 @@ def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, 
     config.write_text(f'[[models]]\nname = "a"\npath = "/m"\n{entry}\n')
     with pytest.raises(ConfigError, match=needle):
         load_config(config)
+
+
+def test_a_row_whose_lookup_finds_nothing_stops_trying_and_steps_plain(dense):
+    """Sampled text on the random attention-only model rarely repeats: its
+    rows' lookups find nothing, and after a few tries they pause, so the
+    batch steps plain (pipelined) most of the time."""
+    s, lines = scheduler(dense)
+    for i, prompt in enumerate(PROMPTS):
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=48, temperature=1.0, seed=i), 0.0)
+    tried: list[bool] = []
+    while s.has_work:
+        tried.append(s.speculator.wants(s.generator.decoding))
+        s.step()
+    assert tried.count(True) < len(tried) // 2, tried

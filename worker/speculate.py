@@ -41,8 +41,9 @@ Rolling back what was not kept, per row:
   draft.
 
 Honest: k adapts per row (one more after a draft kept whole, back to what
-was kept plus one after a miss); a row whose drafts are mostly rejected
-stops drafting for a while and tries again later, each miss longer; and the
+was kept plus one after a miss); a row whose drafts are mostly rejected, or
+whose drafter keeps proposing nothing, stops drafting for a while and tries
+again later, each pause longer; and the
 worker compares the tokens per second of its speculative steps with those
 of plain steps of the same batch size, and stops speculating for a while
 when it is not faster.
@@ -94,6 +95,7 @@ class RowSpec:
     judged: int = 0  # drafting steps since the row was last judged
     off_until: int = 0  # the step from which it drafts again
     pause: int = ROW_PAUSE
+    empty: int = 0  # drafting steps in a row with nothing proposed
 
 
 class Speculator:
@@ -199,9 +201,24 @@ class Speculator:
             [min(spec.k, rows[i].draft_limit) for i, spec in zip(which, specs)],
         )
         drafts: list[list[int]] = [[] for _ in rows]
-        for i, draft in zip(which, proposed):
+        for i, spec, draft in zip(which, specs, proposed):
             drafts[i] = self._checked(gen, rows[i], pending[i], draft)
+            self._idle(spec, bool(drafts[i]))
         return drafts
+
+    def _idle(self, spec: RowSpec, proposed: bool) -> None:
+        """A row whose drafter keeps finding nothing (prompt lookup on text
+        that does not repeat) pauses as a row that misses does: while it may
+        draft, its steps read their tokens back at once, which costs a plain
+        step its overlap with the device."""
+        if proposed:
+            spec.empty = 0
+            return
+        spec.empty += 1
+        if spec.empty >= ROW_JUDGE_AFTER:
+            spec.off_until = self.steps + spec.pause
+            spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
+            spec.empty = 0
 
     def _checked(self, gen, row, pending: int, draft: list[int]) -> list[int]:
         eos = gen.eos_ids
