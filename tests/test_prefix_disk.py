@@ -225,3 +225,31 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
     # checkpoint: a long message edited near its end resumes from there.
     assert not engine.prefix_cache.trimmable
     assert engine.prefix_cache.snapshot_points(len(ids), [10, CHECKPOINT + 7]) == {10, CHECKPOINT + 7, 2 * CHECKPOINT}
+
+
+def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):
+    import threading
+
+    from tests.test_prefix_cache import run, scheduler_for
+    from worker import scheduler as scheduler_module
+    from worker.loader import load
+    from worker.prefix_disk import PrefixDisk, model_key
+
+    loaded = load(tiny_model)
+    key = model_key(tiny_model, loaded.format, loaded.model)
+    writer = scheduler_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
+    run(writer, prompt=FIRST)
+    assert writer.prefix_cache.disk.flush(30)
+    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    release = threading.Event()
+    hung = disk._load
+    # A read that does not come back until the test ends.
+    monkeypatch.setattr(disk, "_load", lambda entry: release.wait(60) and hung(entry))
+    monkeypatch.setattr(scheduler_module, "READ_WAIT_S", 0.5)
+    reader = scheduler_for(tiny_model, prefix_disk=disk)
+    try:
+        _, done = run(reader, prompt=SECOND)
+        assert "cached_tokens" not in done
+        assert disk.reading
+    finally:
+        release.set()
