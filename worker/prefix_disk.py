@@ -52,6 +52,9 @@ MAX_HEADER = 1 << 20
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
+# How long a request waits for prefix cache files before it starts without
+# them (a disk that hangs must not hold requests for ever).
+READ_WAIT_S = 30.0
 # LM Studio's rule for its disk cache: at most 30 GiB, at most a quarter of
 # the free space.
 DEFAULT_CAP = 30 << 30
@@ -371,7 +374,12 @@ class PrefixDisk:
                 except queue.Empty:
                     pass
                 else:
-                    self._results.put((entry, self._load(entry)))
+                    try:
+                        loaded = self._load(entry)
+                    except Exception:  # every read ends with a result: a request waits for it
+                        log.exception("prefix cache: reading %s failed", entry.name)
+                        loaded = None
+                    self._results.put((entry, loaded))
                     self.wake()
                     continue
                 try:
