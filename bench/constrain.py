@@ -378,7 +378,8 @@ def gil_handover(model_dir: Path, steps: int, rows: int = 8, busy_ms: float = 4.
     from worker.constrain import BatchMasks, Constraints
 
     tok_json = (model_dir / "tokenizer.json").read_text()
-    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]  # Qwen3 keeps it at the top
     tokenizer = Tokenizer.from_str(tok_json)
     eos = {tokenizer.token_to_id("<|im_end|>")}
     constraints = Constraints(tok_json, vocab, eos, lexers=rows)
@@ -599,7 +600,8 @@ def main() -> int:
     name = tagged(f"constrain-{backend}-{args.size}", args.tag)
     for label, model_dir in (("demo", demo), ("bpe-151k", real)) if "masks" in parts else ():
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab = config.get("text_config", config)["vocab_size"]  # Qwen3 keeps it at the top
         eos = {tok.token_to_id("<|im_end|>")}
         masks = mask_costs(tok.to_str(), vocab, eos, lambda s: tok.encode(s, add_special_tokens=False).ids, args.rounds)
         masks["tokenizer_tokens"] = tok.get_vocab_size()

@@ -43,7 +43,7 @@ def main() -> int:
     from worker.scheduler import Scheduler
 
     model = loaded.model
-    vocab = loaded.config["text_config"]["vocab_size"]
+    vocab = loaded.config.get("text_config", loaded.config)["vocab_size"]  # Qwen3 keeps it at the top
     text = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
     prompt = mx.array(codec.encode(text))
     n = args.tokens

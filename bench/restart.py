@@ -200,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
             build_demo_model(models[name], "--seed", seed)
         one, two = config(tmp, {"a": models["a"]}), config(tmp, models)
         plain_load(models["a"])  # warm the page cache
-        for _ in range(args.rounds):
-            wall, own = plain_load(models["a"])
+        for n in range(args.rounds):
+            # Sides alternate, so that drift in the machine's load favours neither.
+            if n % 2:
+                kills.append(kill_to_ready(one))
+                wall, own = plain_load(models["a"])
+            else:
+                wall, own = plain_load(models["a"])
+                kills.append(kill_to_ready(one))
             loads.append(wall)
             own_loads.append(own)
-            kills.append(kill_to_ready(one))
             over_load.append(kills[-1]["kill_to_ready_ms"] - wall)
             orphans.append(orphan_gone(one))
             record_rounds()

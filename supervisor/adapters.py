@@ -130,6 +130,9 @@ class FileWatcher:
         while not self._stopped:
             try:
                 self._round()
+            except OSError as exc:  # out of inotify watches or instances, say
+                log.warning("cannot watch adapter files now (%s); trying again in %gs", exc, FAILED_WAIT)
+                self._wake.wait(FAILED_WAIT)
             except Exception:
                 log.exception("the adapter watcher failed; trying again in %gs", FAILED_WAIT)
                 self._wake.wait(FAILED_WAIT)

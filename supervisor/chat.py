@@ -19,12 +19,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from ipc.messages import Message
 from supervisor import stderr
+from supervisor.attach import PoolLink, RemoteLink
 from supervisor.config import Config
 from supervisor.lifecycle import RunningPool, first_set
 from supervisor.requests import BadRequest, ClientLine, parse_line
@@ -166,11 +169,11 @@ async def read_message(source) -> str | None:
 
 
 class Chat:
-    def __init__(self, config: Config, args: argparse.Namespace, screen: Screen):
+    def __init__(self, args: argparse.Namespace, screen: Screen):
         self.args = args
         self.screen = screen
         self.progress = LoadProgress(screen)
-        self.model: str | None = config.default_model
+        self.model: str | None = None
         self.knobs = {k: getattr(args, k, None) for k in KNOBS}
         self.stop = getattr(args, "stop", None)
         self.system = args.system
@@ -191,7 +194,7 @@ class Chat:
         self.quit = asyncio.Event()
         self.quitting = False
         self.sink = EventSink(self.on_event)
-        self.pool = None
+        self.link: PoolLink | RemoteLink | None = None
         # The adapter error last shown for each model: a message that tries
         # the name again gets the same one, which is not said again.
         self.adapter_errors: dict[str, str] = {}
@@ -232,7 +235,7 @@ class Chat:
     def model_name(self) -> str | None:
         """The name the next message's model has in the pool's events."""
         try:
-            return self.pool.resolve(self.model).name
+            return self.link.name_of(self.model)
         except UnknownModel:
             return self.model
 
@@ -289,7 +292,7 @@ class Chat:
     async def expected(self) -> str | None:
         """The event that ended the wait, or None when Ctrl-C (or a quit)
         ended it first."""
-        await first_set(self.awaited_event, self.interrupted, self.quit, self.pool.shutdown_requested)
+        await first_set(self.awaited_event, self.interrupted, self.quit, self.link.stopped)
         self.awaited = None
         return self.outcome
 
@@ -299,7 +302,7 @@ class Chat:
         """SIGINT, which comes only while no prompt is shown (prompt_toolkit's
         raw mode turns Ctrl-C into a key): stop the reply or the wait."""
         if self.current is not None:
-            self.pool.cancel(self.current.id_json)
+            self.link.cancel(self.current.id_json)
         else:
             self.interrupted.set()
 
@@ -307,41 +310,45 @@ class Chat:
 
     async def load(self, ref: str | None) -> bool:
         """Loads `ref` (a failed model is started again) and waits for ready
-        or failed, showing progress; Ctrl-C stops waiting, not the load."""
+        or failed, showing progress. Ctrl-C aborts the load of our own pool;
+        a pool shared with others goes on with it."""
         try:
-            spec = self.pool.resolve(ref)
+            name = self.link.name_of(ref)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return False
-        name = self.pool.model_state(spec).worker or spec.name
         self.expect(name, {"ready", "failed", "adapter_error"})
-        self.pool.load(spec)
+        self.link.load(ref)
         outcome = await self.expected()
         if outcome is None and self.interrupted.is_set():
             self.screen.end_bar()
-            self.screen.note(f"still loading {name} in the background")
+            if self.link.remote:
+                self.screen.note(f"stopped waiting; the running pool goes on loading {name}")
+            else:
+                self.expect(name, {"unloaded"})
+                self.link.unload(ref, "load cancelled (Ctrl-C)")
+                await self.expected()
         return outcome == "ready"
 
     async def unload(self) -> None:
         """Unloads the model and waits until its worker has stopped."""
         try:
-            spec = self.pool.resolve(self.model)
+            name = self.link.name_of(self.model)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return
-        worker = self.pool.model_state(spec).worker
-        if worker is None:
-            self.screen.note(f"{spec.name} is not loaded")
+        self.expect(name, {"unloaded"})
+        if not self.link.unload(self.model, "unloaded from chat"):
+            self.awaited = None
+            self.screen.note(f"{name} is not loaded")
             return
-        self.expect(worker, {"unloaded"})
-        self.pool.unload(spec, "unloaded from chat")
         await self.expected()
 
     async def switch(self, ref: str) -> None:
         """Makes `ref` the model of the next messages once it resolves (a
         model that fails to load stays chosen, for /load to retry)."""
         try:
-            self.pool.resolve(ref)
+            self.link.name_of(ref)
         except UnknownModel as exc:
             self.screen.note(str(exc))
             return
@@ -426,7 +433,7 @@ class Chat:
         self.shown = None
         self.turn_done.clear()
         self.current = request
-        self.pool.submit(request, self.sink)
+        self.link.submit(request, self.sink)
         await first_set(self.turn_done, self.sink.closed, self.quit)
         self.current = None
         if self.turn_done.is_set() and self.reply:
@@ -436,7 +443,7 @@ class Chat:
         """The next message or command, or None to quit (end of input, a
         signal, a `shutdown` op from `lattice-pool stop`)."""
         reading = asyncio.ensure_future(read_message(source))
-        stopping = asyncio.ensure_future(first_set(self.quit, self.pool.shutdown_requested, self.sink.closed))
+        stopping = asyncio.ensure_future(first_set(self.quit, self.link.stopped, self.sink.closed))
         await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not reading.done():
@@ -445,12 +452,35 @@ class Chat:
             return None
         return reading.result()
 
-    async def run(self, config: Config) -> int:
+    async def start(self, local: Callable[[], Config], attach: Attach | None) -> None:
+        """Attaches to the running pool `attach` names, if one answers; else
+        starts a pool of our own, with the config `local` makes."""
+        if attach is not None:
+            self.link = await RemoteLink.connect(attach.path, self.sink, attach.ref)
+        if self.link is not None:
+            self.link.lora = attach.lora
+            self.model = self.link.default
+            self.screen.note(f"using the pool running at {attach.path} (--own-pool for a pool of this chat's own)")
+            return
+        config = local()
+        self.model = config.default_model
         running = await RunningPool.start(config, self.sink, monitor=True)
-        self.pool = running.pool
-        running.on_signals(self.on_interrupt, (signal.SIGINT,))
-        running.on_signals(self.quit.set, (signal.SIGTERM, signal.SIGHUP))
-        self.pool.preload()
+        self.link = PoolLink(running)
+        running.pool.preload()
+
+    async def run(self, local: Callable[[], Config], attach: Attach | None) -> int:
+        loop = asyncio.get_running_loop()
+        handlers = ((signal.SIGINT, self.on_interrupt), (signal.SIGTERM, self.quit.set), (signal.SIGHUP, self.quit.set))
+        for sig, handler in handlers:
+            loop.add_signal_handler(sig, handler)
+        try:
+            await self.start(local, attach)
+            return await self.session()
+        finally:
+            for sig, _ in handlers:
+                loop.remove_signal_handler(sig)
+
+    async def session(self) -> int:
         await self.load(self.model)
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         source = PromptInput(self.screen) if interactive else LineInput(self.screen)
@@ -471,13 +501,23 @@ class Chat:
                     break
         finally:
             self.quitting = True
-            if self.pool.shutdown_requested.is_set():
-                self.screen.note("the pool was asked to stop (shutdown op); bye")
-            await running.stop(0)
+            if self.link.stopped.is_set():
+                self.screen.note("the pool stopped; bye" if self.link.remote else "the pool was asked to stop (shutdown op); bye")
+            await self.link.close()
         return 0
 
 
-async def chat(config: Config, args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class Attach:
+    """A running pool to try first: its control socket, and the model
+    (None: the pool's one model) and adapter asked for."""
+
+    path: Path
+    ref: str | None
+    lora: str | None
+
+
+async def chat(args: argparse.Namespace, local: Callable[[], Config], attach: Attach | None) -> int:
     screen = Screen()
     with stderr.routed(screen.log):
-        return await Chat(config, args, screen).run(config)
+        return await Chat(args, screen).run(local, attach)

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -15,12 +16,12 @@ import msgspec
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
 from supervisor import local_models, preflight, ps, stderr
 from supervisor.adapter_policy import DEFAULT_ADAPTER_DIR
-from supervisor.chat import chat
+from supervisor.chat import Attach, chat
 from supervisor.child import child_env, python_module
 from supervisor.config import Config, ConfigError, ModelEntry, load_config, parse_size, validate
 from supervisor.control import socket_path
 from supervisor.control_client import ControlConnection, NoPool
-from supervisor.demo import DEMO_NAME, ensure_demo_model
+from supervisor.demo import DEMO_NAME, demo_dir, ensure_demo_model
 from supervisor.lifecycle import serve
 from supervisor.requests import BadRequest, parse_line
 from supervisor.resolve import Resolver, UnknownModel, expand, model_cache_dir
@@ -34,15 +35,18 @@ class UsageError(Exception):
 # -- building the config from a file and flags ------------------------------------------
 
 
-def add_pool_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="TOML config file (see configs/example.toml)")
+def add_pool_flags(p: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """server False: without the flags that matter only to a pool others
+    talk to (stats events, the grace period of a stop)."""
+    p.add_argument("--config", type=Path, help="TOML config file (see configs/example.toml; default: none)")
     p.add_argument("--model-cache", help="directory of model dirs (default $LATTICE_MODEL_CACHE or ~/.lattice/models)")
-    p.add_argument("--max-loaded", type=int, help="most workers loaded at once; least recently used idle ones are unloaded")
-    p.add_argument("--memory-budget", help="total worker memory, e.g. 12GiB; least recently used idle workers are unloaded")
+    p.add_argument("--max-loaded", type=int, help="most workers loaded at once; least recently used idle ones are unloaded (default: no limit)")
+    p.add_argument("--memory-budget", help="total worker memory, e.g. 12GiB; least recently used idle workers are unloaded (default: no limit)")
     p.add_argument("--keep-alive", help="unload a worker idle this long, e.g. 5m (default: never)")
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
-    p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
-    p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s")
+    if server:
+        p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
+        p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s (default: never)")
     p.add_argument("--adapter-dir", dest="adapter_dirs", action="append", help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)")
     p.add_argument("--max-batch", type=max_batch_flag, help="requests one worker decodes together; more wait in the pool (default auto: sized from the device's free memory)")
     p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
@@ -58,12 +62,16 @@ def max_batch_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
 
 
+def add_socket_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control-socket", help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)")
+    p.add_argument("--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open (or look for) a control socket (default: open one)")
+
+
 def add_monitor_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--control-socket", help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: see docs/monitoring.md)")
-    p.add_argument("--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open a control socket")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, logged)")
-    p.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8080 (docs/http.md)")
-    p.add_argument("--api-key", help="with --http: require this bearer token (default $LATTICE_API_KEY); needed for a host that is not loopback")
+    add_socket_flag(p)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, logged; default: none)")
+    p.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8080 (docs/http.md; default: none)")
+    p.add_argument("--api-key", help="with --http: require this bearer token; needed for a host that is not loopback (default $LATTICE_API_KEY)")
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
@@ -92,6 +100,9 @@ def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora:
         if not path.is_dir():
             # Said once, at start, rather than by a worker that cannot start.
             raise UsageError(f"--model-dir {model_dir}: {'not a directory' if path.exists() else 'no such directory'}")
+    elif ref == DEMO_NAME and ref not in {m.name for m in config.models} and not (model_cache_dir(config) / ref).is_dir():
+        # The name ps, /v1/models and chat give the demo model.
+        path, name = ensure_demo_model(), DEMO_NAME
     elif ref is not None:
         if ref in {m.name for m in config.models}:
             config.default_model = ref
@@ -140,11 +151,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config, eof_grace=config.shutdown_grace, read_stdin=not args.no_stdin))
 
 
+def preflight_args(args: argparse.Namespace, *, lora: bool = False) -> None:
+    """The checks of the command line alone, whichever pool runs the model."""
+    problems = []
+    if args.model_dir is not None:
+        path = expand(str(args.model_dir))
+        if not path.is_dir():
+            # Said once, at start, rather than by a worker that cannot start.
+            problems.append(f"--model-dir {args.model_dir}: {'not a directory' if path.exists() else 'no such directory'}")
+    if lora and args.lora:
+        problem = preflight.lora_problem(args.lora)
+        problems += [problem] if problem else []
+    if problems:
+        raise UsageError("\n".join(problems))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     config = base_config(args)
-    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    check_start(config, args, lora=True)
     if args.serve:
+        add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+        check_start(config, args, lora=True)
         if not args.json:
             raise UsageError("--serve speaks the event protocol: add --json")
         if args.json_schema:
@@ -174,7 +200,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except BadRequest as exc:
         raise UsageError(exc.msg) from exc
     think = None if not templated else "on" if args.think else "off" if args.no_think else "hidden"
-    return asyncio.run(run_once(config, request, as_json=args.json, think=think))
+    preflight_args(args, lora=True)
+    # A --json run is chat_metal's: a process of its own, with its lines alone.
+    attach = None if args.json else attach_to(config, args)
+    return asyncio.run(run_once(request, as_json=args.json, think=think, local=local_config(config, args, lora=True), attach=attach))
 
 
 def run_prompt(args: argparse.Namespace, limit: int) -> tuple[dict, bool]:
@@ -225,11 +254,35 @@ def json_schema_format(path: Path) -> dict:
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
+def attach_to(config: Config, args: argparse.Namespace) -> Attach | None:
+    """The running pool `chat` or `run` tries first (the control socket
+    `serve` would open with the same flags and config), unless --own-pool
+    or --no-control-socket; the model as the command line names it."""
+    if args.own_pool:
+        return None
+    path = socket_path(config)
+    if path is None:
+        return None
+    ref = str(expand(str(args.model_dir))) if args.model_dir is not None else args.model
+    return Attach(path, ref, str(expand(args.lora)) if args.lora else None)
+
+
+def local_config(config: Config, args: argparse.Namespace, *, lora: bool) -> Callable[[], Config]:
+    """The config of a pool of the command's own, made only when needed
+    (the demo model is generated on first use)."""
+
+    def make() -> Config:
+        add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
+        check_start(config, args, lora=lora)
+        return config
+
+    return make
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     config = base_config(args)
-    add_cli_model(config, args.model, args.model_dir, args.lora, args.tokenizer_dir)
-    check_start(config, args, lora=False)
-    return asyncio.run(chat(config, args))
+    preflight_args(args)
+    return asyncio.run(chat(args, local_config(config, args, lora=False), attach_to(config, args)))
 
 
 def control_path(args: argparse.Namespace) -> Path:
@@ -290,7 +343,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     config = base_config(args)
     cache = model_cache_dir(config)
     configured = (local_models.dir_model(m.name, expand(m.path)) for m in config.models)
-    found = [m for m in configured if m is not None] + local_models.cache_models(cache) + local_models.hub_models()
+    demo = local_models.dir_model(DEMO_NAME, demo_dir())
+    found = [m for m in configured if m is not None] + local_models.cache_models(cache) + local_models.hub_models() + local_models.lmstudio_models()
+    found += [demo] if demo is not None and DEMO_NAME not in {m.name for m in found} else []
     if args.json:
         print(json.dumps([{"name": m.name, "format": m.format, "size_bytes": m.size, "path": str(m.where)} for m in found], indent=2))
         return 0
@@ -324,21 +379,22 @@ def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="configured name, dir name under the model cache, Hugging Face id in its cache (ORG/NAME), or path (default: the demo model)")
-    p.add_argument("--model-dir", type=Path, help="model directory (chat_metal's flag)")
-    p.add_argument("--lora", help="LoRA adapter file or directory")
+    p.add_argument("--model", help="configured name, dir name under the model cache, Hugging Face id in its cache or LM Studio's (ORG/NAME), `demo`, or path (default: the demo model)")
+    p.add_argument("--model-dir", type=Path, help="model directory (chat_metal's flag; default: see --model)")
+    p.add_argument("--lora", help="LoRA adapter file or directory (default: none)")
     p.add_argument("--tokenizer-dir", type=Path, help="directory holding tokenizer.json (default: the model dir)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--reasoning-budget", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    # The defaults are chat_metal's, or the config's [defaults] table.
+    p.add_argument("--max-tokens", type=int, help="most tokens to generate (default 512)")
+    p.add_argument("--temperature", type=float, help="sampling temperature; 0 is greedy (default 0.7)")
+    p.add_argument("--top-k", type=int, help="sample from the K likeliest tokens; 0: all (default 50)")
+    p.add_argument("--top-p", type=float, help="sample from the likeliest tokens that make up P of the probability (default 0.9)")
+    p.add_argument("--repetition-penalty", type=float, help="penalty on tokens already in the text; 1 is none (default 1.1)")
+    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same tokens (default: none, a fresh draw each time)")
+    p.add_argument("--reasoning-budget", type=int, help="tokens a thinking model may think before </think> is forced (default: no limit)")
+    p.add_argument("--stop", action="append", help="stop string, not printed; repeatable (default: none)")
 
 
 def version() -> str:
@@ -349,8 +405,8 @@ def version() -> str:
 
 
 def add_socket_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="read control_socket from this config file, as serve does")
-    p.add_argument("--control-socket", help="the pool's control socket (default: as serve's; see docs/monitoring.md)")
+    p.add_argument("--config", type=Path, help="read control_socket from this config file, as serve does (default: none)")
+    p.add_argument("--control-socket", help="the pool's control socket (default: as serve's: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -370,25 +426,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_monitor_flags(run)
     add_model_flags(run)
     add_sampling_flags(run)
-    run.add_argument("text", nargs="?", metavar="PROMPT", help="a message, sent with the model's chat template (as `ollama run` and mlx_lm.generate do); read from stdin when left out and stdin is not a terminal")
-    run.add_argument("--prompt", help="prompt text sent verbatim, without the chat template (chat_metal's flag)")
-    run.add_argument("--system", help="system prompt (with PROMPT)")
+    run.add_argument("text", nargs="?", metavar="PROMPT", help="a message, sent with the model's chat template (as `ollama run` and mlx_lm.generate do); read from stdin when left out and stdin is not a terminal (default: none)")
+    run.add_argument("--prompt", help="prompt text sent verbatim, without the chat template (chat_metal's flag; default: none)")
+    run.add_argument("--system", help="system prompt, with PROMPT (default: none)")
     run.add_argument("--think", action="store_true", help="also print the model's thinking, apart from the answer")
     run.add_argument("--no-think", action="store_true", help="ask the model not to think (a reasoning budget of 0 closes its think block at once)")
     run.add_argument("--json", action="store_true", help="print @@lattice event lines instead of text")
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
-    run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema)")
+    run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema; default: none)")
     run.add_argument("--verbose", action="store_true", help="show the pool's and the worker's logs (--log-level INFO)")
+    run.add_argument("--own-pool", action="store_true", help="start a pool of this command's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
     run.set_defaults(func=cmd_run)
 
-    chat = sub.add_parser("chat", help="interactive chat (a REPL: /help lists its commands)")
-    add_pool_flags(chat)
-    add_monitor_flags(chat)
+    chat = sub.add_parser("chat", help="interactive chat (a REPL: /help lists its commands)", description="An interactive chat with a model: on the running pool if one answers, else on a pool of its own.")
+    add_pool_flags(chat, server=False)
+    add_socket_flag(chat)
     add_model_flags(chat)
     add_sampling_flags(chat)
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--think", choices=THINK_MODES, default="on", help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it")
+    chat.add_argument("--system", help="system prompt (default: none; /set system changes it)")
+    chat.add_argument("--think", choices=THINK_MODES, default="on", help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it (default on)")
     chat.add_argument("--verbose", action="store_true", help="show logs (--log-level INFO) and a stats line after each reply")
+    chat.add_argument("--own-pool", action="store_true", help="start a pool of this chat's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
     chat.set_defaults(func=cmd_chat)
 
     ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, processor, pid, uptime, keep_alive, requests")
@@ -397,13 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps_cmd.set_defaults(func=cmd_ps)
 
     list_cmd = sub.add_parser("list", help="models on this machine: the model cache and the Hugging Face cache")
-    list_cmd.add_argument("--config", type=Path, help="also list the models this config file names")
+    list_cmd.add_argument("--config", type=Path, help="also list the models this config file names (default: none)")
     list_cmd.add_argument("--model-cache", help="directory of model dirs (default $LATTICE_MODEL_CACHE or ~/.lattice/models)")
     list_cmd.add_argument("--json", action="store_true", help="print JSON")
     list_cmd.set_defaults(func=cmd_list)
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, e.g. mlx-community/Qwen3-0.6B-4bit")
-    pull.add_argument("repo", metavar="ORG/NAME")
+    pull.add_argument("repo", metavar="ORG/NAME", help="the model repo on the Hugging Face hub, e.g. mlx-community/Qwen3-0.6B-4bit")
     pull.add_argument("--revision", help="branch, tag or commit (default main)")
     pull.set_defaults(func=cmd_pull)
 
@@ -414,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     unload = sub.add_parser("unload", help="unload a model of the running pool (the unload op over its control socket)")
     unload.add_argument("name", metavar="NAME", help="the model's name, as `lattice-pool ps` shows it")
-    unload.add_argument("--lora", help="the adapter of the worker to unload, as `ps` shows it")
+    unload.add_argument("--lora", help="the adapter of the name to unload, as `ps` shows it (default: none)")
     add_socket_flags(unload)
     unload.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the worker to stop (default %(default)s)")
     unload.set_defaults(func=cmd_unload)
@@ -447,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         return args.func(args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, UnknownModel) as exc:
         for line in str(exc).splitlines():
             print(f"lattice-pool: error: {line}", file=sys.stderr)
         return 2

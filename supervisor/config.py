@@ -109,8 +109,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
         if self.draft is not None and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         parse_size(self.prefix_cache_disk_bytes)
-        if self.kv_bits is not None and self.ranks > 1:
-            raise ValueError(f"model {self.name!r}: kv_bits is for a model in one process (ranks = 1)")
+        if (self.kv_bits is not None or self.warm_prompts) and self.ranks > 1:
+            raise ValueError(f"model {self.name!r}: kv_bits and warm_prompts are for a model in one process (ranks = 1)")
         for text in self.warm_prompts:
             if isinstance(text, str) and len(text.encode("utf-8", "surrogatepass")) > MAX_WARM_TEXT:
                 raise ValueError(f"model {self.name!r}: a warm prompt over {MAX_WARM_TEXT} bytes goes in a file: {{ file = PATH }}")

@@ -6,7 +6,9 @@ docs/monitoring.md): NDJSON op lines in, `@@lattice` lines back on the same
 connection — the op's own reply (a `status` event, an `error`, ...) and,
 while the connection stays open, a copy of every lifecycle event the pool
 writes to stdout, so a client that sent `load` can wait for `ready`.
-Token streams never go to the socket: generation belongs to stdin.
+A `generate` op is a generation request whose lines (tokens included) go
+back to the connection that sent it, and only there; `chat` and `run` use
+it to share a running pool. Other token streams never go to the socket.
 
 Bounds (docs/monitoring.md): `max_control_clients` connections, and
 CONTROL_RESERVE more kept for one-off commands such as `ps` and `stop`
@@ -135,13 +137,21 @@ def bind_private(path: Path) -> socket.socket:
     return sock
 
 
+# Generation requests a client may have running at once (`generate` op);
+# the pool's own bounds (max_queued) apply as well.
+MAX_CLIENT_REQUESTS = 64
+
+
 class _Client:
+    """One connection; also the sink of the requests it sent (`generate`)."""
+
     def __init__(self, writer: asyncio.StreamWriter, reserved: bool):
         self.writer = writer
         # Let in beyond max_control_clients: closed once quiet for the
         # request timeout (or the idle timeout, if shorter).
         self.reserved = reserved
         self.pending: set[asyncio.Task] = set()
+        self.requests: set[str] = set()  # ids of its generate ops, maybe ended
         self.last_active = time.monotonic()
 
     def write(self, data: bytes) -> None:
@@ -270,6 +280,8 @@ class ControlServer:
             log.exception("control socket: a connection failed; closing it")
         finally:
             self._clients.discard(client)
+            for id_json in client.requests:
+                self.pool.cancel_for(id_json, client)
             writer.close()
 
     async def _read(self, reader: asyncio.StreamReader, client: _Client, line_started: float | None) -> bytes | None:
@@ -311,8 +323,11 @@ class ControlServer:
             id_json = msg.id_json
             if msg.op is None:
                 client.write(
-                    encode_error("generation requests are not taken on the control socket; send them on stdin", BAD_REQUEST, id_json)
+                    encode_error('a generation request on the control socket is an op: {"op":"generate", ...}; or send it on stdin', BAD_REQUEST, id_json)
                 )
+                return
+            if msg.op == "generate":
+                self._generate(client, msg)
                 return
             task = self.pool.op(msg, client.write)
         except BadRequest as exc:
@@ -325,6 +340,18 @@ class ControlServer:
         if task is not None:
             client.pending.add(task)
             task.add_done_callback(client.pending.discard)
+
+    def _generate(self, client: _Client, msg) -> None:
+        """A generation request whose lines go back to this client alone (the
+        lifecycle lines of its model reach it as they reach every client);
+        cancelled if the client goes away first."""
+        if len(client.requests) >= MAX_CLIENT_REQUESTS:
+            client.requests = {i for i in client.requests if self.pool.runs_for(i, client)}
+        if len(client.requests) >= MAX_CLIENT_REQUESTS:
+            client.write(encode_error(f"{MAX_CLIENT_REQUESTS} requests of this connection are running; wait for one to end", OVERLOADED, msg.id_json))
+            return
+        client.requests.add(msg.id_json)
+        self.pool.submit(msg, client)
 
     async def close(self) -> None:
         if self._accepting is not None:

@@ -125,12 +125,18 @@ def internal_error(what: str, exc: BaseException) -> str:
     return f"internal error while handling {what}: {type(exc).__name__}: {exc}; the pool logged it and goes on"
 
 
-def dispatch(pool: Pool, line) -> None:
+# Said once, on a terminal, after a first line that is not JSON: what
+# someone typing `hello` into `serve` needs to know.
+HINT = 'hint: each stdin line is one JSON request, e.g. {"messages":[{"role":"user","content":"Hello"}]}; for a chat, run `lattice-pool chat`'
+
+
+def dispatch(pool: Pool, line) -> bool:
+    """False when the line is not JSON at all."""
     id_json = None
     try:
         msg = read_line(line)
         if msg is None:
-            return
+            return True
         id_json = msg.id_json
         if msg.op is None:
             pool.submit(msg)
@@ -138,9 +144,11 @@ def dispatch(pool: Pool, line) -> None:
             pool.op(msg)
     except BadRequest as exc:
         pool.reject(BAD_REQUEST, exc.msg, exc.id_json)
+        return not exc.msg.startswith("malformed request: JSON is malformed")
     except Exception as exc:
         log.exception("stdin line failed: %r", line[:200] if isinstance(line, bytes) else line)
         pool.reject(INTERNAL, internal_error("this line", exc), id_json)
+    return True
 
 
 async def serve_stdin(pool: Pool, fd: int = 0) -> None:
@@ -148,6 +156,7 @@ async def serve_stdin(pool: Pool, fd: int = 0) -> None:
     queue: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
     start_reader(asyncio.get_running_loop(), queue, fd)
     splitter = LineSplitter()
+    hint = os.isatty(fd)
     while True:
         chunk = await queue.get()
         for line in splitter.feed(chunk) if chunk else splitter.finish():
@@ -156,7 +165,11 @@ async def serve_stdin(pool: Pool, fd: int = 0) -> None:
             # lets us write, so each line waits for room first.
             if pool.input_blocked():
                 await pool.input_room()
-            dispatch(pool, line)
+            json = dispatch(pool, line)
+            if hint and not isinstance(line, TooLong) and line.strip():
+                hint = False
+                if not json:
+                    log.warning(HINT)
         if not chunk:
             log.info("stdin closed")
             return

@@ -1,8 +1,8 @@
 """Models already on this machine, where people keep them: the model cache
 (`$LATTICE_MODEL_CACHE`, default ~/.lattice/models) and the Hugging Face
 hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
-~/.cache/huggingface/hub), where mlx-lm, LM Studio's MLX engine and
-`huggingface-cli download` put them. The hub cache is read through
+~/.cache/huggingface/hub), where mlx-lm and `huggingface-cli download` put
+them, and LM Studio's model directory (~/.lmstudio/models/PUBLISHER/MODEL). The hub cache is read through
 huggingface_hub's own API (snapshot resolution, scan_cache_dir), never by
 parsing its layout here; `pull` downloads into it.
 
@@ -137,6 +137,27 @@ def cache_models(cache: Path) -> list[LocalModel]:
     except OSError:
         return []
     return [m for m in (dir_model(p.name, p) for p in entries) if m is not None]
+
+
+def lmstudio_dir() -> Path:
+    """LM Studio's model directory: `publisher/model-dir` under it."""
+    return Path.home() / ".lmstudio" / "models"
+
+
+def lmstudio_models() -> list[LocalModel]:
+    """MLX model dirs in LM Studio's directory, as `publisher/model`."""
+    found = []
+    try:
+        publishers = sorted(p for p in lmstudio_dir().iterdir() if p.is_dir())
+    except OSError:
+        return []
+    for publisher in publishers:
+        try:
+            dirs = sorted(publisher.iterdir())
+        except OSError:
+            continue
+        found += [m for m in (dir_model(f"{publisher.name}/{d.name}", d) for d in dirs) if m is not None]
+    return found
 
 
 def hub_models() -> list[LocalModel]:

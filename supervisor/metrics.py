@@ -97,7 +97,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 MAX_LABEL_PAIRS = 256
 
 
-class _LabelPairs:
+class LabelPairs:
     """The (model, adapter) label pairs in use, least recently used first,
     each with the series made for it (so that they can be removed)."""
 
@@ -143,6 +143,7 @@ class _MeasuredGauges(Collector):
             labels=(*LABELS, "format", "worker", "pid"),
         )
         ranks = {field: GaugeMetricFamily(name, text, labels=RANK_LABELS) for field, (name, text) in RANK_GAUGES.items()}
+        shown: set[tuple[str, str]] = set()
         for group in by_worker(status.models):
             first = group[0]
             pid = str(first.pid) if first.pid is not None else ""
@@ -154,6 +155,11 @@ class _MeasuredGauges(Collector):
                     family.add_metric(rank_key, getattr(rank, field))
             for row in group:
                 key = [row.model, self._adapter_name(row.lora)]
+                if tuple(key) in shown:
+                    # Two adapter files of one name on one model: a page with a
+                    # series twice is refused whole, so the first one stands.
+                    continue
+                shown.add(tuple(key))
                 for field, family in names.items():
                     family.add_metric(key, getattr(row, field))
                 for value in NAME_STATES:
@@ -251,7 +257,7 @@ class PoolMetrics:
         )
         self.restarts = Counter("lattice_worker_restarts", "Worker restarts after a crash, stall or kill", ("model",), registry=r)
         self.ttft = Histogram("lattice_ttft_seconds", "Time from request start to its first token", (*LABELS, "surface"), buckets=TTFT_BUCKETS, registry=r)
-        self.pairs = _LabelPairs()
+        self.pairs = LabelPairs()
         r.register(_MeasuredGauges(self._snapshot, pool.resolver.adapters.name_of))
         r.register(_Process())
         r.register(_BuildInfo())

@@ -62,6 +62,13 @@ STATS_REFRESH_INTERVAL = 5.0
 Answer = Callable[[bytes], None]
 
 
+class _Answering:
+    """An op's answer function as the sink of a request."""
+
+    def __init__(self, answer: Answer):
+        self.write = answer
+
+
 class PoolObserver(Protocol):
     """Told of what the pool counts (supervisor.metrics is one), labelled by
     the worker's spec (None: no model was resolved) and the surface the
@@ -91,6 +98,7 @@ class ModelState:
     loaded: bool  # ready or busy
     opens_think: bool  # the worker's chat template opens <think> (its ready line says)
     max_context: int | None  # tokens a request may take; None with no worker
+    expires_in: float | None  # idle seconds left before keep_alive unloads it; None: never, or no worker
 
 
 class Pool:
@@ -346,8 +354,18 @@ class Pool:
         """Where the pool is with the worker of `spec`."""
         slot = self.slots.get(spec.key)
         if slot is None:
-            return ModelState(None, State.UNLOADED.value, False, False, None)
-        return ModelState(slot.name, slot.state.value, slot.state in (State.READY, State.BUSY), slot.opens_think, slot.max_context)
+            return ModelState(None, State.UNLOADED.value, False, False, None, None)
+        keep = slot.keep_alive
+        left = None if keep is None else max(0.0, keep - (time.monotonic() - slot.last_used))
+        return ModelState(slot.name, slot.state.value, slot.state in (State.READY, State.BUSY), slot.opens_think, slot.max_context, left)
+
+    def keep_alive(self, spec: ModelSpec, seconds: float | None) -> None:
+        """A request's own keep_alive (Ollama's API sends one): the idle
+        seconds (None: for ever) of the worker of `spec` from now on."""
+        slot = self.slots.get(spec.key)
+        if slot is not None:
+            slot.keep_alive_request = seconds
+            slot.touch()
 
     # -- workers -------------------------------------------------------------------
 
@@ -482,6 +500,9 @@ class Pool:
         stdin; lifecycle events (loading, ready, unloaded...) always go to
         stdout. Returns the task that will still write a reply, if any."""
         id_json = msg.id_json
+        if msg.op == "generate":
+            self.submit(msg, None if answer is None else _Answering(answer))
+            return None
         if msg.op == "status":
             return self.spawn(self._write_status(answer or self.output.write))
         if msg.op == "cancel":
@@ -512,6 +533,17 @@ class Pool:
         elif msg.op == "reload":
             self.reload(spec, id_json, answer)
         return None
+
+    def cancel_for(self, id_json: str, sink: Sink) -> None:
+        """Cancels the request `id_json` if it still runs for `sink` (a
+        control client that went away: nobody reads its lines any more)."""
+        job = self._active.get(id_json)
+        if job is not None and job.sink is sink:
+            self.cancel(id_json, lambda _: None)
+
+    def runs_for(self, id_json: str, sink: Sink) -> bool:
+        job = self._active.get(id_json)
+        return job is not None and job.sink is sink
 
     def _refuse(self, code: str, msg: str, id_json: str | None, answer: Answer | None) -> None:
         if answer is None:

@@ -22,7 +22,9 @@ from ipc.messages import Message, decode_response_format, utf8_len
 
 log = logging.getLogger("lattice.requests")
 
-OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown"})
+# `generate` is a generation request sent on the control socket, where a
+# line without op is refused (its lines go back to that connection alone).
+OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate"})
 
 PositiveInt = Annotated[int, Meta(ge=1, le=10_000_000)]
 NonNegInt = Annotated[int, Meta(ge=0, le=10_000_000)]
@@ -245,7 +247,10 @@ def parse_line(line: bytes) -> ClientLine:
             raise BadRequest(f'op {msg.op!r} needs a "model" field', id_json)
         if msg.op == "cancel" and msg.id is None:
             raise BadRequest('op "cancel" needs the "id" of the request to cancel')
-        return msg
+        if msg.op != "generate":
+            return msg
+        if msg.id is None:
+            raise BadRequest('op "generate" needs an "id": its lines carry it')
     if msg.prompt is None and msg.messages is None:
         raise BadRequest('missing "prompt" field', id_json)
     if msg.prompt is not None and msg.messages is not None:
@@ -276,7 +281,7 @@ def _format_type(text: str) -> object:
 
 def prompt_bytes(msg: ClientLine, limit: int) -> int:
     """The request's prompt text in UTF-8 bytes (for `messages`, every role
-    and content), exact up to `limit`."""
+    and content, and the JSON of tools and tool calls), exact up to `limit`."""
     if msg.prompt is not None:
         return utf8_len(msg.prompt, limit)
     total = len(_float_encoder.encode(msg.tools)) if msg.tools else 0

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 from ipc.group import HostSpec, encode_hosts
+from ipc.paths import pool_cache_dir
 from supervisor.adapter_policy import AdapterPolicy
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
-from supervisor.local_models import hub_snapshot, is_hub_id
+from supervisor.local_models import hub_snapshot, is_hub_id, is_model_dir, lmstudio_dir
 from supervisor.spec import GroupSpec, ModelSpec
 
 
@@ -138,6 +139,9 @@ class Resolver:
         snapshot = self._hub_snapshot(ref)
         if snapshot is not None:
             return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+        found = self._lmstudio(ref) or self._demo(ref)
+        if found is not None:
+            return ModelSpec(name=ref, path=found, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
         candidate = expand(ref) if paths else None
         if candidate is not None and ("/" in ref or ref.startswith("~")) and candidate.is_dir():
             return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
@@ -145,6 +149,18 @@ class Resolver:
         hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
         path = ", not a model path" if paths else ""
         raise UnknownModel(f"unknown model {ref!r}: not a configured name ({known}), not a directory in {self.cache}{hub}{path}")
+
+    @staticmethod
+    def _lmstudio(ref: str) -> Path | None:
+        """`publisher/model` in LM Studio's model directory."""
+        path = lmstudio_dir() / ref if is_hub_id(ref) else None
+        return path.resolve() if path is not None and is_model_dir(path) else None
+
+    @staticmethod
+    def _demo(ref: str) -> Path | None:
+        """`demo`: the built-in demo model, once generated (supervisor.demo)."""
+        path = pool_cache_dir(os.environ) / "demo-model"
+        return path if ref == "demo" and is_model_dir(path) else None
 
     def _hub_snapshot(self, ref: str) -> Path | None:
         path = self._hub.get(ref)

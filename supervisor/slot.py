@@ -138,6 +138,9 @@ class WorkerSlot:
         self.history = CrashHistory()
         self.restarts = 0
         self.last_used = time.monotonic()
+        # A client's keep_alive (Ollama's API): seconds, None for ever; it
+        # replaces the names' keep_alive for this worker. False: none given.
+        self.keep_alive_request: float | None | bool = False
         self.last_heard = time.monotonic()
         self._ready: dict = {}  # the fields of the running worker's ready line
         self._config_context: list[int | None] | None = None  # max_context before a worker says it
@@ -147,7 +150,7 @@ class WorkerSlot:
         self.reading_paused = False
         self._sink: Sink | None = None  # the one sink of every in-flight request, if they share one
         self._silent: list[Job] = []  # in-flight requests that have emitted nothing yet
-        self._unsent: list[Generate] = []  # dispatched in this turn of the event loop
+        self._unsent: list[ToWorker] = []  # requests (and their names' loads) of this turn of the event loop
         self._stats_waiters: list[asyncio.Future] = []
         self._restart_timer: asyncio.TimerHandle | None = None
         self._kill_reason: str | None = None
@@ -218,6 +221,8 @@ class WorkerSlot:
     def keep_alive(self) -> float | None:
         """Idle seconds before the worker is unloaded: the longest of its
         names' keep_alive, None (never) if any of them has none."""
+        if self.keep_alive_request is not False:
+            return self.keep_alive_request
         values = [n.spec.keep_alive for n in self.names.values()]
         return None if not values or None in values else max(values)
 
@@ -290,9 +295,13 @@ class WorkerSlot:
             self._idle_since = None
             if self.state == State.READY:
                 self.sm.to(State.BUSY, f"request {job.label}")
-            self._unsent.append(job.generate)
-            if len(self._unsent) == 1:
-                asyncio.get_running_loop().call_soon(self._send_unsent)
+            self._send_soon(job.generate)
+
+    def _send_soon(self, msg: ToWorker) -> None:
+        """Sends `msg` with the others of this turn of the loop, in one write."""
+        self._unsent.append(msg)
+        if len(self._unsent) == 1:
+            asyncio.get_running_loop().call_soon(self._send_unsent)
 
     def _send_unsent(self) -> None:
         # Requests that reach a worker in one write start together (their
@@ -301,7 +310,8 @@ class WorkerSlot:
         # chunk of stdin, go out in one write at its end.
         unsent, self._unsent = self._unsent, []
         if unsent and not (self.child is not None and self.child.send(*unsent)):
-            log.warning("%s: request pipe closed while dispatching %s", self._describe(), ", ".join(str(g.rid) for g in unsent))
+            rids = ", ".join(str(g.rid) for g in unsent if isinstance(g, Generate))
+            log.warning("%s: request pipe closed while dispatching %s", self._describe(), rids or "an adapter load")
 
     def _send(self, msg: ToWorker) -> bool:
         """Any other message, after the requests dispatched before it."""
@@ -548,7 +558,11 @@ class WorkerSlot:
         if name.lora is None:
             self._announce(name)
         else:
-            self._send(LoadAdapter(path=name.lora))
+            # In one write with the request that brought the name, if one
+            # did: the worker then answers both with one read of the file
+            # (a request arriving after a failed read reads it again, and
+            # the name got two adapter_error lines).
+            self._send_soon(LoadAdapter(path=name.lora))
 
     def _announce(self, name: Name, worker_line: bytes | None = None) -> None:
         """The name's `ready` line: the worker's, for its name and adapter."""

@@ -12,11 +12,13 @@ import re
 import sys
 from collections.abc import Callable
 
-from ipc.worker_events import parse_event
+import msgspec
+
+from ipc.worker_events import LIFECYCLE, parse_event
 from supervisor import stderr
 from supervisor.config import Config
 from supervisor.httpapi.reasoning import ThinkSplitter
-from supervisor.lifecycle import RunningPool, first_set
+from supervisor.lifecycle import SIGNALS, RunningPool, first_set
 from supervisor.requests import ClientLine
 from supervisor.screen import Screen
 from supervisor.stdout import Tapped
@@ -164,20 +166,29 @@ def error_line(event: dict) -> str:
     return f"error ({event.get('code')}): {readable(event.get('msg', ''))}"
 
 
-async def run_once(config: Config, request: ClientLine, *, as_json: bool, think: str | None = None) -> int:
-    """One request. think (THINK_MODES): the request is templated, and its
-    reply's thinking is shown so; None: the text is printed as it comes
-    (a verbatim --prompt, chat_metal's meaning)."""
+async def run_once(request: ClientLine, *, as_json: bool, think: str | None, local: Callable[[], Config], attach=None) -> int:
+    """One request, on the running pool `attach` names when one answers
+    there (supervisor.attach), else on a pool of our own from `local()`.
+    think (THINK_MODES): the request is templated, and its reply's
+    thinking is shown so; None: the text is printed as it comes (a
+    verbatim --prompt, chat_metal's meaning)."""
     finished = asyncio.Event()
+    interrupted = asyncio.Event()
     outcome = {"rc": 0}
     screen = Screen()
     progress = LoadProgress(screen)
     out = sys.stdout.buffer
     reply: list[ReplyText] = []
     opens_think = [False]
+    model: list[str | None] = [None]  # the name whose lifecycle lines are ours
+    load_id = f"run-load-{os.getpid()}"
 
     def on_event(event: dict, line: bytes) -> None:
         ev = event["ev"]
+        if ev in LIFECYCLE and model[0] is not None and event.get("model") != model[0]:
+            return  # another model of a shared pool
+        if ev == "error" and event.get("id") == load_id:
+            return  # the request's own error says it again
         if ev == "ready":
             opens_think[0] = bool(event.get("opens_think"))
         if as_json:
@@ -207,13 +218,41 @@ async def run_once(config: Config, request: ClientLine, *, as_json: bool, think:
             finished.set()
 
     sink = EventSink(on_event)
+    loop = asyncio.get_running_loop()
     with stderr.routed(screen.log):
-        running = await RunningPool.start(config, sink, monitor=False)
-        pool = running.pool
-        running.on_signals(pool.hurry.set)
-        pool.submit(request)
-        await first_set(pool.hurry, finished, sink.closed)
-        if pool.hurry.is_set() and not finished.is_set():
-            outcome["rc"] = 130
-        await running.stop(0)
+        link = None
+        if attach is not None:
+            from supervisor.attach import RemoteLink  # a pool's client, not a pool
+
+            link = await RemoteLink.connect(attach.path, sink, attach.ref)
+        if link is not None:
+            link.lora = attach.lora
+            model[0] = link.default
+            # A request on a shared pool needs an id of its own.
+            request = msgspec.structs.replace(request, id=f"run-{os.getpid()}")
+            link.send({"op": "load", "id": load_id, "model": link.default, "lora": link.lora})
+            link.submit(request, sink)
+            stopped = link.stopped
+            for sig in SIGNALS:
+                loop.add_signal_handler(sig, interrupted.set)
+        else:
+            running = await RunningPool.start(local(), sink, monitor=False)
+            running.on_signals(interrupted.set)
+            running.pool.submit(request)
+            stopped = running.pool.shutdown_requested
+        try:
+            await first_set(interrupted, finished, sink.closed, stopped)
+            if interrupted.is_set() and not finished.is_set():
+                outcome["rc"] = 130
+            elif stopped.is_set() and not finished.is_set():
+                outcome["rc"] = 1
+                if link is not None and stopped.is_set():
+                    screen.note(f"the pool at {attach.path} stopped before the reply ended")
+        finally:
+            if link is not None:
+                for sig in SIGNALS:
+                    loop.remove_signal_handler(sig)
+                await link.close()  # the pool cancels the request if it still runs
+            else:
+                await running.stop(0)
     return outcome["rc"]

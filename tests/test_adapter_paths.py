@@ -280,17 +280,6 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     read and never released (128 paths took all of the user's), and its
     own metric series. Now: one watcher, watches only on adapters that
     loaded, the stream goes on, no new series."""
-    junk = []
-    for i in range(20):  # regular files under the root the worker cannot read as adapters
-        (files["junk"] / f"n{i}").mkdir(exist_ok=True)
-        path = files["junk"] / f"n{i}" / "junk.safetensors"
-        path.write_bytes(b"not an adapter %d" % i)
-        junk.append(str(path))
-    flood = [str(files["tree"]), "/etc", "/usr/lib", *junk]
-    flood += [f"/tmp/lattice-no-such-dir-{i}/adapter.safetensors" for i in range(90)]
-    flood += [f"{files['root']}/missing-{i}.safetensors" for i in range(90)]
-    assert len(set(flood)) == 203
-
     # Every series the stream and a loaded adapter make, made beforehand.
     pool.send({"model": "tiny", "id": "warm", "lora": "styled", "prompt": CHAT, "max_tokens": 2})
     pool.send({"model": "tiny", "id": "warm-base", "prompt": CHAT, "max_tokens": 2})
@@ -300,37 +289,95 @@ def test_a_flood_of_paths_costs_the_pool_nothing(pool, files):
     held = inotify_instances(pool.proc.pid)
     assert held <= 1  # the one watcher: the configured adapter loaded
 
-    pool.send({"model": "tiny", "id": "stream", "prompt": CHAT, "max_tokens": 100_000, "temperature": 0.7, "seed": 1})
+    # A stall the flood causes shows in every try; this machine's own
+    # jitter (other processes on its cores) rarely in three.
+    stalls = []
+    for attempt in range(3):
+        flood = flood_of_paths(files, attempt)
+        during, baseline = stream_gaps_under(pool, flood, attempt)
+        codes = {pool.terminal(f"f{attempt}-{i}")["code"] for i in range(len(flood))}
+        assert codes == {"bad_request", "adapter_error"}, codes
+        peak = max(held, inotify_instances(pool.proc.pid))
+        assert peak <= 2, f"the pool held {peak} inotify instances"
+        stalls.append(f"{during * 1000:.0f} ms (at most {baseline * 1000:.0f} ms before)")
+        if during < baseline + 0.1:
+            break
+    else:
+        raise AssertionError(f"the stream stalled under each flood: {stalls}")
+    grown = metric_series(pool) - before
+    # The 20 names of files called junk.safetensors share one label: one
+    # series each, not one per name (a page with a series twice is refused).
+    with urllib.request.urlopen(f"http://127.0.0.1:{pool.metrics}/metrics", timeout=30) as response:
+        page = [line.rsplit(" ", 1)[0] for line in response.read().decode().splitlines() if line and not line.startswith("#")]
+    assert len(page) == len(set(page)), sorted(line for line in page if page.count(line) > 1)[:5]
+    assert {dict(labels).get("adapter") for _, labels in grown} <= {"", "junk"}, sorted(grown)
+    assert len(grown) <= 3, sorted(grown)  # bad_request; adapter_error; junk's failed load
+    assert not [e for e in pool.events if e["ev"] in ("failed", "restarting")]
+
+
+def flood_of_paths(files: dict[str, Path], attempt: int) -> list[str]:
+    """203 distinct `lora` values: a directory tree and two system
+    directories, 20 regular files under the root that are no adapters
+    (the worker reads them), 180 missing files inside and outside it."""
+    junk = []
+    for i in range(20):
+        path = files["junk"] / f"n{attempt}-{i}" / "junk.safetensors"
+        path.parent.mkdir()
+        path.write_bytes(b"not an adapter %d" % i)
+        junk.append(str(path))
+    flood = [str(files["tree"]), "/etc", "/usr/lib", *junk]
+    flood += [f"/tmp/lattice-no-such-dir-{attempt}-{i}/adapter.safetensors" for i in range(90)]
+    flood += [f"{files['root']}/missing-{attempt}-{i}.safetensors" for i in range(90)]
+    assert len(set(flood)) == 203
+    return flood
+
+
+def stream_gaps_under(pool, flood: list[str], attempt: int) -> tuple[float, float]:
+    """Sends the flood (ids f{attempt}-N) in one write while a stream
+    decodes; its largest gap between tokens from the flood to just after
+    its last answer, and its largest in a stretch before, three times as
+    long: the 100 ms the flood may add is measured above this machine's
+    own jitter."""
+    stream_id = f"stream-{attempt}"
+    pool.send({"model": "tiny", "id": stream_id, "prompt": CHAT, "max_tokens": 100_000, "temperature": 0.7, "seed": 1})
     # Predicates see each new event once, so that this thread, which holds
     # the GIL while it looks, never delays the reader thread that stamps
     # each line's arrival time (_at).
-    tokens = counter(lambda e: e.get("id") == "stream" and e["ev"] == "gen_token")
-    pool.wait_for(lambda e: tokens(e) >= 60)
-    baseline_end = time.monotonic()
-    lines = b"".join(pool.line({"model": "tiny", "id": f"f{i}", "lora": lora, "prompt": CHAT, "max_tokens": 1}) for i, lora in enumerate(flood))
-    pool.send(lines)  # in one write: the flood arrives at once
-    pool.sent_ids += [f"f{i}" for i in range(len(flood))]
-    ended = counter(lambda e: str(e.get("id")).startswith("f") and is_terminal(e))
+    tokens = counter(lambda e: e.get("id") == stream_id and e["ev"] == "gen_token")
+    pool.wait_for(lambda e: tokens(e) >= 100)
+    flood_start = time.monotonic()
+    ids = [f"f{attempt}-{i}" for i in range(len(flood))]
+    pool.send(b"".join(pool.line({"model": "tiny", "id": i, "lora": lora, "prompt": CHAT, "max_tokens": 1}) for i, lora in zip(ids, flood)))
+    pool.sent_ids += ids
+    prefix = f"f{attempt}-"
+    ended = counter(lambda e: str(e.get("id")).startswith(prefix) and is_terminal(e))
     pool.wait_for(lambda e: ended(e) == len(flood))
     flood_end = time.monotonic()
     count = tokens()
     pool.wait_for(lambda e: tokens(e) >= count + 20)
-    peak = max(held, inotify_instances(pool.proc.pid))
-    pool.send({"op": "cancel", "id": "stream"})
-    assert pool.terminal("stream")["finish_reason"] == "cancelled"
+    pool.send({"op": "cancel", "id": stream_id})
+    assert pool.terminal(stream_id)["finish_reason"] == "cancelled"
+    stream = [e for e in pool.events if e.get("id") == stream_id and e["ev"] == "gen_token"]
+    until = max(flood_end, stream[count - 1]["_at"]) + 0.1
+    during = max(gaps(stream, flood_start, until))
+    baseline = max(gaps(stream, max(stream[0]["_at"], flood_start - 3 * (until - flood_start)), flood_start))
+    return during, baseline
 
-    codes = {pool.terminal(f"f{i}")["code"] for i in range(len(flood))}
-    assert codes == {"bad_request", "adapter_error"}, codes
-    assert peak <= 2, f"the pool held {peak} inotify instances"
-    # The stream's largest gap between tokens while the flood was handled,
-    # against its largest in as long a stretch just before: the 100 ms the
-    # flood may add is measured above this machine's own jitter.
-    stream = [e for e in pool.events if e.get("id") == "stream" and e["ev"] == "gen_token"]
-    start = stream[0]["_at"]
-    during = max(gaps(stream, baseline_end, flood_end + 0.5))
-    before_gap = max(gaps(stream, max(start, baseline_end - (flood_end - baseline_end) - 0.5), baseline_end))
-    assert during < before_gap + 0.1, f"the stream stalled {during * 1000:.0f} ms (at most {before_gap * 1000:.0f} ms before the flood)"
-    grown = metric_series(pool) - before
-    assert {dict(labels).get("adapter") for _, labels in grown} <= {"", "junk"}, sorted(grown)
-    assert len(grown) <= 3, sorted(grown)  # bad_request; adapter_error; junk's failed load
-    assert not [e for e in pool.events if e["ev"] in ("failed", "restarting")]
+
+def test_metric_label_pairs_are_bounded_least_recently_used_out():
+    """Each (model, adapter) pair a counter saw kept its series for ever:
+    6,000 distinct paths made 6,001 series. Past the cap, the least
+    recently used pair's series go."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from supervisor.metrics import LabelPairs
+
+    registry = CollectorRegistry()
+    errors = Counter("errors", "test", ("model", "adapter", "code"), registry=registry)
+    pairs = LabelPairs(cap=3)
+    for i in range(3):
+        pairs.use(errors, ("m", f"a{i}"), "x").inc()
+    pairs.use(errors, ("m", "a0"), "y").inc()  # a0 used again: a1 is the oldest now
+    pairs.use(errors, ("m", "a3"), "x").inc()
+    left = {(s.labels["adapter"], s.labels["code"]) for metric in registry.collect() for s in metric.samples if s.name == "errors_total"}
+    assert left == {("a0", "x"), ("a0", "y"), ("a2", "x"), ("a3", "x")} and len(pairs) == 3

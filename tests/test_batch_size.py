@@ -3,7 +3,14 @@ and what a worker and the pool say they chose."""
 
 import pytest
 
-from worker.batch_size import CPU_MAX, FREE_SHARE, GPU_MAX, SIZING_TOKENS, auto_max_batch
+from worker.batch_size import (
+    CPU_MAX,
+    FREE_SHARE,
+    GPU_MAX,
+    SIZING_TOKENS,
+    auto_max_batch,
+    gpu_memory,
+)
 
 GIB = 1024**3
 # Qwen3-8B in bf16: 36 layers x (keys + values) x 8 heads x 128 x 2 bytes a token.
@@ -23,7 +30,7 @@ def test_free_memory_bounds_it_below_the_guard():
 
 
 def test_rows_stay_within_bounds():
-    small = dict(free_bytes=100 * GIB, guard_bytes=30 * GIB, row_fixed_bytes=1 << 20, row_token_bytes=1024, context=32768)
+    small = {"free_bytes": 100 * GIB, "guard_bytes": 30 * GIB, "row_fixed_bytes": 1 << 20, "row_token_bytes": 1024, "context": 32768}
     assert auto_max_batch(processor="cuda", **small).rows == GPU_MAX
     assert auto_max_batch(processor="metal", **small).rows == GPU_MAX
     assert "the cuda cap" in auto_max_batch(processor="cuda", **small).why
@@ -42,15 +49,25 @@ def test_a_short_context_sizes_rows_by_the_context():
     assert "512 tokens" in size.why
 
 
+def test_gpu_memory_reads_metal_and_cuda_device_info():
+    # As mlx 0.32 reports them on an M-series Mac and on an H200.
+    assert gpu_memory({"memory_size": 68719476736, "architecture": "applegpu_g15d"}) == 64 * GIB
+    assert gpu_memory({"total_memory": 150754820096, "free_memory": 149557477376, "architecture": "sm_90"}) == 150754820096
+    assert gpu_memory({"architecture": "x"}) is None
+
+
 @pytest.mark.parametrize(("args", "rows", "why"), [((), CPU_MAX, "auto: "), (("--max-batch", "3"), 3, "configured")])
 def test_the_workers_ready_line_says_what_it_chose(tiny_model, args, rows, why):
+    from harness.procs import wait_for
     from harness.worker import WorkerProc
 
     worker = WorkerProc(tiny_model, *args)
     try:
         ready = worker.wait_ready()
         assert ready["max_batch"] == rows and ready["max_batch_why"].startswith(why)
-        assert f"max_batch={rows} (" in worker.stderr.decode()
+        # The log line comes before the ready line, but over stderr, which
+        # another thread reads.
+        wait_for(lambda: f"max_batch={rows} (" in worker.stderr.decode(), 30, message="the ready log line")
     finally:
         assert worker.close() == 0
 

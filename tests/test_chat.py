@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pexpect
+import psutil
 import pytest
 
 from harness.procs import ROOT, child_env, wait_for
@@ -323,4 +324,44 @@ def test_chat_shows_thinking_apart_and_set_think(tiny_model, start_chat):
     # The tags themselves are never shown.
     assert b"<think>" not in chat.raw and b"</think>" not in chat.raw
     chat.send("\x04")
+    assert chat.close() == 0
+
+
+def test_chat_uses_a_running_pool(tiny_model, tmp_path, spawn_pool, start_chat):
+    pool = spawn_pool("--model-dir", str(tiny_model), "--control-socket", str(tmp_path / "chat.sock"))
+    pool.wait_ev("ready", model="tiny")
+    (row,) = query_status(tmp_path / "chat.sock").models
+    chat = start_chat("--max-tokens", "4", "--seed", "1")  # it looks for a pool at tmp_path/chat.sock
+    chat.wait("using the pool running at")
+    chat.wait("tiny ready")
+    chat.prompt()
+    chat.line("Hello there")
+    chat.prompt()
+    chat.wait_served(1)
+    # One worker, the running pool's: the chat started none of its own.
+    assert [(r.model, r.pid) for r in query_status(chat.socket).models] == [("tiny", row.pid)]
+    assert psutil.Process(chat.proc.pid).children(recursive=True) == []
+    chat.line("/bye")
+    assert chat.close() == 0
+    # Quitting the chat leaves the pool serving.
+    pool.send({"id": "after", "prompt": "Hi", "max_tokens": 2})
+    assert pool.terminal("after")["gen_tokens"] == 2
+    assert pool.close() == 0
+
+
+def test_ctrl_c_aborts_a_load(tiny_model, tmp_path, start_chat):
+    # Weights that never come: the worker waits in its load until stopped.
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (stuck / name).write_bytes((tiny_model / name).read_bytes())
+    os.mkfifo(stuck / "model.safetensors")
+    chat = start_chat("--model-dir", str(stuck), "--own-pool")
+    chat.until(lambda: chat.socket.exists() and [r.state for r in query_status(chat.socket).models] == ["loading"], "the load to begin")
+    pid = query_status(chat.socket).models[0].pid
+    chat.send("\x03")
+    chat.wait(r"model 'stuck' unloaded \(load cancelled \(Ctrl-C\)\)")
+    chat.prompt()
+    assert query_status(chat.socket).models == [] and not psutil.pid_exists(pid)
+    chat.line("/bye")
     assert chat.close() == 0

@@ -1,7 +1,9 @@
 """The `lattice-pool` commands as a user runs them."""
 
+import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -140,7 +142,7 @@ def test_demo_model_command_help():
 
 def test_run_exits_when_its_reader_goes_away(tiny_model):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "100000"],
+        [sys.executable, "-m", "supervisor", "run", "--model-dir", str(tiny_model), "--json", "--prompt", CHAT, "--max-tokens", "30000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env(),
@@ -234,3 +236,55 @@ def test_config_typos_are_all_reported_with_the_nearest_key(tmp_path):
             "unknown key `temprature` in [defaults] (did you mean `temperature`?)",
         )
     ]
+
+
+def test_help_gives_every_flag_a_text_and_its_default():
+    from supervisor.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        if name == "demo-model":
+            continue  # worker.demo_model's own parser
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.dest)
+            if action.option_strings and action.nargs != 0:
+                assert "default" in action.help, (name, action.option_strings)
+    flags = {f for a in commands["chat"]._actions for f in a.option_strings}
+    # chat talks to a person: none of a server's flags.
+    assert not flags & {"--http", "--api-key", "--metrics-port", "--stats-interval", "--shutdown-grace", "--no-stdin"}
+    assert cli("chat", "--help").stdout.count(b"default") >= 20
+
+
+def test_the_demo_model_by_name_and_lm_studio_models(tiny_model, tmp_path):
+    home = tmp_path / "home"
+    studio = home / ".lmstudio" / "models" / "lmstudio-community" / "tiny-MLX"
+    shutil.copytree(tiny_model, studio)
+    env = {"HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache"), "LATTICE_MODEL_CACHE": str(tmp_path / "none"), "HF_HUB_CACHE": str(tmp_path / "hf")}
+    listed = {m["name"]: m for m in json.loads(cli("list", "--json", env=env).stdout)}
+    assert set(listed) == {"lmstudio-community/tiny-MLX"} and listed["lmstudio-community/tiny-MLX"]["path"] == str(studio)
+    out = cli("run", "Hi", "--model", "lmstudio-community/tiny-MLX", "--max-tokens", "2", "--own-pool", env=env)
+    assert out.returncode == 0 and b"lmstudio-community/tiny-MLX ready" in out.stderr, out.stderr
+    # `demo` is what ps, /v1/models and chat call the demo model: --model takes it.
+    demo = cli("run", "Hi", "--model", "demo", "--max-tokens", "2", "--own-pool", env=env)
+    assert demo.returncode == 0 and b"demo ready" in demo.stderr, demo.stderr
+    assert "demo" in {m["name"] for m in json.loads(cli("list", "--json", env=env).stdout)}
+
+
+def test_serve_on_a_terminal_hints_after_a_first_line_that_is_not_json(tiny_model):
+    import pexpect
+
+    proc = pexpect.spawn(sys.executable, ["-m", "supervisor", "serve", "--model-dir", str(tiny_model), "--no-control-socket"], env=child_env(), cwd=str(ROOT))
+    try:
+        proc.expect('"ev":"ready"', timeout=120)
+        proc.send("hello\r")
+        proc.expect(r"JSON is malformed", timeout=60)
+        proc.expect(r"hint: each stdin line is one JSON request, e\.g\. \{\"messages\"", timeout=60)
+        proc.send("hello again\r")
+        proc.expect(r"JSON is malformed", timeout=60)
+        proc.sendeof()
+        proc.expect(pexpect.EOF, timeout=60)
+        assert proc.before.count(b"hint:") == 0  # said once, after the first line only
+    finally:
+        proc.close(force=True)

@@ -185,6 +185,21 @@ def test_traces_are_bounded(hybrid, monkeypatch):
     assert len(compiled._shapes) == 1 and compiled._fn is not first
 
 
+def test_a_big_batch_keeps_a_trace_per_size_and_capacity(hybrid, monkeypatch):
+    # The warm-up traces every batch size up to max_batch; a new capacity
+    # must not drop them all (max_batch 3 here: 2 + 3 traces kept).
+    model, vocab = hybrid
+    monkeypatch.setattr(compiled_step, "MAX_TRACES", 2)
+    monkeypatch.setattr(compiled_step, "CAPACITIES_KEPT", 2)
+    compiled = CompiledDecode(model)
+    compiled.keep_for(3)
+    first = compiled._fn
+    for rows, length in ((1, 10), (2, 10), (3, 10), (1, 300), (2, 300)):
+        cache = prefilled(model, prompts_of(vocab, [length] * rows))
+        mx.eval(compiled.forward(mx.zeros((rows,), dtype=mx.uint32), cache.layers))
+    assert len(compiled._shapes) == 5 and compiled._fn is first
+
+
 def test_the_scheduler_compiles_its_decode_step_unless_told_not_to(tiny_model):
     from ipc.messages import Generate
     from worker.loader import load

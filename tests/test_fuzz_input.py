@@ -17,8 +17,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from harness.fakes import FAKE_ENV, FakeModels
-
-# Seeded and without an example database, so every run checks the same cases.
 from harness.pool import RawPool
 from harness.procs import wait_for
 from ipc.framing import decode_payload, encode_frame
@@ -26,7 +24,7 @@ from ipc.messages import Generate
 from supervisor.config import Config
 from supervisor.endpoint import TOO_LONG_HEAD, LineSplitter, TooLong, read_line
 from supervisor.requests import MAX_ID_BYTES, OPS, BadRequest, ClientLine, encode_id, parse_line, stop_list
-from supervisor.resolve import Resolver, UnknownModel
+from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -81,10 +79,14 @@ def check(line: bytes, resolver: Resolver) -> BadRequest | None:
         # One canonical echo per value (7.0 is 7), and a short one.
         assert json.loads(id_json) == msg.id and encode_id(json.loads(id_json)) == id_json
         assert len(id_json.encode()) <= 6 * MAX_ID_BYTES + 2
-    try:
-        resolver.resolve(msg.model, msg.lora)
-    except UnknownModel:
-        pass
+    for lora_paths in (True, False):  # stdin's rule, HTTP's
+        try:
+            resolver.resolve(msg.model, msg.lora, lora_paths=lora_paths)
+        except AdapterRefused as exc:
+            # One answer whatever the file is: it tells nothing of it.
+            assert str(exc) == resolver.adapters.refusal(msg.lora, lora_paths)
+        except UnknownModel:
+            pass
     if msg.op is not None:
         assert msg.op in OPS
         return
@@ -98,6 +100,12 @@ def check(line: bytes, resolver: Resolver) -> BadRequest | None:
 @given(st.binary(max_size=300))
 @example(b'{"prompt":"x","model":"\\u0000"}')
 @example(b'{"prompt":"x","model":"m","lora":"a\\u0000b"}')
+@example(b'{"prompt":"x","lora":"/x/${HOME}"}')
+@example(b'{"prompt":"x","lora":"~/.bashrc"}')
+@example(b'{"prompt":"x","lora":"/etc/passwd"}')
+@example(b'{"prompt":"x","lora":"/dev/zero"}')
+@example(b'{"prompt":"x","lora":"/proc/self/environ"}')
+@example(b'{"op":"load","model":"m","lora":"/etc"}')
 @example(b'{"prompt":"x","model":"' + b"y" * 5000 + b'"}')
 @example(b'{"prompt":"\\ud800"}')
 @example(b'{"prompt":"x","id":1e999}')
@@ -322,6 +330,11 @@ def test_an_8mib_id_is_refused_and_7_and_7_0_are_one_id(tiny_model, tmp_path, sp
     assert pool.close() == 0
 
 
+# `lora` values that name files a client must not reach, or would if the
+# text were expanded (tests/test_adapter_paths.py: the same over HTTP).
+HOSTILE_LORAS = ["/etc/passwd", "/etc", "/", "/dev/zero", "/proc/self/environ", "/x/${HOME}", "$HOME/.bashrc", "~/.bashrc", "/usr/lib", "../../../../etc/shadow"]
+
+
 def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
     """Lines for a pool serving model "a" (and "looped", whose path is a
     loop), and the ids of those that must each end with one terminal line."""
@@ -338,6 +351,8 @@ def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
         json.dumps({"op": "load", "model": loops[2], "id": "lp4"}).encode(),
         json.dumps({"op": "unload", "model": "a", "lora": loops[3]}).encode(),
         json.dumps({"op": "reload", "model": loops[0]}).encode(),
+        *(json.dumps({"id": f"hl{n}", "model": "a", "lora": lora, "prompt": "hi"}).encode() for n, lora in enumerate(HOSTILE_LORAS)),
+        json.dumps({"op": "load", "model": "a", "lora": "/etc", "id": "hl-load"}).encode(),
         b'{"id":"tr","prompt":"x"',
         b'{"id":"u8","prompt":"\xff\xfe"}',
         # Ids refused without being echoed, and a line longer than the
@@ -347,7 +362,7 @@ def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:
         b'{"id":"' + b"i" * (2 << 20) + b'","model":"a","prompt":"x"}',
         b'{"id":"big","model":"a","max_tokens":1,"prompt":"' + b"p" * (3 << 19) + b'"}',
     ]
-    return lines, ["r1", 7, "dn3", "dn4", "lp1", "lp2", "lp3", "lp4", "tr", "u8", "big"]
+    return lines, ["r1", 7, "dn3", "dn4", "lp1", "lp2", "lp3", "lp4", *(f"hl{n}" for n in range(len(HOSTILE_LORAS))), "hl-load", "tr", "u8", "big"]
 
 
 def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
@@ -356,7 +371,8 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     sock = tmp_path / "ctl.sock"
     config = fakes.config(f'control_socket = "{sock}"', preload=False)
     with open(config, "a") as f:
-        f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\n')
+        # optional: a path that is no directory at start is otherwise refused then.
+        f.write(f'\n[[models]]\nname = "looped"\npath = "{loops[0]}"\npreload = true\noptional = true\n')
     lines, ids = hostile_corpus(loops)
     pool = RawPool(config, stderr=None, env=FAKE_ENV)
     try:
@@ -391,6 +407,7 @@ def test_the_corpus_on_the_control_socket_and_on_stdin(tmp_path, loops):
     events = [json.loads(line[10:]) for line in pool.out.splitlines()]
     ends = [e["id"] for e in events if "id" in e and (e["ev"] == "error" or e.get("done") is True)]
     assert sorted(map(str, ends)) == sorted(map(str, ids + ["after"]))
+    assert {e["code"] for e in events if str(e.get("id")).startswith("hl")} == {"bad_request"}
 
 
 def test_the_corpus_over_http(tmp_path, loops, spawn_pool):
@@ -410,7 +427,7 @@ def test_the_corpus_over_http(tmp_path, loops, spawn_pool):
         ("POST", "/v1/completions", b'{"model":"a","prompt":"x"}', {}),
         ("GET", "/v1/models", b"", {"host": "rebound.evil.example"}),
         ("GET", "/v1/models", b"", {"origin": "null"}),
-        ("POST", "/v1/chat/completions", b'{"model":"a","messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}', json_type),
+        ("POST", "/v1/chat/completions", b'{"model":"a","messages":[{"role":"user","content":"x"}],"functions":"f"}', json_type),
     ]
     statuses = []
     for method, path, body, headers in asks:

@@ -304,7 +304,7 @@ def test_an_unexpected_exception_on_a_line_is_answered_internal(tmp_path, caplog
     next line is served."""
     lines: list[dict] = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise ZeroDivisionError("planted")
 
     async def main() -> None:

@@ -211,7 +211,11 @@ def test_errors_in_openai_shape(served):
     status_code, body = post(served, "/completions", json.dumps({"model": "tiny", "prompt": "x" * 300_000}).encode())
     assert status_code == 413 and "max_http_body_bytes" in body["error"]["message"]
     status_code, body = post(served, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "response_format": {"type": "yaml"}}).encode())
-    assert status_code == 400 and "response_format" in body["error"]["message"]
+    assert status_code == 400 and "response_format" in body["error"]["message"] and body["error"]["param"] == "response_format"
+    # As OpenAI does, `param` names the offending field.
+    for field, value in (("temperature", "hot"), ("max_tokens", 0), ("top_p", 7), ("stop", [""])):
+        status_code, body = post(served, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, field: value}).encode())
+        assert status_code == 400 and body["error"]["param"] == field, body
     with client(served) as c:
         with pytest.raises(openai.NotFoundError) as exc:
             c.chat.completions.create(model="no-such-model", messages=HI)

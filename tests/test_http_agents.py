@@ -5,6 +5,7 @@ name, thinking that never hides the answer, tool calls."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 import openai
 import pytest
@@ -306,3 +307,171 @@ def test_n_choices_are_rows_of_their_own(agents):
     assert [ch.index for ch in completions.choices] == [0, 1] and completions.choices[0].text == completions.choices[1].text
     status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "n": 9}).encode())
     assert status == 400 and body["error"]["param"] == "n"
+
+
+# -- Anthropic Messages ---------------------------------------------------------------
+
+
+def anthropic_client(pool, **kwargs):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=pool.url.removesuffix("/v1"), api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=120, **kwargs)
+
+
+def test_anthropic_messages_whole_and_streamed(agents):
+    with anthropic_client(agents) as c:
+        whole = c.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3})
+        with c.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3}) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+    assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
+    assert [b.type for b in whole.content] == ["thinking", "text"] and whole.stop_reason == "max_tokens"
+    assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert (final.content[0].thinking, final.content[1].text) == (whole.content[0].thinking, whole.content[1].text)
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_start" in kinds
+
+
+def test_anthropic_tool_use_round_trip(agents):
+    tools = [{"name": "get_time", "description": "The time", "input_schema": CLOCK["function"]["parameters"]}]
+    with anthropic_client(agents) as c:
+        first = c.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 1.0})
+        [use] = [b for b in first.content if b.type == "tool_use"]
+        assert first.stop_reason == "tool_use" and use.name == "get_time" and use.input["zone"] in ("UTC", "CET") and use.id.startswith("toolu_")
+        with c.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0}) as stream:
+            streamed_use = [b for b in stream.get_final_message().content if b.type == "tool_use"]
+        assert streamed_use and streamed_use[0].name == "get_time" and streamed_use[0].input["zone"] in ("UTC", "CET")
+        history = ASK + [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12:00"}]},
+        ]
+        after = c.messages.create(model="tiny", max_tokens=4, messages=history, tools=tools, extra_body={"temperature": 0})
+    assert after.stop_reason == "max_tokens" and after.usage.input_tokens > first.usage.input_tokens
+
+
+def test_anthropic_errors_in_its_shape(agents):
+    import anthropic
+
+    with anthropic_client(agents) as c:
+        with pytest.raises(anthropic.NotFoundError) as exc:
+            c.messages.create(model="no-such-model", max_tokens=4, messages=ASK)
+        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            c.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        assert exc.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_x_api_key_is_accepted_like_the_bearer_key(tiny_model, tmp_path, spawn_pool):
+    import anthropic
+
+    config = tmp_path / "pool.toml"
+    config.write_text(f'api_key = "s3cret"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
+    pool = spawn_pool("--config", str(config), "--http", "0")
+    pool.port = http_port(pool)
+    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    with anthropic_client(pool, api_key="wrong") as c:
+        with pytest.raises(anthropic.AuthenticationError) as exc:
+            c.messages.create(model="tiny", max_tokens=4, messages=ASK)
+        assert exc.value.body["error"]["type"] == "authentication_error"
+    with anthropic_client(pool, api_key="s3cret") as c:
+        with pytest.raises(anthropic.NotFoundError):  # past the key: the model is unknown
+            c.messages.create(model="nope", max_tokens=4, messages=ASK)
+    assert pool.close() == 0
+
+
+# -- OpenAI Responses -----------------------------------------------------------------
+
+
+def test_responses_text_streaming_and_previous_response(agents):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"], "additionalProperties": False}
+    kwargs = dict(
+        model="tiny", input="Tell me about the river.", instructions="Be brief.", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, extra_body={"reasoning_budget": 3},
+    )
+    with client(agents) as c:
+        whole = c.responses.create(**kwargs)
+        with c.responses.stream(**kwargs) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        follow = c.responses.create(model="tiny", previous_response_id=whole.id, input="And the sea?", max_output_tokens=4, temperature=0)
+        unkept = c.responses.create(model="tiny", input="Hi", max_output_tokens=2, temperature=0, store=False)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model="tiny", previous_response_id=unkept.id, input="Hi", max_output_tokens=2)
+    assert whole.id.startswith("resp_") and whole.status == "completed" and set(json.loads(whole.output_text)) == {"n"}
+    assert [item.type for item in whole.output] == ["reasoning", "message"] and whole.usage.output_tokens > 0
+    assert final.output_text == whole.output_text and [item.type for item in final.output] == ["reasoning", "message"]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    assert [e for e in kinds if e.startswith("response.output_item")] == ["response.output_item.added", "response.output_item.done"] * 2
+    assert follow.status == "incomplete" and follow.incomplete_details.reason == "max_output_tokens" and follow.usage.output_tokens == 4
+    # The follow-up's prompt is the first exchange (without its instructions) and the new input.
+    conversation = [{"role": "user", "content": "Tell me about the river."}, {"role": "assistant", "content": whole.output_text}, {"role": "user", "content": "And the sea?"}]
+    agents.send({"id": "stdin-follow", "model": "tiny", "messages": conversation, "max_tokens": 1})
+    assert agents.terminal("stdin-follow")["prompt_tokens"] == follow.usage.input_tokens
+
+
+def test_responses_function_calls_round_trip(agents):
+    tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
+    with client(agents) as c:
+        first = c.responses.create(model="tiny", input=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=1.0)
+        [call] = [item for item in first.output if item.type == "function_call"]
+        assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET") and first.status == "completed"
+        with c.responses.stream(model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200, temperature=1.0) as stream:
+            kinds = [event.type for event in stream]
+            streamed = [item for item in stream.get_final_response().output if item.type == "function_call"]
+        assert streamed and streamed[0].name == "get_time" and "response.function_call_arguments.done" in kinds
+        after = c.responses.create(
+            model="tiny", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}], tools=tools, max_output_tokens=4, temperature=0
+        )
+    assert after.usage.input_tokens > first.usage.input_tokens and after.output_text is not None
+
+
+# -- Ollama's API -----------------------------------------------------------------------
+
+
+def ollama_client(pool):
+    import ollama
+
+    return ollama.Client(host=pool.url.removesuffix("/v1"), timeout=120)
+
+
+def test_ollama_chat_generate_and_listing(agents):
+    with ollama_client(agents) as c:
+        ollama_calls(agents, c)
+
+
+def ollama_calls(agents, c) -> None:
+    import ollama
+
+    options = {"temperature": 0, "num_predict": 10}
+    whole = c.chat(model="tiny", messages=ASK, options=options, think=True)
+    parts = list(c.chat(model="tiny", messages=ASK, options=options, think=True, stream=True))
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 10 and whole.prompt_eval_count > 0
+    # (Cut short inside its thinking: the whole reply is content, the stream's was thinking.)
+    assert "".join((p.message.thinking or "") + p.message.content for p in parts) == (whole.message.thinking or "") + whole.message.content
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    generated = c.generate(model="tiny", prompt="Tell me about the river.", options=options, think=False)
+    assert generated.done and generated.eval_count == 10 and generated.response
+    raw = "".join(p.response for p in c.generate(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", raw=True, options=options, stream=True))
+    assert raw
+    forced = c.chat(model="tiny", messages=ASK, tools=[CLOCK], format={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}, options={"num_predict": 40, "temperature": 0})
+    assert set(json.loads(forced.message.content)) == {"a"}
+    names = [m.model for m in c.list().models]
+    assert names[:1] == ["tiny"] and "tiny2" in names
+    assert "tiny" in [m.model for m in c.ps().models]
+    assert "tools" in c.show("tiny").capabilities
+    with pytest.raises(ollama.ResponseError) as exc:
+        c.chat(model="no-such-model", messages=ASK)
+    assert exc.value.status_code == 404
+    version = json.loads(__import__("urllib.request").request.urlopen(agents.url.removesuffix("/v1") + "/api/version", timeout=30).read())
+    assert version["version"]
+
+
+def test_ollama_keep_alive_zero_unloads_after_the_request(agents):
+    with ollama_client(agents) as c:
+        c.generate(model="tiny2", prompt="Hi", options={"num_predict": 2, "temperature": 0}, keep_alive=0)
+        agents.wait_ev("unloaded", model="tiny2", timeout=60)
+        c.generate(model="tiny", prompt="Hi", options={"num_predict": 2, "temperature": 0}, keep_alive="1h")
+        [entry] = [m for m in c.ps().models if m.model == "tiny"]
+        # keep_alive "1h" from now: not the configured never (far off), not gone.
+        assert timedelta(minutes=50) < entry.expires_at - datetime.now(UTC) < timedelta(minutes=70)

@@ -159,13 +159,13 @@ def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
         assert samples[key] == rows[m]["weights_bytes"] > 0
         assert samples[("lattice_worker_rss_bytes", key[1])] > samples[key]
     for m in models:
-        adapter = str(lora) if m == "a-styled" else ""
+        adapter = m if m == "a-styled" else ""  # a configured adapter's label is its name, never its path
         assert samples[series("lattice_model_state", m, adapter=adapter, state="ready")] == 1
         assert samples[series("lattice_model_state", m, adapter=adapter, state="busy")] == 0
         assert samples[series("lattice_model_queued_requests", m, adapter=adapter)] == 0
         info = {"model": m, "adapter": adapter, "format": "bf16", "worker": "b" if m == "b" else "a", "pid": workers["b" if m == "b" else "a"]}
         assert samples[("lattice_model_info", tuple(sorted(info.items())))] == 1
-    assert samples[series("lattice_model_adapter_bytes", "a-styled", adapter=str(lora))] > 0
+    assert samples[series("lattice_model_adapter_bytes", "a-styled", adapter="a-styled")] > 0
     # Throughput as counters; the histograms carry the surface.
     assert samples[series("lattice_requests_total", "a", surface="stdin")] == 1
     assert samples[series("lattice_generated_tokens_total", "a", surface="stdin")] == done["gen_tokens"] == 7

@@ -66,6 +66,7 @@ def test_a_prefix_on_disk_is_used_after_a_pool_restart(tiny_model, tmp_path, spa
     assert done["cached_tokens"] > 0.8 * done["prompt_tokens"]
     assert pool.text("b") == plain_answers[SECOND]
     assert b"prefix cache on disk: 2 entries" in pool.stderr
+    assert b"reading the 2 most recently used files back into memory" in pool.stderr
     assert pool.close() == 0
 
 
@@ -102,23 +103,22 @@ def test_truncated_or_corrupt_files_are_dropped_never_used(tiny_model, tmp_path,
         assert w.close() == 0
 
 
-def test_another_models_files_are_never_used(tiny_model, second_model, tmp_path):
-    w = WorkerProc(tiny_model, "--prefix-disk-dir", str(tmp_path))
-    try:
-        w.wait_ready()
-        ask(w, FIRST)
-        wait_files(tmp_path, 2)
-    finally:
-        assert w.close() == 0
-    w = WorkerProc(second_model, "--prefix-disk-dir", str(tmp_path))
-    try:
-        w.wait_ready()
-        _, done = ask(w, SECOND)
-        assert "cached_tokens" not in done
-    finally:
-        assert w.close() == 0
-    # Each model has a directory of its own.
-    assert len({p.parent for p in files(tmp_path)}) == 2
+def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
+    """Lookups read the model key's directory alone, and the key follows the
+    weights' content (and the dtype and quantization a worker runs with)."""
+    from worker.loader import load
+    from worker.prefix_disk import PrefixDisk, model_key
+
+    one, other = load(tiny_model), load(second_model)
+    keys = {
+        model_key(tiny_model, "bf16 kv", one.model),
+        model_key(second_model, "bf16 kv", other.model),
+        model_key(tiny_model, "bf16 kv8g32", one.model),
+    }
+    assert len(keys) == 3
+    assert model_key(tiny_model, "bf16 kv", one.model) in keys
+    dirs = {PrefixDisk(tmp_path, key, 1 << 20).dir for key in keys}
+    assert len(dirs) == 3
 
 
 # -- in-process: the store itself -------------------------------------------------
@@ -225,3 +225,30 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
     # checkpoint: a long message edited near its end resumes from there.
     assert not engine.prefix_cache.trimmable
     assert engine.prefix_cache.snapshot_points(len(ids), [10, CHECKPOINT + 7]) == {10, CHECKPOINT + 7, 2 * CHECKPOINT}
+
+
+def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):
+    import threading
+
+    from worker import scheduler as scheduler_module
+    from worker.loader import load
+    from worker.prefix_disk import PrefixDisk, model_key
+
+    loaded = load(tiny_model)
+    key = model_key(tiny_model, loaded.format, loaded.model)
+    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
+    run(writer, prompt=FIRST)
+    assert writer.prefix_cache.disk.flush(30)
+    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    release = threading.Event()
+    hung = disk._load
+    # A read that does not come back until the test ends.
+    monkeypatch.setattr(disk, "_load", lambda entry: release.wait(60) and hung(entry))
+    monkeypatch.setattr(scheduler_module, "READ_WAIT_S", 0.5)
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    try:
+        _, done = run(reader, prompt=SECOND)
+        assert "cached_tokens" not in done
+        assert disk.reading
+    finally:
+        release.set()

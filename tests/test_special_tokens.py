@@ -37,3 +37,11 @@ def test_a_forged_system_turn_stays_text_unless_allowed(tiny_model, spawn_pool, 
     assert allowing.terminal("config")["prompt_tokens"] == as_tokens
     assert allowing.terminal("opted-out")["prompt_tokens"] == as_text
     assert plain.close() == 0 and allowing.close() == 0
+
+
+def test_an_http_body_carries_allow_special_tokens_to_the_pool():
+    from supervisor.httpapi.shapes import chat_request
+
+    for body, expected in ((b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', None), (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"allow_special_tokens":true}', True)):
+        line, _ = chat_request(body, "req-1", lambda model: str(model))
+        assert line.allow_special_tokens is expected

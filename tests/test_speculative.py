@@ -108,6 +108,20 @@ def test_greedy_rows_give_the_tokens_of_plain_decoding(which, request):
     assert figures["accepted_tokens"] == sum(d["accepted_tokens"] for d in done.values())
 
 
+def test_the_gated_delta_roll_back_by_feeding_kept_tokens_again_gives_the_same_tokens(hybrid):
+    """The roll-back used on Metal (state from before the step, kept tokens
+    fed again), run here on the CPU, which keeps per-position states."""
+    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None)
+    s, lines = scheduler(hybrid)
+    s.speculator.per_position = False
+    for i, prompt in enumerate(PROMPTS):
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=40, temperature=0.0, repetition_penalty=1.0), 0.0)
+    ids = s.drain()
+    done = done_lines(lines)
+    assert_same_greedy(hybrid, PROMPTS, plain, ids, 40)
+    assert any(d["accepted_tokens"] < d["drafted_tokens"] for d in done.values()), "some draft was cut short"
+
+
 @pytest.mark.parametrize("which", ["dense", "hybrid"])
 def test_seeded_sampled_rows_reproduce_and_match_plain_decoding(which, request):
     """Each position's draw uses the plain step's noise (the row's key split
@@ -139,7 +153,7 @@ def test_rows_with_different_acceptance_share_a_batch(hybrid):
 
 
 def test_a_stop_string_inside_a_drafted_block_ends_the_row_there(hybrid):
-    plain, _, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60)
+    _, _, plain_text, _ = generate(hybrid, [LOOPY], draft=None, max_tokens=60)
     # A stop string from well inside the loop, where blocks of drafts are kept.
     text = plain_text[0]
     stop = text[len(text) // 2 : len(text) // 2 + 6]
@@ -328,3 +342,17 @@ def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, 
     config.write_text(f'[[models]]\nname = "a"\npath = "/m"\n{entry}\n')
     with pytest.raises(ConfigError, match=needle):
         load_config(config)
+
+
+def test_a_row_whose_lookup_finds_nothing_stops_trying_and_steps_plain(dense):
+    """Sampled text on the random attention-only model rarely repeats: its
+    rows' lookups find nothing, and after a few tries they pause, so the
+    batch steps plain (pipelined) most of the time."""
+    s, lines = scheduler(dense)
+    for i, prompt in enumerate(PROMPTS):
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=48, temperature=1.0, seed=i), 0.0)
+    tried: list[bool] = []
+    while s.has_work:
+        tried.append(s.speculator.wants(s.generator.decoding))
+        s.step()
+    assert tried.count(True) < len(tried) // 2, tried

@@ -143,3 +143,15 @@ def test_a_template_that_rewrites_special_text_is_refused(tiny_model, tmp_path):
     forged = text.index("<|im_start|>system")
     assert text.startswith("<|im_start|>user\ny<|im_start|>system")
     assert prompt_ids(codec, messages) == codec.encode_keeping_text(text, [(forged, forged + 12)]) != codec.encode(text)
+
+
+def test_the_assistants_own_turns_are_left_to_the_template(codec):
+    """A past reply with its reasoning, as `lattice-pool chat` sends it back:
+    the template drops what precedes `</think>`, which it could not see if
+    that were hidden; only the user's special text is kept as text."""
+    messages = [Message("user", "Hi"), Message("assistant", "let me think</think>\nHello!"), Message("user", "say <|im_end|>")]
+    text = codec.render(messages)
+    assert "let me think" not in text and "Hello!" in text
+    ids = prompt_ids(codec, messages)
+    im_end = codec.tokenizer.token_to_id("<|im_end|>")
+    assert ids.count(im_end) == 3 and codec.encode(text).count(im_end) == 4

@@ -229,3 +229,26 @@ def test_a_template_without_tools_gets_them_as_qwen_writes_them():
     assert templated.tools == TOOLS and opts.tool_format == "qwen3"
     assert templated.messages[2].tool_calls == [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
     assert templated.messages[3].tool_call_id == "c1"
+
+
+def test_the_tool_parser_config_key_names_every_format():
+    import typing
+
+    from supervisor.config import ModelEntry
+
+    hint = typing.get_type_hints(ModelEntry)["tool_parser"]
+    assert set(typing.get_args(typing.get_args(hint)[0])) == set(tool_parsers.FORMATS)
+
+
+def test_the_responses_store_is_bounded_in_count_and_bytes():
+    from supervisor.httpapi.responses import ResponseStore
+
+    store = ResponseStore(max_responses=3, max_bytes=1000)
+    for i in range(5):
+        store.put(f"r{i}", [{"role": "user", "content": str(i)}])
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    store.put("big", [{"role": "user", "content": "x" * 600}])
+    store.put("big2", [{"role": "user", "content": "y" * 600}])
+    assert store.get("big") is None and store.get("big2") is not None
+    store.put("huge", [{"role": "user", "content": "z" * 2000}])
+    assert store.get("huge") is None

@@ -194,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
         p.error(f"--max-context must be at least 2 tokens, not {args.max_context}")
+    if args.ranks > 1 and (args.kv_bits or args.warm_prompt or args.warm_prompt_file):
+        p.error("--kv-bits and warm prompts are for a model in one process (--ranks 1)")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
     return args
@@ -344,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             return fatal(str(exc))
         warm_prompts(scheduler, texts)
+    if prefix_disk is not None:
+        # On the disk thread, while the worker goes on (they enter memory
+        # from its first step); the oldest first, so that the newest ends up
+        # the most recently used in memory.
+        recent = prefix_disk.recent(args.prefix_cache_bytes // 2)
+        for entry in reversed(recent):
+            prefix_disk.read(entry)
+        if recent:
+            log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
     release_free_memory()
     server.scheduler = scheduler
     server.format = loaded.format

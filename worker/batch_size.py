@@ -57,6 +57,14 @@ def auto_max_batch(*, processor: str, free_bytes: int, guard_bytes: int, row_fix
     return BatchSize(rows, why)
 
 
+def gpu_memory(info: dict) -> int | None:
+    """The GPU's memory in mx.device_info(): Metal calls it memory_size,
+    CUDA total_memory (which, read as memory_size alone, left a CUDA worker
+    sizing itself by the host's RAM)."""
+    size = info.get("memory_size") or info.get("total_memory")
+    return int(size) if size else None
+
+
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
 

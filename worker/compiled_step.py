@@ -40,8 +40,13 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 log = logging.getLogger("worker")
 
 # Distinct traces kept before the compiled function is dropped and traced
-# afresh (each holds its graph; a long-lived worker meets many capacities).
+# afresh (each holds its graph; a long-lived worker meets many capacities):
+# at least this many, and CAPACITIES_KEPT per batch size, since the warm-up
+# traces every batch size once and dropping them all at the next new shape
+# makes the running batch trace again at each size it shrinks through
+# (max_batch 64: a lone request that crossed 256 tokens left 1 trace of 64).
 MAX_TRACES = 64
+CAPACITIES_KEPT = 4
 
 
 class _TracedKV:
@@ -125,7 +130,12 @@ class CompiledDecode:
         self.model = model
         self._fn = mx.compile(self._step)
         self._shapes: set[tuple] = set()
+        self.max_traces = MAX_TRACES
         self.failed: str | None = None  # why the model could not be traced
+
+    def keep_for(self, max_batch: int) -> None:
+        """Keeps enough traces for batches of up to max_batch rows."""
+        self.max_traces = max(MAX_TRACES, CAPACITIES_KEPT * max_batch)
 
     def steppable(self, layers: list) -> bool:
         return self.failed is None and bool(layers) and all(_steppable(c) for c in layers)
@@ -157,7 +167,7 @@ class CompiledDecode:
         if shape in self._shapes:
             logits, out = self._fn(inputs, states)
         else:
-            if len(self._shapes) >= MAX_TRACES:
+            if len(self._shapes) >= self.max_traces:
                 self._fn = mx.compile(self._step)
                 self._shapes.clear()
             log.debug("compiled decode step: tracing %d rows, capacities %s", shape[0], shape[1])

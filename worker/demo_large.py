@@ -7,14 +7,14 @@ heads); `4b-hybrid` and `9b-hybrid` are Qwen3.5-4B and Qwen3.5-9B (three
 gated-delta layers to one attention layer, 256-dim heads). The vocabulary is
 the demo tokenizer's (1,024 rows, not the real 151,936 or 248,320), so every
 id the model samples has text: the real models' embedding and LM head are
-larger by 0.4-1.0B parameters; the layers are theirs. `layers` cuts the depth
+larger by 0.4-2.0B parameters; the layers are theirs. `layers` cuts the depth
 (a 2-layer model of the 8b width runs the 8b kernels at a fraction of the
 bytes).
 
-Weights are mx.random noise (seeded; see _noise) scaled by 1/sqrt(fan-in), plus the
-demo's bigram embedding and LM head (worker.demo_model), written in MLX's
-layout in shards of at most SHARD_BYTES with an index, as mlx_lm.convert
-writes them; `q4` quantizes each tensor as it is made (affine, group 64),
+Weights are mx.random noise (seeded; see _noise) scaled by 1/sqrt(fan-in),
+plus the demo's bigram embedding and LM head (worker.demo_model), written
+in MLX's layout in shards of at most SHARD_BYTES with an index, as
+mlx_lm.convert writes them; `q4` quantizes each tensor as it is made (affine, group 64),
 as `nn.quantize` would.
 """
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import psutil
 
 from ipc.worker_events import rss_uss
+from worker.batch_size import gpu_memory
 
 try:  # glibc's; musl and macOS have none
     _malloc_trim = ctypes.CDLL(None).malloc_trim
@@ -33,8 +34,8 @@ def processor() -> str:
 
 def device_memory() -> int:
     """Memory of the device MLX computes on: the GPU's, else the machine's RAM."""
-    size = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None
-    return int(size) if size else int(psutil.virtual_memory().total)
+    size = gpu_memory(mx.device_info()) if mx.default_device() == mx.gpu else None
+    return size or int(psutil.virtual_memory().total)
 
 
 def trim_heap() -> None:

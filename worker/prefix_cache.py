@@ -40,7 +40,8 @@ def message_starts(ids: list[int], marker: int | None) -> list[int]:
     """Positions of the chat markers that open a block, the first excluded."""
     if marker is None:
         return []
-    return [i for i, t in enumerate(ids) if t == marker and i > 0]
+    # numpy: a 26k-token prompt took 30 ms in a Python loop.
+    return [int(i) for i in np.flatnonzero(np.asarray(ids) == marker) if i > 0]
 
 
 # Positions (multiples of it) where every prompt's prefill chunks end, and

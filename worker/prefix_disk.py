@@ -18,7 +18,10 @@ the byte budget, and a hit touches its file: the order survives restarts.
 
 Reads go through the same thread: a request whose prompt has a longer
 prefix on disk than in memory waits while its file is read (worker.scheduler),
-and the main thread turns the read bytes into arrays.
+and the main thread turns the read bytes into arrays. A worker that starts
+reads the most recently used files back into memory the same way, up to
+half its memory budget, so that after a restart the prefixes in use are in
+memory again by the time their requests come.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ MAX_HEADER = 1 << 20
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
+# How long a request waits for prefix cache files before it starts without
+# them (a disk that hangs must not hold requests for ever).
+READ_WAIT_S = 30.0
 # LM Studio's rule for its disk cache: at most 30 GiB, at most a quarter of
 # the free space.
 DEFAULT_CAP = 30 << 30
@@ -269,6 +275,19 @@ class PrefixDisk:
                 best[entry.adapter] = (n, entry)
         return best
 
+    def recent(self, limit_bytes: int) -> list[DiskEntry]:
+        """The most recently used entries, newest first, as many as fit in
+        `limit_bytes` (of file size, about their size in memory)."""
+        with self._lock:
+            entries = sorted(self._index.values(), key=lambda e: e.used, reverse=True)
+        out, total = [], 0
+        for entry in entries:
+            if total + entry.size > limit_bytes:
+                break
+            out.append(entry)
+            total += entry.size
+        return out
+
     def read(self, entry: DiskEntry) -> bool:
         """Starts reading an entry; False when it is already being read."""
         if entry.name in self._reading:
@@ -355,7 +374,12 @@ class PrefixDisk:
                 except queue.Empty:
                     pass
                 else:
-                    self._results.put((entry, self._load(entry)))
+                    try:
+                        loaded = self._load(entry)
+                    except Exception:  # every read ends with a result: a request waits for it
+                        log.exception("prefix cache: reading %s failed", entry.name)
+                        loaded = None
+                    self._results.put((entry, loaded))
                     self.wake()
                     continue
                 try:

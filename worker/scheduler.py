@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,7 @@ from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.memory import device_memory, processor, trim_heap
 from worker.prefix_cache import PrefixCache, cut_points
-from worker.prefix_disk import PrefixDisk
+from worker.prefix_disk import READ_WAIT_S, PrefixDisk
 from worker.prompts import PromptReader, RequestError, model_limit
 from worker.sampling import RowSampling, SamplingParams
 from worker.speculate import DEFAULT_TOKENS, speculator_for
@@ -65,8 +66,10 @@ class Waiting:
     arrived: float
     adapter_clock: int  # its place among adapter messages
     constraint: RowConstraint | None
-    # Prefix cache files being read for it: it starts once they are in memory.
+    # Prefix cache files being read for it: it starts once they are in
+    # memory, or at disk_until (time.monotonic()) without them.
     disk: set[str] = field(default_factory=set)
+    disk_until: float = 0.0
 
 
 class Scheduler:
@@ -137,6 +140,8 @@ class Scheduler:
         if self.max_batch > 1 and not self.generator.can_batch:
             log.info("this architecture's caches cannot be batched: one request at a time")
             self.max_batch, self.max_batch_why = 1, "this architecture's caches cannot be batched"
+        if self.compiled is not None:
+            self.compiled.keep_for(self.max_batch)
         self.waiting: deque[Waiting] = deque()
         self.streams: dict[Row, RowStream] = {}
         self._by_rid: dict[int, Row] = {}
@@ -155,6 +160,7 @@ class Scheduler:
         self.idle_since: float | None = None
         self._trimmed = True
         self.idle_release_s = idle_release_s
+        self._disk_timer: threading.Timer | None = None
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache, speculate: bool = True) -> TokenGenerator:
@@ -213,6 +219,18 @@ class Scheduler:
                 w.disk.add(entry.name)
         except Exception:  # the disk tier is an optimisation: never a request's failure
             log.exception("prefix cache: looking on disk failed")
+        if w.disk:
+            w.disk_until = time.monotonic() + READ_WAIT_S
+            self._disk_alarm(READ_WAIT_S)
+
+    def _disk_alarm(self, seconds: float) -> None:
+        """Wakes the worker after `seconds`, when a request stops waiting
+        for the disk: one timer at a time, set again for the next deadline
+        by _admit."""
+        if self._disk_timer is None or not self._disk_timer.is_alive():
+            self._disk_timer = threading.Timer(seconds, self.prefix_cache.disk.wake)
+            self._disk_timer.daemon = True
+            self._disk_timer.start()
 
     def _disk_results(self) -> None:
         """Files read since the last step go into the memory tier, and the
@@ -355,11 +373,16 @@ class Scheduler:
         scanned: deque[Waiting] = deque()
         full = False
         behind_starved = False
+        now = time.monotonic()
         while self.waiting and (sweep or not full):
             w = self.waiting.popleft()
             if w.disk:
-                scanned.append(w)
-                continue
+                if now < w.disk_until:
+                    self._disk_alarm(w.disk_until - now)
+                    scanned.append(w)
+                    continue
+                log.warning("request %s: prefix cache files still being read after %.0f s; it starts without them", w.req.id_json or w.req.rid, READ_WAIT_S)
+                w.disk.clear()
             got = self.adapters.resolve(w.req.lora, w.adapter_clock)
             if isinstance(got, Refused):
                 log.info("request %s: %s", w.req.id_json or w.req.rid, got.msg)

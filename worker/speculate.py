@@ -30,16 +30,20 @@ Rolling back what was not kept, per row:
   into left padding by mlx-lm's own right-padding roll (`prepare` /
   `finalize`, the prefill path's), so their positions stay exact.
 - Gated-delta layers (ArraysCache) cannot be cut back: their state sums
-  every token. Their state before the step is kept (the arrays are replaced,
-  never written, so a reference is a snapshot), attention caches are
-  trimmed to before the step, and the kept tokens are fed again in one
-  right-padded forward in which each row's recurrence stops at its own
-  length (the prefill path's `lengths`). Not needed when every row kept its
-  whole draft.
+  every token. Off Metal, the verify forward keeps each layer's state after
+  every position (`_Positions`) and each row takes the one after its last
+  kept token. On Metal (whose fused kernel keeps no intermediate states),
+  their state before the step is kept (the arrays are replaced, never
+  written, so a reference is a snapshot), attention caches are trimmed to
+  before the step, and the kept tokens are fed again in one right-padded
+  forward in which each row's recurrence stops at its own length (the
+  prefill path's `lengths`); not needed when every row kept its whole
+  draft.
 
 Honest: k adapts per row (one more after a draft kept whole, back to what
-was kept plus one after a miss); a row whose drafts are mostly rejected
-stops drafting for a while and tries again later, each miss longer; and the
+was kept plus one after a miss); a row whose drafts are mostly rejected, or
+whose drafter keeps proposing nothing, stops drafting for a while and tries
+again later, each pause longer; and the
 worker compares the tokens per second of its speculative steps with those
 of plain steps of the same batch size, and stops speculating for a while
 when it is not faster.
@@ -52,6 +56,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from worker.constrain import RowConstraint
@@ -90,6 +95,7 @@ class RowSpec:
     judged: int = 0  # drafting steps since the row was last judged
     off_until: int = 0  # the step from which it drafts again
     pause: int = ROW_PAUSE
+    empty: int = 0  # drafting steps in a row with nothing proposed
 
 
 class Speculator:
@@ -110,6 +116,9 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.verified = 0  # speculative steps run
+        # Gated-delta state kept per position (else the kept tokens are fed
+        # again): off Metal, see _Positions.
+        self.per_position = not mx.metal.is_available()
 
     def figures(self) -> dict[str, int]:
         """Totals for worker_stats (summed by the pool's status and metrics)."""
@@ -192,9 +201,24 @@ class Speculator:
             [min(spec.k, rows[i].draft_limit) for i, spec in zip(which, specs)],
         )
         drafts: list[list[int]] = [[] for _ in rows]
-        for i, draft in zip(which, proposed):
+        for i, spec, draft in zip(which, specs, proposed):
             drafts[i] = self._checked(gen, rows[i], pending[i], draft)
+            self._idle(spec, bool(drafts[i]))
         return drafts
+
+    def _idle(self, spec: RowSpec, proposed: bool) -> None:
+        """A row whose drafter keeps finding nothing (prompt lookup on text
+        that does not repeat) pauses as a row that misses does: while it may
+        draft, its steps read their tokens back at once, which costs a plain
+        step its overlap with the device."""
+        if proposed:
+            spec.empty = 0
+            return
+        spec.empty += 1
+        if spec.empty >= ROW_JUDGE_AFTER:
+            spec.off_until = self.steps + spec.pause
+            spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
+            spec.empty = 0
 
     def _checked(self, gen, row, pending: int, draft: list[int]) -> list[int]:
         eos = gen.eos_ids
@@ -215,6 +239,7 @@ class Speculator:
         layers = cache.layers
         hybrid = any(type(c) is ArraysCache for c in layers)
         saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers] if hybrid else None
+        positions = _Positions(gen.model) if hybrid and self.per_position else None
         constrained = any(row.constraint is not None for row in rows)
         bits = None
         if constrained:
@@ -222,7 +247,11 @@ class Speculator:
             constraints = gen._commit(pending)
             bits = _masks(gen.masks, constraints, drafts, width)
         gen._route([row.slot for row in rows])
-        logits = gen.model(inputs, cache=layers)
+        if positions is not None:
+            with positions:
+                logits = gen.model(inputs, cache=layers)
+        else:
+            logits = gen.model(inputs, cache=layers)
         sampler = gen.sampler
         drawn, keys, seen = [], [], []
         for j in range(width):
@@ -247,6 +276,9 @@ class Speculator:
         sampler._keys = keys[index, across]
         if seen[0] is not None:
             sampler._seen = mx.stack(seen)[index, across]
+        if positions is not None and positions.complete(layers):
+            positions.keep(layers, saved, kept)
+            saved = None  # the attention caches are rolled back as in an attention-only model
         self._roll_back(gen, cache, layers, saved, inputs, kept, width)
         gen._next = mx.array([t[a] for t, a in zip(targets, kept)], dtype=mx.uint32)
         out = []
@@ -269,6 +301,8 @@ class Speculator:
             least = min(rejected)
             rest = [r - least for r in rejected]
             for c in layers:
+                if type(c) is ArraysCache:
+                    continue
                 c.trim(least)
                 if any(rest):
                     c.prepare(right_padding=rest)
@@ -370,6 +404,103 @@ def _masks(masks, constraints: list[RowConstraint | None], drafts: list[list[int
         if c is not None and c.active and d:
             c.matcher.rollback(len(d))
     return out
+
+
+class _Positions:
+    """Keeps, during one verify forward, each gated-delta layer's state after
+    every position, so that each row can keep the state after its own kept
+    tokens without feeding them again.
+
+    The layers' recurrence runs token by token (mlx-lm's ops) with every
+    step's state recorded, and each layer's convolution input (the
+    in_proj_qkv output) is kept: the conv state after m tokens is rows m to
+    m + kernel - 1 of [conv state before, inputs]. Off Metal only: there the
+    token-by-token verify forward alone measured cheaper than the chunked
+    one plus a re-run (docs/performance.md, "Speculative decoding"); on
+    Metal mlx-lm's fused kernel keeps no intermediate states."""
+
+    def __init__(self, model):
+        self.layers = [m for m in model.modules() if hasattr(m, "in_proj_qkv") and hasattr(m, "conv_kernel_size")]
+        self.states: list[list[mx.array]] = []
+        self.inputs: list[tuple[int, mx.array]] = []
+        self._patched: list[tuple[object, object]] = []
+
+    def __enter__(self):
+        import sys
+
+        names = {type(m).__module__ for m in self.layers}
+        for name in names:
+            module = sys.modules[name]
+            self._patched.append((module, module.gated_delta_update))
+            module.gated_delta_update = self._recurrence
+        for m in self.layers:
+            m.in_proj_qkv = _Kept(m.in_proj_qkv, m.conv_kernel_size - 1, self.inputs)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.layers:
+            if isinstance(m.in_proj_qkv, _Kept):
+                m.in_proj_qkv = m.in_proj_qkv.inner
+        for module, original in self._patched:
+            module.gated_delta_update = original
+        self._patched.clear()
+
+    def _recurrence(self, q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True, lower_bound=None, allow_neg_eigval=False):
+        from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, compute_lower_bound_g
+
+        beta = mx.sigmoid(b)
+        if allow_neg_eigval:
+            beta = beta * 2.0
+        g = compute_g(A_log, a, dt_bias) if lower_bound is None else compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        if state is None:
+            state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+        if Hv > Hk:
+            q = mx.repeat(q, Hv // Hk, -2)
+            k = mx.repeat(k, Hv // Hk, -2)
+        ys, states = [], []
+        for t in range(T):
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t])
+            ys.append(y)
+            states.append(state)
+        self.states.append(states)
+        return mx.stack(ys, axis=1), state
+
+    def complete(self, layers: list) -> bool:
+        """Every gated-delta layer was recorded (else: re-run)."""
+        n = sum(1 for c in layers if type(c) is ArraysCache)
+        return len(self.states) == len(self.inputs) == n
+
+    def keep(self, layers: list, saved: list, kept: list[int]) -> None:
+        """Each row's gated-delta state after its pending token and kept drafts."""
+        across = mx.arange(len(kept))
+        after = mx.array(kept)  # index of the last kept position
+        j = 0
+        for c, before in zip(layers, saved):
+            if type(c) is not ArraysCache:
+                continue
+            n_keep, qkv = self.inputs[j]
+            conv = before[0] if before[0] is not None else mx.zeros((qkv.shape[0], n_keep, qkv.shape[-1]), dtype=qkv.dtype)
+            window = (after + 1)[:, None] + mx.arange(n_keep)
+            c[0] = mx.take_along_axis(mx.concatenate([conv, qkv], axis=1), window[..., None], axis=1)
+            c[1] = mx.stack(self.states[j])[after, across]
+            j += 1
+
+
+class _Kept(nn.Module):
+    """A layer's in_proj_qkv that keeps what it computed (the conv input)."""
+
+    def __init__(self, inner, n_keep: int, out: list):
+        super().__init__()
+        self.inner = inner
+        self._n_keep = n_keep
+        self._out = out
+
+    def __call__(self, x):
+        y = self.inner(x)
+        self._out.append((self._n_keep, y))
+        return y
 
 
 class DraftError(ValueError):

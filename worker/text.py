@@ -152,18 +152,26 @@ class TextCodec:
 
     def render_marked(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat and the spans in it of special-token text that
-        came from the messages' contents (none in the usual case, at the cost
-        of one regex search per message). Those spans are found from a second
-        rendering with each content between markers; SpecialTextError when
-        the template changes a content that holds such text, so the spans
+        came from the contents of messages other than the assistant's (none
+        in the usual case, at the cost of one regex search per message).
+        The assistant's own turns are left as they are: they are the model's
+        words played back, and templates read its `</think>` to drop the
+        reasoning of past turns. The spans are found from a second rendering
+        with those contents between markers; SpecialTextError when the
+        template changes such a content that holds such text, so the spans
         cannot be told from the template's own tokens."""
         text = self.render(messages, tools)
-        if self._special_text is None or not any(self._special_text.search(m.content) for m in messages):
+        if self._special_text is None:
+            return text, []
+        marked_ones = [m.role != "assistant" and self._special_text.search(m.content) is not None for m in messages]
+        if not any(marked_ones):
             return text, []
         used = set().union(*(set(m.content) for m in messages if not m.content.isascii()))
         free = (chr(c) for c in _PRIVATE_USE if chr(c) not in used)
         opener, closer = next(free), next(free)
-        marked = self.render([msgspec.structs.replace(m, content=opener + m.content + closer) for m in messages], tools)
+        marked = self.render(
+            [msgspec.structs.replace(m, content=opener + m.content + closer) if mark else m for m, mark in zip(messages, marked_ones)], tools
+        )
         plain: list[str] = []
         contents: list[tuple[int, int]] = []
         at = 0  # length of the plain text so far
@@ -178,7 +186,7 @@ class TextCodec:
                 plain.append(part)
                 at += len(part)
         if "".join(plain) != text or any(end == -1 for _, end in contents):
-            found = next(self._special_text.search(m.content).group() for m in messages if self._special_text.search(m.content))
+            found = next(self._special_text.search(m.content).group() for m, mark in zip(messages, marked_ones) if mark)
             raise SpecialTextError(
                 f"a message's content holds the special-token text {found!r}, which the chat template rewrites, so it cannot be kept as "
                 "text; remove it, or set allow_special_tokens to have it read as the token"

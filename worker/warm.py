@@ -43,7 +43,10 @@ def warm_prompts(scheduler, texts: list[str]) -> int:
     """Prefills each text and pins its snapshot in the scheduler's prefix
     cache; returns the tokens pinned in all."""
     cache = scheduler.prefix_cache
-    if not texts or not cache.enabled:
+    if not texts:
+        return 0
+    if not cache.enabled:
+        log.warning("%d warm prompts not held: the prefix cache is off", len(texts))
         return 0
     generator = scheduler._generator(cache)
     marker = generator.chat_marker

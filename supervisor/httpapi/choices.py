@@ -1,8 +1,7 @@
 """A request with `n` > 1: n rows in the pool (each its own Exchange, with
 its own id, and seed + i when the request has a seed), answered as one
-response with n choices. The rows share the prompt, so the model's prefix
-cache serves the prompt to every row after the first, and they run in one
-batch.
+response with n choices. The rows share the prompt (the prefix cache may
+serve it to the rows after the first) and run in one batch.
 
 Choices looks to the server like one Exchange: `changed`, `ended`,
 `error`, `started`, `overflowed`, take(), whole().
@@ -28,6 +27,10 @@ class Choices:
         for exchange in exchanges:
             exchange.changed = self.changed
         self._closed = False
+
+    @property
+    def headers(self) -> list:
+        return self.exchanges[0].headers
 
     @property
     def error(self) -> HttpError | None:

@@ -21,7 +21,7 @@ import msgspec
 
 from ipc.events import INTERNAL, PREFIX
 from supervisor.httpapi.reasoning import ThinkSplitter
-from supervisor.httpapi.shapes import HttpError, Reply, stream_error, usage
+from supervisor.httpapi.shapes import HttpError, Reply, usage
 from supervisor.httpapi.tools import ToolReader, call_objects
 
 
@@ -84,6 +84,11 @@ class Exchange:
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
+
+    @property
+    def headers(self) -> list:
+        """A stream's response headers: its API's (SSE, or Ollama's NDJSON)."""
+        return self.reply.headers
 
     # -- the pool's side -------------------------------------------------------
 
@@ -197,7 +202,7 @@ class Exchange:
         self.ended = True
         self.error = error
         if self.stream and self.started:
-            self._put(stream_error(error))
+            self._put(self.reply.stream_error(error))
 
     # -- the response's side ---------------------------------------------------
 

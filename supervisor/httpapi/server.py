@@ -41,6 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
+from supervisor.httpapi import anthropic, ollama, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
@@ -62,7 +63,6 @@ CONNECTION = "lattice.connection"  # the key of a request's Connection in scope[
 # pool's, counted there (lattice_errors_total); those before are counted here.
 _POOL_ANSWERS = "lattice.pool_answers"
 JSON = (b"content-type", b"application/json")
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def _ignore(line: bytes) -> None:
@@ -325,6 +325,10 @@ class App:
         # Host names that mean this pool: "localhost" and the address it
         # listens on, as configured and as bound.
         self.local_names = {"localhost", *local_names}
+        # Other APIs on the same pool, by route: each reads its body as a chat
+        # request and writes its own answers and errors.
+        self.apis = {"/v1/responses": responses, "/v1/messages": anthropic, "/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE}
+        self.stored = responses.ResponseStore()
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
@@ -351,14 +355,17 @@ class App:
                 if exc.status in (408, 413):
                     # The rest of the body is not wanted: do not wait for it.
                     extra.append((b"connection", b"close"))
-                await _send_json(send, exc.status, exc.body(), *extra)
+                api = self.apis.get(scope.get("path", ""))
+                await _send_json(send, exc.status, (api.error(exc) if api is not None else exc).body(), *extra)
         except _ClientGone:
             pass
         except Exception:
             log.exception("http: %s %s failed", scope.get("method"), scope.get("path"))
             self.pool.note_error(None, INTERNAL, "http")
             if not started:
-                await _send_json(send, 500, error_body("internal error; the pool logged it and goes on", "server_error", INTERNAL))
+                error = HttpError(500, "internal error; the pool logged it and goes on", "server_error", INTERNAL)
+                api = self.apis.get(scope.get("path", ""))
+                await _send_json(send, 500, (api.error(error) if api is not None else error).body())
 
     def _guard(self, scope: dict) -> None:
         """Without a key, any program on this machine may call the pool, but
@@ -400,7 +407,11 @@ class App:
     def _authorize(self, scope: dict) -> None:
         given = _header(scope, b"authorization")
         if given is None:
-            raise HttpError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="missing_api_key")
+            # Anthropic's clients send the key as x-api-key.
+            key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+            if key is None:
+                raise HttpError(401, "missing API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')", code="missing_api_key")
+            given = b"Bearer " + key
         scheme, _, key = given.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
             raise HttpError(401, "incorrect API key", code="invalid_api_key")
@@ -412,6 +423,14 @@ class App:
             "/v1/models": ("GET", self._models),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
+            "/v1/responses": ("POST", self._other_api),
+            "/v1/messages": ("POST", self._other_api),
+            "/api/chat": ("POST", self._other_api),
+            "/api/generate": ("POST", self._other_api),
+            "/api/tags": ("GET", self._ollama_info),
+            "/api/ps": ("GET", self._ollama_info),
+            "/api/version": ("GET", self._ollama_info),
+            "/api/show": ("POST", self._ollama_info),
         }
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", self._model)
@@ -450,19 +469,52 @@ class App:
     # -- generation -----------------------------------------------------------------
 
     async def _chat(self, scope, receive, send) -> None:
-        await self._generate(scope, receive, send, chat=True)
+        def parse(body: bytes, request_id: str):
+            return chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
+
+        await self._generate(scope, receive, send, "chatcmpl-", parse, Reply.maker(True))
 
     async def _completions(self, scope, receive, send) -> None:
-        await self._generate(scope, receive, send, chat=False)
+        def parse(body: bytes, request_id: str):
+            return completion_request(body, request_id, self._model_name)
 
-    async def _generate(self, scope: dict, receive, send, *, chat: bool) -> None:
+        await self._generate(scope, receive, send, "cmpl-", parse, Reply.maker(False))
+
+    async def _other_api(self, scope, receive, send) -> None:
+        """/v1/responses and /v1/messages: their bodies read as a chat's, their
+        answers in their own shapes (supervisor.httpapi.responses, .anthropic)."""
+        api = self.apis[scope["path"]]
+        parsed = []
+
+        def parse(body: bytes, request_id: str):
+            parsed.append(api.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self))
+            return parsed[0]
+
+        try:
+            await self._generate(scope, receive, send, api.PREFIX, parse, api.reply_maker(self))
+        except HttpError as exc:
+            raise api.error(exc) from None
+        finally:
+            if parsed and hasattr(api, "after"):
+                api.after(self, *parsed[0])
+
+    async def _ollama_info(self, scope, receive, send) -> None:
+        body = b""
+        if scope["method"] == "POST":
+            self._json_body(scope)
+            body = await _read_body(scope, receive, self.max_body, self.request_timeout)
+        try:
+            answer = await ollama.info(self, scope["path"], body)
+        except HttpError as exc:
+            raise ollama.error(exc) from None
+        await _send_json(send, 200, answer)
+
+    async def _generate(self, scope: dict, receive, send, prefix: str, parse, make_reply) -> None:
         self._json_body(scope)
         body = await _read_body(scope, receive, self.max_body, self.request_timeout)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        if chat:
-            msg, opts = chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
-        else:
-            msg, opts = completion_request(body, request_id, self._model_name)
+        request_id = prefix + secrets.token_hex(12)
+        msg, opts = parse(body, request_id)
+        chat = make_reply.chat
         # n > 1: one row per choice, each with an id (and seed) of its own.
         msgs = [msg] + [
             msgspec.structs.replace(msg, id=f"{request_id}-{i}", seed=None if msg.seed is None else (msg.seed + i) % 2**63) for i in range(1, opts.n)
@@ -493,7 +545,7 @@ class App:
         created = int(time.time())
         parts = []
         for i, row in enumerate(msgs):
-            reply = Reply(chat, request_id, created, opts.model, opts.include_usage, index=i, closing=opts.n == 1)
+            reply = make_reply(request_id, created, opts, i)
             tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
             think = (lambda: self._opens_think(msg)) if chat else None
             parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))
@@ -536,7 +588,7 @@ class App:
                         raise exchange.error  # before the first token: a plain HTTP error
                     exchange.changed.clear()
                     continue
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                await send({"type": "http.response.start", "status": 200, "headers": exchange.headers})
                 headers_sent = True
             ended = exchange.ended
             data = exchange.take()

@@ -11,6 +11,7 @@ request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,7 @@ class Options(msgspec.Struct):
     tools: ToolRequest | None = None
     tool_format: str | None = None
     n: int = 1
+    extra: Any = None  # what another API's answer needs of its request (supervisor.httpapi.responses)
 
 
 def _convert(value: object, kind: Any, where: str) -> Any:
@@ -202,7 +204,10 @@ def _client_line(line: dict) -> ClientLine:
     try:
         return parse_line(_encode(line))
     except BadRequest as exc:
-        raise bad(exc.msg.removeprefix("malformed request: ")) from None
+        msg = exc.msg.removeprefix("malformed request: ")
+        # OpenAI names the offending field in `param`.
+        field = re.match(r"invalid field '([^'.\[]+)", msg)
+        raise bad(msg, field.group(1) if field else "response_format" if "response_format" in msg else None) from None
 
 
 def _options(fields: HttpFields, model: str) -> Options:
@@ -300,9 +305,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return figures
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
 class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
+
+    headers = SSE_HEADERS  # a stream's
 
     def __init__(self, chat: bool, request_id: str, created: int, model: str, include_usage: bool, index: int = 0, closing: bool = True):
         self.chat = chat
@@ -323,6 +333,19 @@ class Reply:
         else:
             self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
+
+    @classmethod
+    def maker(cls, chat: bool):
+        """The server's factory of one choice's Reply."""
+
+        def make(request_id: str, created: int, opts: Options, index: int) -> Reply:
+            return cls(chat, request_id, created, opts.model, opts.include_usage, index=index, closing=opts.n == 1)
+
+        make.chat = chat  # type: ignore[attr-defined]
+        return make
+
+    def stream_error(self, error: HttpError) -> bytes:
+        return stream_error(error)
 
     def piece(self, text: str, reasoning: bool = False) -> bytes:
         """The SSE chunk of one piece of text (reasoning: a reasoning_content delta)."""

@@ -1,0 +1,321 @@
+"""The part of Ollama's API that apps call, on the same pool: `/api/chat`,
+`/api/generate` (NDJSON when streaming, Ollama's default), `/api/tags`,
+`/api/ps`, `/api/show`, `/api/version`. Chat and generate bodies are read
+as the chat (or, for a raw generate, the completion) request they mean and
+run through that path; answers and errors (`{"error": "..."}`) are in
+Ollama's shapes. `keep_alive` sets how long the model's worker stays after
+the request (a duration or seconds; negative: for ever; 0: unloaded once
+idle), in place of its configured keep_alive.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from supervisor.config import parse_duration
+from supervisor.httpapi.models import list_models, model_name
+from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request
+from supervisor.httpapi.tools import TemplateInfo
+from supervisor.local_models import model_format
+from supervisor.resolve import UnknownModel
+
+PREFIX = "ollama-"
+NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
+_encode = msgspec.json.Encoder().encode
+
+# Ollama's option names for the pool's request fields.
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "stop": "stop"}
+DONE_REASON = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+
+
+class OllamaError(HttpError):
+    def body(self) -> bytes:
+        return _encode({"error": self.message})
+
+
+def error(exc: HttpError) -> HttpError:
+    return OllamaError(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def keep_alive_seconds(value: Any) -> float | None | bool:
+    """Ollama's keep_alive as seconds (None: for ever); False when absent."""
+    if value is None:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if value < 0 else float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("-"):
+            return None
+        try:
+            return parse_duration(text)
+        except ValueError:
+            raise bad(f"keep_alive {value[:40]!r} is not a duration (e.g. '5m', 300, -1)", "keep_alive") from None
+    raise bad("keep_alive must be a duration string or a number of seconds", "keep_alive")
+
+
+def _decode(body: bytes) -> dict:
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise bad(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad("request body must be a JSON object")
+    return data
+
+
+def _common(data: dict, chat: dict) -> None:
+    options = data.get("options") or {}
+    if not isinstance(options, dict):
+        raise bad("options must be an object", "options")
+    for theirs, ours in OPTIONS.items():
+        value = options.get(theirs)
+        if value is None or (theirs == "num_predict" and isinstance(value, int) and value < 0):
+            continue  # num_predict -1: no limit of the client's; the pool's max_tokens holds
+        chat[ours] = value
+    chat["stream"] = data.get("stream", True) is not False
+    fmt = data.get("format")
+    if fmt == "json":
+        chat["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise bad('format must be "json" or a JSON schema', "format")
+    think = data.get("think")
+    if think is False:
+        chat["reasoning_budget"] = 0
+    elif isinstance(think, str):
+        chat["reasoning_effort"] = think
+
+
+def _messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list):
+        raise bad('"messages" must be a list', "messages")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict):
+            raise bad("each message must be an object", "messages")
+        if m.get("images"):
+            raise bad("images are not supported: text only", "messages")
+        message = {"role": m.get("role"), "content": m.get("content") or ""}
+        calls = m.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [
+                {"id": f"call_{i}", "type": "function", "function": {"name": (c.get("function") or {}).get("name"), "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
+                for i, c in enumerate(calls)
+                if isinstance(c, dict)
+            ]
+        if m.get("tool_name") is not None:
+            message["name"] = m["tool_name"]
+        out.append(message)
+    return out
+
+
+class _Api:
+    """One of the two generating routes."""
+
+    PREFIX = PREFIX
+    error = staticmethod(error)
+
+    def __init__(self, generate: bool):
+        self.generate = generate
+
+    def request(self, body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
+        data = _decode(body)
+        keep = keep_alive_seconds(data.get("keep_alive"))
+        raw = False
+        if self.generate:
+            prompt = data.get("prompt") or ""
+            if not isinstance(prompt, str):
+                raise bad("prompt must be a string", "prompt")
+            if data.get("images"):
+                raise bad("images are not supported: text only", "images")
+            raw = bool(data.get("raw"))
+            if raw:
+                body_ = {"model": data.get("model"), "prompt": prompt}
+            else:
+                system = data.get("system")
+                body_ = {"model": data.get("model"), "messages": ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]}
+        else:
+            body_ = {"model": data.get("model"), "messages": _messages(data.get("messages"))}
+            if data.get("tools") is not None:
+                body_["tools"] = data["tools"]
+        _common(data, body_)
+        if raw:
+            msg, opts = completion_request(_encode(body_), request_id, model_name)
+        else:
+            msg, opts = chat_request(_encode(body_), request_id, model_name, template)
+        opts.include_usage = True
+        opts.extra = {"keep_alive": keep, "raw": raw}
+        return msg, opts
+
+    def after(self, app, msg, opts: Options) -> None:
+        """The request's keep_alive, for its worker from now on."""
+        keep = opts.extra["keep_alive"]
+        if keep is False:
+            return
+        try:
+            spec = app.pool.resolve(msg.model, msg.lora)
+        except UnknownModel:  # its path broke meanwhile; the request said so
+            return
+        app.pool.keep_alive(spec, keep)
+
+    def reply_maker(self, app):
+        generate = self.generate
+
+        def make(request_id: str, created: int, opts: Options, index: int) -> OllamaReply:
+            return OllamaReply(opts.model, generate, opts.extra["raw"], opts.stream)
+
+        make.chat = True  # type: ignore[attr-defined]
+        return make
+
+
+CHAT = _Api(generate=False)
+GENERATE = _Api(generate=True)
+
+
+class OllamaReply:
+    """One answer of /api/chat or /api/generate, whole or as NDJSON lines
+    (the Exchange's Reply interface)."""
+
+    chat = True
+    include_usage = True
+    headers = NDJSON_HEADERS
+
+    def __init__(self, model: str, generate: bool, raw: bool, stream: bool):
+        self.model = model
+        self.generate = generate
+        self.raw = raw
+        self.stream = stream
+        self.started = time.monotonic_ns()
+        self.request_id = model
+
+    def _line(self, data: dict) -> bytes:
+        return _encode({"model": self.model, "created_at": _now(), **data}) + b"\n"
+
+    def _body(self, text: str, thinking: str | None, calls: list[dict] | None = None) -> dict:
+        if self.generate:
+            body: dict = {"response": text}
+            if thinking:
+                body["thinking"] = thinking
+            return body
+        message: dict = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+        return {"message": message}
+
+    def first(self) -> bytes:
+        return b""
+
+    def piece(self, text: str, reasoning: bool = False) -> bytes:
+        if reasoning and not self.raw:
+            return self._line({**self._body("", text), "done": False})
+        return self._line({**self._body(text, None), "done": False})
+
+    def raw_piece(self, raw: bytes, reasoning: bool) -> bytes:
+        return self.piece(msgspec.json.decode(raw), reasoning)
+
+    def tool_calls(self, calls: list[dict]) -> bytes:
+        return self._line({**self._body("", None, calls), "done": False})
+
+    def _done(self, finish_reason: str, figures: dict) -> dict:
+        total = time.monotonic_ns() - self.started
+        return {
+            "done": True,
+            "done_reason": DONE_REASON.get(finish_reason, "stop"),
+            "total_duration": total,
+            "load_duration": 0,
+            "prompt_eval_count": figures.get("prompt_tokens", 0),
+            "prompt_eval_duration": 0,
+            "eval_count": figures.get("completion_tokens", 0),
+            "eval_duration": total,
+        }
+
+    def last(self, finish_reason: str, figures: dict | None) -> bytes:
+        return self._line({**self._body("", None), **self._done(finish_reason, figures or {})})
+
+    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
+        if self.raw and reasoning:
+            text, reasoning = reasoning + text, None
+        if tool_calls:
+            text = text.strip()
+        return _encode({"model": self.model, "created_at": _now(), **self._body(text, reasoning, tool_calls), **self._done(finish_reason, figures)})
+
+    def stream_error(self, error: HttpError) -> bytes:
+        return _encode({"error": error.message}) + b"\n"
+
+
+# -- information routes ---------------------------------------------------------------
+
+
+def _details(name: str, pool) -> dict:
+    try:
+        path = pool.resolve(name).path
+        fmt = model_format(path)
+    except Exception:
+        fmt = "?"
+    return {"parent_model": "", "format": "safetensors", "family": "", "families": None, "parameter_size": "", "quantization_level": fmt.upper()}
+
+
+def _expires(pool, name: str) -> str:
+    """When keep_alive unloads the model; for ever is far off, as Ollama says it."""
+    left = pool.model_state(pool.resolve(name)).expires_in
+    if left is None:
+        return "2318-01-01T00:00:00Z"
+    return datetime.fromtimestamp(time.time() + left, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _entry(name: str, pool, extra: dict | None = None) -> dict:
+    return {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "", "details": _details(name, pool), **(extra or {})}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lattice-pool")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+async def info(app, path: str, body: bytes) -> bytes:
+    pool = app.pool
+    if path == "/api/version":
+        return _encode({"version": _version()})
+    if path == "/api/tags":
+        return _encode({"models": [_entry(m["id"], pool) for m in await list_models(pool)]})
+    if path == "/api/ps":
+        live = [m for m in await list_models(pool) if m["loaded"]]
+        return _encode({"models": [_entry(m["id"], pool, {"expires_at": _expires(pool, m["id"]), "size_vram": 0}) for m in live]})
+    # /api/show
+    data = _decode(body)
+    name = data.get("model", data.get("name"))
+    try:
+        name = model_name(pool, name)
+    except HttpError as exc:
+        raise HttpError(404 if exc.status == 404 else exc.status, f"model {str(name)[:100]!r} not found" if exc.status == 404 else exc.message) from None
+    entry = pool.configured(name)
+    return _encode(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": _details(name, pool),
+            "model_info": {},
+            "capabilities": ["completion", "tools", "thinking"],
+            "modified_at": _now(),
+            "license": "",
+            "lora": entry.lora if entry is not None else None,
+        }
+    )
