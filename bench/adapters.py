@@ -114,7 +114,10 @@ def pool_memory(model: Path, adapters: list[str], prompts: list[str], tmp: Path)
         try:
             for i in range(len(adapters)):
                 pool.wait_ev("ready", model=f"a{i}", timeout=600)
-            rows = [dict(model=f"a{i}", id=f"{layout}-{i}", prompt=p, max_tokens=16, temperature=0.0, repetition_penalty=1.0) for i, p in enumerate(prompts[: len(adapters)])]
+            rows = [
+                dict(model=f"a{i}", id=f"{layout}-{i}", prompt=p, max_tokens=16, temperature=0.0, repetition_penalty=1.0)
+                for i, p in enumerate(prompts[: len(adapters)])
+            ]
             pool.generate_many(rows)
             pool.send({"op": "status"})
             status = pool.wait_ev("status")["models"]
@@ -259,7 +262,13 @@ def main() -> int:
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompts = [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" for text in user_messages(tokenizer, args.requests, 24)]
-    result = {"model": str(model), "size": None if args.model else args.size, "backend": backend(), "machine": machine(), "load_average": {"before": load_average()}}
+    result = {
+        "model": str(model),
+        "size": None if args.model else args.size,
+        "backend": backend(),
+        "machine": machine(),
+        "load_average": {"before": load_average()},
+    }
     result["complete"] = False
     name = tagged(f"adapters-{result['backend']}-{args.size if not args.model else model.name}", args.tag)
     # The layer the kernels are timed on, in the dtype the worker computes in.
@@ -317,7 +326,9 @@ def main() -> int:
         print(f"  {stage:40} RSS {m['rss_bytes'] * mib:8.0f} MiB  MLX active {m['mlx_active_bytes'] * mib:8.0f}  cache {m['mlx_cache_bytes'] * mib:8.0f}")
     for layout in ("one_worker", "worker_per_name"):
         m = through_pool[layout]
-        print(f"through serve, {m['names']} names on {m['workers']} worker(s): RSS {m['rss_bytes'] * mib:.0f} MiB, MLX active {m['mlx_active_bytes'] * mib:.0f} MiB")
+        print(
+            f"through serve, {m['names']} names on {m['workers']} worker(s): RSS {m['rss_bytes'] * mib:.0f} MiB, MLX active {m['mlx_active_bytes'] * mib:.0f} MiB"
+        )
     print(f"one worker / worker per name: RSS {through_pool['rss_bytes_ratio']}, MLX active {through_pool['mlx_active_bytes_ratio']}")
     t = speed["median_tok_s"]
     print(

@@ -43,10 +43,17 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["city", "days"],
+            },
         },
     },
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}},
+    },
 ]
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "reasoning_budget": 0}
 

@@ -82,8 +82,7 @@ class ServeSide:
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
         requests = [
-            {"id": f"b{next(self._ids)}", "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "repetition_penalty": 1.0}
-            for p in prompts
+            {"id": f"b{next(self._ids)}", "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "repetition_penalty": 1.0} for p in prompts
         ]
         return self.pool.generate_many(requests)
 
@@ -118,8 +117,21 @@ def mlx_lm(model: Path, ids: list[list[int]], sizes: list[int], max_tokens: int)
     (after a warm-up) twice, the second measured, then a stream_generate
     run (after one of its own)."""
     lines = mlx_lm_baseline.run(
-        model, "matched", "--max-tokens", str(max_tokens), "--prompts-ids", json.dumps(ids), "--batch-sizes", ",".join(map(str, sizes)),
-        "--rounds", "2", "--prompt-ids", json.dumps(ids[0]), "--greedy", "--seeds", "1",
+        model,
+        "matched",
+        "--max-tokens",
+        str(max_tokens),
+        "--prompts-ids",
+        json.dumps(ids),
+        "--batch-sizes",
+        ",".join(map(str, sizes)),
+        "--rounds",
+        "2",
+        "--prompt-ids",
+        json.dumps(ids[0]),
+        "--greedy",
+        "--seeds",
+        "1",
     )
     cold = {line["n"]: line for line in lines if line.get("round") == 0}
     batch = {line["n"]: line for line in lines if line.get("round") == 1}
@@ -214,10 +226,20 @@ def main() -> int:
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     side = SIDES[args.through]
     info = machine()
-    result = {"model": str(model), "size": None if args.model else size, "backend": backend(), "through": args.through, "max_batch": max_batch,
-              "weights_bytes": weights_bytes(model), "bandwidth_bytes_s": bandwidth(info, args.bandwidth),
-              "prompt_tokens": [len(i) for i in ids], "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": info,
-              "load_average": {"before": load_average()}}
+    result = {
+        "model": str(model),
+        "size": None if args.model else size,
+        "backend": backend(),
+        "through": args.through,
+        "max_batch": max_batch,
+        "weights_bytes": weights_bytes(model),
+        "bandwidth_bytes_s": bandwidth(info, args.bandwidth),
+        "prompt_tokens": [len(i) for i in ids],
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "machine": info,
+        "load_average": {"before": load_average()},
+    }
     names = ["batched"]
     if "one_at_a_time" not in skip:
         names.append("one_at_a_time")
@@ -254,8 +276,10 @@ def main() -> int:
             if n in table[name]:
                 s = table[name][n]
                 c = result["cold"].get(name, {}).get(n, {})
-                print(f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}"
-                      f"{s.get('worker_decode_tok_s', ''):>11}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}")
+                print(
+                    f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}"
+                    f"{s.get('worker_decode_tok_s', ''):>11}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}"
+                )
         print(f"    ratios: {ratios[n]}")
     print(f"fraction of the memory-bandwidth limit at N = 1: {result['bandwidth_fraction_n1'] or 'no bandwidth figure (--bandwidth)'}")
     return 0

@@ -61,14 +61,16 @@ def main() -> int:
             messages.append(Message("user", question))
             req = dict(messages=list(messages), temperature=0.0, max_tokens=args.reply_tokens)
             a, b = cached.generate(**req), plain.generate(**req)
-            rows.append({
-                "turn": turn,
-                "prompt_tokens": a["prompt_tokens"],
-                "cached_tokens": a.get("cached_tokens", 0),
-                "ttft_ms_cached": a["ttft_ms"],
-                "ttft_ms_plain": b["ttft_ms"],
-                "same_reply": a["text"] == b["text"],
-            })
+            rows.append(
+                {
+                    "turn": turn,
+                    "prompt_tokens": a["prompt_tokens"],
+                    "cached_tokens": a.get("cached_tokens", 0),
+                    "ttft_ms_cached": a["ttft_ms"],
+                    "ttft_ms_plain": b["ttft_ms"],
+                    "same_reply": a["text"] == b["text"],
+                }
+            )
             print(rows[-1], file=sys.stderr, flush=True)
             messages.append(Message("assistant", a["text"]))
     finally:
@@ -76,17 +78,22 @@ def main() -> int:
         plain.close()
     first, last = rows[0], rows[-1]
     result = {
-        "size": args.size, "backend": backend(), "turns": rows,
+        "size": args.size,
+        "backend": backend(),
+        "turns": rows,
         "last_over_first_cached": round(last["ttft_ms_cached"] / first["ttft_ms_cached"], 3),
         "last_over_first_plain": round(last["ttft_ms_plain"] / first["ttft_ms_plain"], 3),
         "last_turn_speedup": round(last["ttft_ms_plain"] / last["ttft_ms_cached"], 2),
-        "machine": machine(), "load_average": {"before": load_before, "after": load_average()},
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_average()},
     }
     write_result(tagged(f"chat-{result['backend']}-{args.size}", args.tag), result)
     print(f"{'turn':>5}{'prompt':>8}{'cached':>8}{'TTFT cache ms':>15}{'TTFT no-cache ms':>18}{'speedup':>9}{'same':>6}")
     for r in rows:
-        print(f"{r['turn']:>5}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_ms_cached']:>15}{r['ttft_ms_plain']:>18}"
-              f"{r['ttft_ms_plain'] / r['ttft_ms_cached']:>9.2f}{'yes' if r['same_reply'] else 'NO':>6}")
+        print(
+            f"{r['turn']:>5}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_ms_cached']:>15}{r['ttft_ms_plain']:>18}"
+            f"{r['ttft_ms_plain'] / r['ttft_ms_cached']:>9.2f}{'yes' if r['same_reply'] else 'NO':>6}"
+        )
     print(f"turn {last['turn']} / turn 1 TTFT: with cache {result['last_over_first_cached']}, without {result['last_over_first_plain']}")
     return 0
 

@@ -24,7 +24,11 @@ MODELS = Path(os.environ.get("LATTICE_BENCH_MODELS", Path.home() / ".cache" / "l
 
 def model_arguments(p) -> None:
     """The model a decode benchmark runs on, and how much it generates."""
-    p.add_argument("--size", default="small", help="demo model size to build and use (default small): tiny, small, 0.8b, 4b, 8b, 4b-hybrid, 9b-hybrid; a -q4 suffix for 4-bit")
+    p.add_argument(
+        "--size",
+        default="small",
+        help="demo model size to build and use (default small): tiny, small, 0.8b, 4b, 8b, 4b-hybrid, 9b-hybrid; a -q4 suffix for 4-bit",
+    )
     p.add_argument("--q4", action="store_true", help="the demo model in MLX 4-bit (as a -q4 suffix)")
     p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
     p.add_argument("--max-tokens", type=int, default=128)

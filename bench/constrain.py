@@ -395,7 +395,15 @@ def gil_handover(model_dir: Path, steps: int, rows: int = 8, busy_ms: float = 4.
         return n
 
     before = sys.getswitchinterval()
-    out: dict = {"model": model_dir.name, "rows": rows, "busy_ms": busy_ms, "steps": steps, "mask_threads": masks.threads, "unit": "ms from submitting a batch's masks to its result being set", "by_switch_ms": {}}
+    out: dict = {
+        "model": model_dir.name,
+        "rows": rows,
+        "busy_ms": busy_ms,
+        "steps": steps,
+        "mask_threads": masks.threads,
+        "unit": "ms from submitting a batch's masks to its result being set",
+        "by_switch_ms": {},
+    }
     try:
         for interval in intervals:
             sys.setswitchinterval(interval / 1000)
@@ -468,7 +476,9 @@ def worker_decode(
                 for i in range(pairs):
                     for side in sides if i % 2 == 0 else sides[::-1]:
                         cpu, main = sum(proc.cpu_times()[:2]), _main_thread_cpu(proc)
-                        run = client.generate_many([dict(prompt=PROMPT, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)])
+                        run = client.generate_many(
+                            [dict(prompt=PROMPT, max_tokens=tokens, seed=s, response_format=text if side == "json_schema" else None) for s in range(n)]
+                        )
                         run["cpu_s"] = sum(proc.cpu_times()[:2]) - cpu
                         run["main_cpu_s"] = _main_thread_cpu(proc) - main
                         runs[n][side].append(run)

@@ -90,8 +90,7 @@ def main() -> int:
     ms = {}
     for _ in range(2):
         ms = {name: round(fn(), 3) for name, fn in variants.items()}
-    result = {"size": args.size, "tokens": n, "ms_per_token": ms,
-              "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
+    result = {"size": args.size, "tokens": n, "ms_per_token": ms, "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
     if args.batches:
         eager = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, max_batch=max(sizes), compile_decode=False)
         result["batched"] = batched_engines(loaded, codec, scheduler, eager, sizes, n, args.runs)
@@ -102,8 +101,10 @@ def main() -> int:
         print(f"{name:26}{value:9.2f} ms/token")
     print(f"mlx-lm sampler / worker sampler: {result['sampler_ratio']} (above 1: the worker's step is faster)")
     for row in result.get("batched", []):
-        print(f"N={row['n']:<3} worker {row['worker_tok_s']:8.1f} tok/s  eager {row['eager_tok_s']:8.1f}  mlx-lm {row['mlx_lm_tok_s']:8.1f}"
-              f"  ratio {row['ratio']} (eager {row['eager_ratio']})")
+        print(
+            f"N={row['n']:<3} worker {row['worker_tok_s']:8.1f} tok/s  eager {row['eager_tok_s']:8.1f}  mlx-lm {row['mlx_lm_tok_s']:8.1f}"
+            f"  ratio {row['ratio']} (eager {row['eager_ratio']})"
+        )
     return 0
 
 
@@ -139,9 +140,16 @@ def batched_engines(loaded, codec, scheduler, eager, sizes: list[int], tokens: i
     for n in sizes:
         ours(n), ours(n, eager), theirs(n)  # warm-up
         runs_n = [(ours(n), ours(n, eager), theirs(n)) for _ in range(runs)]
-        rows.append({"n": n, "worker_tok_s": round(median([a for a, _, _ in runs_n]), 1), "eager_tok_s": round(median([e for _, e, _ in runs_n]), 1),
-                     "mlx_lm_tok_s": round(median([b for _, _, b in runs_n]), 1), "ratio": round(median([a / b for a, _, b in runs_n]), 3),
-                     "eager_ratio": round(median([e / b for _, e, b in runs_n]), 3)})
+        rows.append(
+            {
+                "n": n,
+                "worker_tok_s": round(median([a for a, _, _ in runs_n]), 1),
+                "eager_tok_s": round(median([e for _, e, _ in runs_n]), 1),
+                "mlx_lm_tok_s": round(median([b for _, _, b in runs_n]), 1),
+                "ratio": round(median([a / b for a, _, b in runs_n]), 3),
+                "eager_ratio": round(median([e / b for _, e, b in runs_n]), 3),
+            }
+        )
     return rows
 
 

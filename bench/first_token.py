@@ -91,12 +91,16 @@ def main() -> int:
     steps = {"warm": ours(False, True)[1], "cleared": ours(True, True)[1]}
     ttft = {name: round(median(v), 2) for name, v in runs.items()}
     result = {
-        "size": args.size, "prompt_tokens": len(ids), "runs": args.runs, "ttft_ms": ttft,
+        "size": args.size,
+        "prompt_tokens": len(ids),
+        "runs": args.runs,
+        "ttft_ms": ttft,
         "ttft_runs_ms": {name: [round(x, 2) for x in v] for name, v in runs.items()},
         "synced_step_ms": {name: [round(x, 2) for x in v] for name, v in steps.items()},
         "ratio_ours_vs_mlx_lm": round(ttft["ours"] / ttft["mlx_lm"], 3),
         "ratio_cleared_vs_mlx_lm": round(ttft["ours_cleared"] / ttft["mlx_lm"], 3),
-        "machine": machine(), "load_average": {"before": load_before, "after": load_average()},
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_average()},
     }
     write_result(tagged(f"first-token-{backend()}-{args.size}", args.tag), result)
     for name, value in ttft.items():

@@ -59,7 +59,10 @@ async def sse_request(port: int, path: str, body: dict, pause: float = 0.0) -> d
     every event, the usage, the finish reason and whether [DONE] came."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
-    writer.write(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (path.encode(), len(data), data))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+        % (path.encode(), len(data), data)
+    )
     await writer.drain()
     if pause:
         await asyncio.sleep(pause)
@@ -173,7 +176,12 @@ class RssSampler:
 
 def streams(model: Path, count: int, max_tokens: int, pause: float) -> dict:
     pool, port = start_pool(model, "--shutdown-grace", "5")
-    body = {"messages": [{"role": "user", "content": "Tell me about the river."}], "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about the river."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def phase(wait: float) -> list[dict]:
         return await asyncio.gather(*(sse_request(port, "/v1/chat/completions", {**body, "seed": i}, wait) for i in range(count)))

@@ -77,7 +77,12 @@ def part_restart(args, path: Path, system: str, record) -> None:
 
         def ask(pool, i: int) -> dict:
             done = pool.generate({"model": "m", "id": f"q{r}-{i}", "prompt": chat(system, QUESTIONS[i]), "temperature": 0, "max_tokens": 8})
-            return {"ttft_ms": done["ttft_ms"], "client_ttft_ms": round(done["client_ttft_ms"], 1), "prompt_tokens": done["prompt_tokens"], "cached_tokens": done.get("cached_tokens", 0)}
+            return {
+                "ttft_ms": done["ttft_ms"],
+                "client_ttft_ms": round(done["client_ttft_ms"], 1),
+                "prompt_tokens": done["prompt_tokens"],
+                "cached_tokens": done.get("cached_tokens", 0),
+            }
 
         pool = PoolProc("--config", str(config), env=env)
         pool.wait_ev("ready", model="m", timeout=300)
@@ -93,15 +98,22 @@ def part_restart(args, path: Path, system: str, record) -> None:
         restart = ask(pool, 2)
         pool.close()
         rounds.append({"cold": cold, "warm": warm, "restart": restart, "disk_bytes": disk_bytes})
-        record("restart", rounds, {
-            "cold_over_restart": [x["cold"]["ttft_ms"] / x["restart"]["ttft_ms"] for x in rounds],
-            "restart_over_warm": [x["restart"]["ttft_ms"] / x["warm"]["ttft_ms"] for x in rounds],
-            "cold_ttft_ms": [x["cold"]["ttft_ms"] for x in rounds],
-            "warm_ttft_ms": [x["warm"]["ttft_ms"] for x in rounds],
-            "restart_ttft_ms": [x["restart"]["ttft_ms"] for x in rounds],
-        })
-        print(f"restart round {r}: cold {cold['ttft_ms']:.0f} ms, warm {warm['ttft_ms']:.0f} ms, after restart {restart['ttft_ms']:.0f} ms "
-              f"(cached {restart['cached_tokens']}/{restart['prompt_tokens']})", file=sys.stderr)
+        record(
+            "restart",
+            rounds,
+            {
+                "cold_over_restart": [x["cold"]["ttft_ms"] / x["restart"]["ttft_ms"] for x in rounds],
+                "restart_over_warm": [x["restart"]["ttft_ms"] / x["warm"]["ttft_ms"] for x in rounds],
+                "cold_ttft_ms": [x["cold"]["ttft_ms"] for x in rounds],
+                "warm_ttft_ms": [x["warm"]["ttft_ms"] for x in rounds],
+                "restart_ttft_ms": [x["restart"]["ttft_ms"] for x in rounds],
+            },
+        )
+        print(
+            f"restart round {r}: cold {cold['ttft_ms']:.0f} ms, warm {warm['ttft_ms']:.0f} ms, after restart {restart['ttft_ms']:.0f} ms "
+            f"(cached {restart['cached_tokens']}/{restart['prompt_tokens']})",
+            file=sys.stderr,
+        )
 
 
 # -- kv: bytes and peak memory, one process per setting ----------------------------
@@ -145,15 +157,20 @@ def part_kv(args, path: Path, record) -> None:
         row = {}
         order = (0, 8, 4) if r % 2 == 0 else (4, 8, 0)
         for bits in order:
-            out = subprocess.run([sys.executable, "-m", "bench.long_context", "--kv-child", str(bits), "--model", str(path), "--kv-tokens", str(args.kv_tokens)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "bench.long_context", "--kv-child", str(bits), "--model", str(path), "--kv-tokens", str(args.kv_tokens)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             row[str(bits)] = json.loads(out.stdout.strip().splitlines()[-1])
         rounds.append(row)
-        record("kv", rounds, {
-            f"kv_bytes_{b}_over_dtype": [x[b]["kv_bytes"] / x["0"]["kv_bytes"] for x in rounds] for b in ("8", "4")
-        } | {
-            f"peak_{b}_over_dtype": [x[b]["peak_bytes"] / x["0"]["peak_bytes"] for x in rounds] for b in ("8", "4")
-        })
+        record(
+            "kv",
+            rounds,
+            {f"kv_bytes_{b}_over_dtype": [x[b]["kv_bytes"] / x["0"]["kv_bytes"] for x in rounds] for b in ("8", "4")}
+            | {f"peak_{b}_over_dtype": [x[b]["peak_bytes"] / x["0"]["peak_bytes"] for x in rounds] for b in ("8", "4")},
+        )
         print(f"kv round {r}: " + ", ".join(f"{b} bits: kv {v['kv_bytes']} peak {v['peak_bytes']}" for b, v in row.items()), file=sys.stderr)
 
 
@@ -211,9 +228,15 @@ def part_decode(args, path: Path, codec, record) -> None:
             for key in order:
                 row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
         rounds.append(row)
-        record("decode", rounds, {
-            f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in (1, 8) for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
-        })
+        record(
+            "decode",
+            rounds,
+            {
+                f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds]
+                for n in (1, 8)
+                for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
+            },
+        )
         print(f"decode round {r}: {row}", file=sys.stderr)
 
 

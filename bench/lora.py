@@ -111,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "note": "shared machine, numbers are noisy; adapter and no-adapter runs alternate in one worker",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(), "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "mlx": _version("mlx"),
+            "mlx_lm": _version("mlx-lm"),
+        },
         "model": {"demo_size": args.size, "format": "bf16"},
         "adapter": {"format": "peft", "rank": args.rank, "modules": modules, "adapter_bytes": adapter_bytes},
         "decode_tokens_per_request": args.tokens,
@@ -119,15 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ratio_adapter_over_none": round(statistics.median(lora) / statistics.median(base), 3),
         # Each adapter run over the no-adapter run just before it: less exposed to load drift.
         "decode_ratio_paired_median": round(statistics.median(x / y for x, y in zip(lora, base)), 3),
-        "swap_ms": {"set_adapter_to_adapter_loaded": summary(swap_wall), "worker_reported_ms": summary(swap_worker), "clear_to_adapter_loaded": summary(clear_wall)},
+        "swap_ms": {
+            "set_adapter_to_adapter_loaded": summary(swap_wall),
+            "worker_reported_ms": summary(swap_worker),
+            "clear_to_adapter_loaded": summary(clear_wall),
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     d = result["decode_tok_s"]
     print(f"demo model {args.size}, rank-{args.rank} adapter on {modules} linear layers ({adapter_bytes} bytes); noisy shared machine")
-    print(f"decode tok/s  no adapter {d['no_adapter']['median']}  adapter {d['adapter']['median']}  ratio {result['decode_ratio_adapter_over_none']} (paired {result['decode_ratio_paired_median']})")
+    print(
+        f"decode tok/s  no adapter {d['no_adapter']['median']}  adapter {d['adapter']['median']}  ratio {result['decode_ratio_adapter_over_none']} (paired {result['decode_ratio_paired_median']})"
+    )
     s = result["swap_ms"]
-    print(f"swap ms  SetAdapter->adapter_loaded {s['set_adapter_to_adapter_loaded']['median']} (worker: {s['worker_reported_ms']['median']})  clear {s['clear_to_adapter_loaded']['median']}")
+    print(
+        f"swap ms  SetAdapter->adapter_loaded {s['set_adapter_to_adapter_loaded']['median']} (worker: {s['worker_reported_ms']['median']})  clear {s['clear_to_adapter_loaded']['median']}"
+    )
     print(f"written to {args.out}")
     return 0
 

@@ -32,7 +32,11 @@ def run(model: Path, setup: str, *args: str) -> list[dict]:
 
     out = subprocess.run(
         [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup, *args],
-        capture_output=True, text=True, env=child_env(), cwd=ROOT, start_new_session=True,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        start_new_session=True,
     )
     if out.returncode:
         raise RuntimeError(out.stderr)

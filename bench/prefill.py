@@ -93,14 +93,23 @@ def main() -> int:
     for m in users:
         m.gated_delta_update = gated_delta.gated_delta_update
 
-    result = {"size": args.size, "backend": backend, "dtype": str(dtype), "runs": args.runs, "rows": rows,
-              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+    result = {
+        "size": args.size,
+        "backend": backend,
+        "dtype": str(dtype),
+        "runs": args.runs,
+        "rows": rows,
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_average()},
+    }
     write_result(tagged(f"prefill-{backend}-{args.size}", args.tag), result)
     print(f"{'tokens':>7}{'mlx-lm ms':>12}{'chunked ms':>12}{'speedup':>9}{'chunked tok/s':>15}{'GDN op ms seq/chunk':>22}")
     for r in rows:
         s, c = r["mlx_lm_sequential"], r["chunked"]
-        print(f"{r['tokens']:>7}{s['prefill_ms']:>12}{c['prefill_ms']:>12}{r['speedup']:>9}{c['tok_s']:>15}"
-              f"{str(s['gated_delta_ms']) + ' / ' + str(c['gated_delta_ms']):>22}")
+        print(
+            f"{r['tokens']:>7}{s['prefill_ms']:>12}{c['prefill_ms']:>12}{r['speedup']:>9}{c['tok_s']:>15}"
+            f"{str(s['gated_delta_ms']) + ' / ' + str(c['gated_delta_ms']):>22}"
+        )
     return 0
 
 
@@ -129,10 +138,19 @@ def chunk_sweep(args, model, vocab: int, backend: str, rng, load_before) -> int:
     for _ in range(args.runs):
         for step in sizes:  # alternated, so that noise hits every size
             runs[step].append(read(step))
-    rows = [{"chunk": step, "tok_s": round(T / median([r[0] for r in runs[step]]), 1),
-             "longest_chunk_ms": round(median([r[1] for r in runs[step]]) * 1000, 1)} for step in sizes]
-    result = {"size": args.size, "backend": backend, "tokens": T, "runs": args.runs, "chunks": rows,
-              "machine": machine(), "load_average": {"before": load_before, "after": load_average()}}
+    rows = [
+        {"chunk": step, "tok_s": round(T / median([r[0] for r in runs[step]]), 1), "longest_chunk_ms": round(median([r[1] for r in runs[step]]) * 1000, 1)}
+        for step in sizes
+    ]
+    result = {
+        "size": args.size,
+        "backend": backend,
+        "tokens": T,
+        "runs": args.runs,
+        "chunks": rows,
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_average()},
+    }
     write_result(tagged(f"prefill-{backend}-{args.size}", args.tag), result)
     print(f"{'chunk':>7}{'prefill tok/s':>15}{'longest chunk ms':>18}")
     for r in rows:

@@ -189,10 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     cap, lat = result["capacity"], result["latency_ms"]
     print(NOISY)
-    print(f"capacity  raw {cap['events_per_s']['raw']['median']:,.0f} ev/s  serve {serve_rate:,.0f} ev/s  ratio {cap['serve_over_raw']}  "
-          f"supervisor CPU {cap['supervisor_cpu_us_per_event']['median']} us/event  (goal >= 1M ev/s: {'met' if cap['meets_goal'] else 'MISSED'})")
-    print(f"latency ms  raw p50 {lat['raw']['p50']} p99 {lat['raw']['p99']}  serve p50 {lat['serve']['p50']} p99 {lat['serve']['p99']}  "
-          f"added p50 {lat['added_p50']} p99 {lat['added_p99']}  (goal p99 added <= 0.5 ms: {'met' if lat['meets_goal'] else 'MISSED'})")
+    print(
+        f"capacity  raw {cap['events_per_s']['raw']['median']:,.0f} ev/s  serve {serve_rate:,.0f} ev/s  ratio {cap['serve_over_raw']}  "
+        f"supervisor CPU {cap['supervisor_cpu_us_per_event']['median']} us/event  (goal >= 1M ev/s: {'met' if cap['meets_goal'] else 'MISSED'})"
+    )
+    print(
+        f"latency ms  raw p50 {lat['raw']['p50']} p99 {lat['raw']['p99']}  serve p50 {lat['serve']['p50']} p99 {lat['serve']['p99']}  "
+        f"added p50 {lat['added_p50']} p99 {lat['added_p99']}  (goal p99 added <= 0.5 ms: {'met' if lat['meets_goal'] else 'MISSED'})"
+    )
     write("relay", result, args.out)
     return 0
 

@@ -94,8 +94,10 @@ def main() -> int:
                 "ratio_watched_vs_op": round(statistics.median(watched) / statistics.median(forced), 2),
             }
             results["sizes"][label] = row
-            print(f"{label:>5} ({row['adapter_bytes'] / 1e6:.1f} MB): file closed -> adapter_loaded median {row['watched_ms_median']} ms "
-                  f"(max {row['watched_ms_max']}), reload op {row['reload_op_ms_median']} ms, ratio {row['ratio_watched_vs_op']}x")
+            print(
+                f"{label:>5} ({row['adapter_bytes'] / 1e6:.1f} MB): file closed -> adapter_loaded median {row['watched_ms_median']} ms "
+                f"(max {row['watched_ms_max']}), reload op {row['reload_op_ms_median']} ms, ratio {row['ratio_watched_vs_op']}x"
+            )
     out = ROOT / "bench" / "results" / "reload.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

@@ -188,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 "supervisor_sigkill_to_worker_gone_ms": summary(orphans, 1),
             }
         )
-        print(f"round {len(loads)}: plain load (spawn -> ready) {loads[-1]:.1f} ms; kill -9 -> ready {kills[-1]['kill_to_ready_ms']:.1f} ms "
-              f"(detected after {kills[-1]['detect_ms']:.1f} ms, backoff {kills[-1]['delay_ms']:.0f} ms): {over_load[-1]:+.1f} ms over the load", flush=True)
+        print(
+            f"round {len(loads)}: plain load (spawn -> ready) {loads[-1]:.1f} ms; kill -9 -> ready {kills[-1]['kill_to_ready_ms']:.1f} ms "
+            f"(detected after {kills[-1]['detect_ms']:.1f} ms, backoff {kills[-1]['delay_ms']:.0f} ms): {over_load[-1]:+.1f} ms over the load",
+            flush=True,
+        )
         write("restart", result, args.out)
 
     with tempfile.TemporaryDirectory(prefix="lattice-bench-restart-") as tmp_name:
@@ -220,20 +223,26 @@ def main(argv: list[str] | None = None) -> int:
 
     k, load_ms = result["kill9"], result["plain_load_ms"]["spawn_to_ready"]
     print(NOISY)
-    print(f"plain load (spawn -> ready) {load_ms['median']} ms; kill -9 -> ready {k['kill_to_ready_ms']['median']} ms "
-          f"(detected after {k['detect_ms']['median']} ms, backoff {k['delay_ms']['median']} ms; without backoff "
-          f"{k['kill_to_ready_without_delay_ms']['median']} ms); ratio {result['kill_to_ready_over_plain_load']} "
-          f"({result['kill_to_ready_without_delay_over_plain_load']} without backoff)")
+    print(
+        f"plain load (spawn -> ready) {load_ms['median']} ms; kill -9 -> ready {k['kill_to_ready_ms']['median']} ms "
+        f"(detected after {k['detect_ms']['median']} ms, backoff {k['delay_ms']['median']} ms; without backoff "
+        f"{k['kill_to_ready_without_delay_ms']['median']} ms); ratio {result['kill_to_ready_over_plain_load']} "
+        f"({result['kill_to_ready_without_delay_over_plain_load']} without backoff)"
+    )
     extra = result["kill_to_ready_minus_plain_load_same_round_ms"]
     print(f"kill -9 -> ready minus plain load, same round: median {extra['median']:+} ms (range {extra['min']:+} .. {extra['max']:+}); goal <= +150 ms")
-    print(f"supervisor SIGKILL -> worker gone {result['supervisor_sigkill_to_worker_gone_ms']['median']} ms (max {result['supervisor_sigkill_to_worker_gone_ms']['max']})")
+    print(
+        f"supervisor SIGKILL -> worker gone {result['supervisor_sigkill_to_worker_gone_ms']['median']} ms (max {result['supervisor_sigkill_to_worker_gone_ms']['max']})"
+    )
     for label, key in (("undisturbed", "undisturbed"), ("with kills", "with_kills")):
         if "chaos" not in result:
             break
         run = result["chaos"][key]
-        print(f"chaos {label}: {run['requests']} requests in {run['wall_s']} s, outcomes {run['outcomes']}, kills {run['kills']}, "
-              f"retried {run['retried_invisibly']}, latency p50 {run['request_latency_ms']['p50']} ms p99 {run['request_latency_ms']['p99']} ms"
-              + (f", kill -> ready {run['kill_to_ready_ms']['median']} ms" if run["kill_to_ready_ms"] else ""))
+        print(
+            f"chaos {label}: {run['requests']} requests in {run['wall_s']} s, outcomes {run['outcomes']}, kills {run['kills']}, "
+            f"retried {run['retried_invisibly']}, latency p50 {run['request_latency_ms']['p50']} ms p99 {run['request_latency_ms']['p99']} ms"
+            + (f", kill -> ready {run['kill_to_ready_ms']['median']} ms" if run["kill_to_ready_ms"] else "")
+        )
     write("restart", result, args.out)
     return 0
 

@@ -157,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     d = result["decode_tok_s"]
     print(NOISY)
     print(f"demo model {args.size} ({result['model']['format']}), {args.tokens} tokens, greedy")
-    print(f"decode tok/s  serve {d['serve_client_side']['median']} (worker says {d['serve_worker_reported']['median']})  "
-          f"worker alone {d['worker_without_supervisor']['median']}  mlx-lm {d['mlx_lm_direct']['median']}")
-    print(f"serve/mlx-lm {result['serve_over_mlx_lm']} (paired {result['serve_over_mlx_lm_paired_median']}; "
-          f"goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'}) = supervisor share {result['serve_over_worker_without_supervisor']}"
-          f" x engine share {result['worker_without_supervisor_over_mlx_lm']}")
+    print(
+        f"decode tok/s  serve {d['serve_client_side']['median']} (worker says {d['serve_worker_reported']['median']})  "
+        f"worker alone {d['worker_without_supervisor']['median']}  mlx-lm {d['mlx_lm_direct']['median']}"
+    )
+    print(
+        f"serve/mlx-lm {result['serve_over_mlx_lm']} (paired {result['serve_over_mlx_lm_paired_median']}; "
+        f"goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'}) = supervisor share {result['serve_over_worker_without_supervisor']}"
+        f" x engine share {result['worker_without_supervisor_over_mlx_lm']}"
+    )
     write("serve", result, args.out)
     return 0
 

@@ -90,8 +90,20 @@ def random_draft(target: Path, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     vocab = json.loads((target / "config.json").read_text())["text_config"]["vocab_size"]
-    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, rms_norm_eps=1e-6, vocab_size=vocab, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
+    config = dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(7)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +183,11 @@ def speed(args, results, write) -> None:
                 entry["summary"] = summary(entry["ratios"])
                 entry["acceptance"] = round(sum(entry["accepted"]) / max(1, sum(entry["drafted"])), 3)
                 write()
-                print(f"{key} round {round_}: plain {entry['plain_tok_s'][-1]} tok/s, drafted {entry['draft_tok_s'][-1]} tok/s, "
-                      f"ratio {entry['ratios'][-1]}, kept {entry['accepted'][-1]}/{entry['drafted'][-1]}", flush=True)
+                print(
+                    f"{key} round {round_}: plain {entry['plain_tok_s'][-1]} tok/s, drafted {entry['draft_tok_s'][-1]} tok/s, "
+                    f"ratio {entry['ratios'][-1]}, kept {entry['accepted'][-1]}/{entry['drafted'][-1]}",
+                    flush=True,
+                )
 
 
 def rollback(args, results, write) -> None:
@@ -218,7 +233,9 @@ def rollback(args, results, write) -> None:
 
         entry = results["rollback"].setdefault(str(rows), {"rerun_ms": [], "per_position_ms": []})
         for round_ in range(args.runs + 1):
-            for name, fn in ((("rerun_ms", rerun), ("per_position_ms", per_position)) if round_ % 2 == 0 else (("per_position_ms", per_position), ("rerun_ms", rerun))):
+            for name, fn in (
+                (("rerun_ms", rerun), ("per_position_ms", per_position)) if round_ % 2 == 0 else (("per_position_ms", per_position), ("rerun_ms", rerun))
+            ):
                 samples = []
                 for _ in range(10):
                     cache = fresh()

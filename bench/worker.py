@@ -76,8 +76,14 @@ def main() -> int:
     ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(PROMPT, add_special_tokens=False).ids
     seeds = list(range(1, args.runs + 1))
     load_before = load_average()
-    result = {"model": str(model), "size": args.size if not args.model else None, "backend": backend(),
-              "prompt_tokens": len(ids), "max_tokens": args.max_tokens, "machine": machine()}
+    result = {
+        "model": str(model),
+        "size": args.size if not args.model else None,
+        "backend": backend(),
+        "prompt_tokens": len(ids),
+        "max_tokens": args.max_tokens,
+        "machine": machine(),
+    }
     result["worker"] = summary(ours(model, args.max_tokens, seeds))
     for setup in args.baselines.split(","):
         base = summary(mlx_lm(model, setup, ids, args.max_tokens, seeds))

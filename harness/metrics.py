@@ -19,11 +19,7 @@ def scrape(port: int) -> dict:
     """{(sample name, sorted labels): value}, parsed by prometheus-client's own parser."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
         text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def series(name: str, model: str, **labels) -> tuple:

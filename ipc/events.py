@@ -93,10 +93,12 @@ def encode_done(
     id_json: str | None = None,
 ) -> bytes:
     """The final gen_token line: chat_metal's fields, then the additive ones."""
-    body = (
-        '{"ev":"gen_token","token":"","done":true,"tok_s":%s,"ttft_ms":%s,'
-        '"prompt_tokens":%d,"gen_tokens":%d,"total_ms":%d'
-        % (fixed1(tok_s), fixed1(ttft_ms), prompt_tokens, gen_tokens, total_ms)
+    body = '{"ev":"gen_token","token":"","done":true,"tok_s":%s,"ttft_ms":%s,"prompt_tokens":%d,"gen_tokens":%d,"total_ms":%d' % (
+        fixed1(tok_s),
+        fixed1(ttft_ms),
+        prompt_tokens,
+        gen_tokens,
+        total_ms,
     )
     if finish_reason is not None:
         body += ',"finish_reason":' + json_str(finish_reason)

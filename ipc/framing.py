@@ -98,5 +98,3 @@ class FrameReader:
             pos += HEADER.size + size
         del buf[:pos]
         return out
-
-

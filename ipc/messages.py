@@ -153,11 +153,11 @@ def decode_response_format(text: bytes | str) -> ResponseFormat:
     try:
         kind = _format_type.decode(text).type
     except msgspec.ValidationError as exc:
-        raise ValueError("response_format must be an object with a \"type\"") from exc
+        raise ValueError('response_format must be an object with a "type"') from exc
     except msgspec.DecodeError as exc:
         raise ValueError(f"response_format is not valid JSON: {exc}") from exc
     if kind is None:
-        raise ValueError(f"response_format needs a \"type\": one of {', '.join(RESPONSE_FORMAT_TYPES)}")
+        raise ValueError(f'response_format needs a "type": one of {", ".join(RESPONSE_FORMAT_TYPES)}')
     if kind not in RESPONSE_FORMAT_TYPES:
         raise ValueError(f"unknown response_format type {kind!r}; expected one of {', '.join(RESPONSE_FORMAT_TYPES)}")
     try:

@@ -47,9 +47,20 @@ def add_pool_flags(p: argparse.ArgumentParser, *, server: bool = True) -> None:
     if server:
         p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
         p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s (default: never)")
-    p.add_argument("--adapter-dir", dest="adapter_dirs", action="append", help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)")
-    p.add_argument("--max-batch", type=max_batch_flag, help="requests one worker decodes together; more wait in the pool (default auto: sized from the device's free memory)")
-    p.add_argument("--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)")
+    p.add_argument(
+        "--adapter-dir",
+        dest="adapter_dirs",
+        action="append",
+        help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=max_batch_flag,
+        help="requests one worker decodes together; more wait in the pool (default auto: sized from the device's free memory)",
+    )
+    p.add_argument(
+        "--log-level", help="stderr log level of the pool and its workers: DEBUG, INFO, WARNING, ERROR (default INFO for serve, WARNING for run and chat)"
+    )
 
 
 def max_batch_flag(text: str) -> int | str:
@@ -63,8 +74,13 @@ def max_batch_flag(text: str) -> int | str:
 
 
 def add_socket_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--control-socket", help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)")
-    p.add_argument("--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open (or look for) a control socket (default: open one)")
+    p.add_argument(
+        "--control-socket",
+        help="unix socket for ops from other clients, e.g. `lattice-pool ps` (default: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)",
+    )
+    p.add_argument(
+        "--no-control-socket", dest="control_socket", action="store_false", default=None, help="do not open (or look for) a control socket (default: open one)"
+    )
 
 
 def add_monitor_flags(p: argparse.ArgumentParser) -> None:
@@ -75,7 +91,20 @@ def add_monitor_flags(p: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(config: Config, args: argparse.Namespace) -> None:
-    flags = ("model_cache", "max_loaded", "memory_budget", "keep_alive", "stall_timeout", "shutdown_grace", "stats_interval", "max_batch", "metrics_port", "control_socket", "http", "api_key")
+    flags = (
+        "model_cache",
+        "max_loaded",
+        "memory_budget",
+        "keep_alive",
+        "stall_timeout",
+        "shutdown_grace",
+        "stats_interval",
+        "max_batch",
+        "metrics_port",
+        "control_socket",
+        "http",
+        "api_key",
+    )
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
@@ -120,9 +149,7 @@ def add_cli_model(config: Config, ref: str | None, model_dir: Path | None, lora:
         path, name = ensure_demo_model(), DEMO_NAME
     else:
         return
-    config.models.append(
-        ModelEntry(name=name, path=str(path), lora=lora, tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, preload=True)
-    )
+    config.models.append(ModelEntry(name=name, path=str(path), lora=lora, tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, preload=True))
     config.default_model = name
 
 
@@ -364,7 +391,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"lattice-pool pull: cannot download {args.repo}: {exc}", file=sys.stderr)
         return 1
     if not local_models.is_model_dir(path):
-        print(f"lattice-pool pull: {args.repo} has no config.json with model*.safetensors: not a model lattice-pool can run (look for an MLX conversion)", file=sys.stderr)
+        print(
+            f"lattice-pool pull: {args.repo} has no config.json with model*.safetensors: not a model lattice-pool can run (look for an MLX conversion)",
+            file=sys.stderr,
+        )
         return 1
     print(f"{args.repo} ({local_models.model_format(path)}) is in {local_models.short_path(path)}; chat with it: lattice-pool chat --model {args.repo}")
     return 0
@@ -379,7 +409,10 @@ def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="configured name, dir name under the model cache, Hugging Face id in its cache or LM Studio's (ORG/NAME), `demo`, or path (default: the demo model)")
+    p.add_argument(
+        "--model",
+        help="configured name, dir name under the model cache, Hugging Face id in its cache or LM Studio's (ORG/NAME), `demo`, or path (default: the demo model)",
+    )
     p.add_argument("--model-dir", type=Path, help="model directory (chat_metal's flag; default: see --model)")
     p.add_argument("--lora", help="LoRA adapter file or directory (default: none)")
     p.add_argument("--tokenizer-dir", type=Path, help="directory holding tokenizer.json (default: the model dir)")
@@ -406,7 +439,10 @@ def version() -> str:
 
 def add_socket_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="read control_socket from this config file, as serve does (default: none)")
-    p.add_argument("--control-socket", help="the pool's control socket (default: as serve's: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)")
+    p.add_argument(
+        "--control-socket",
+        help="the pool's control socket (default: as serve's: $LATTICE_CONTROL_SOCKET, $XDG_RUNTIME_DIR/lattice-pool.sock or ~/.lattice/pool.sock)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,7 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_monitor_flags(run)
     add_model_flags(run)
     add_sampling_flags(run)
-    run.add_argument("text", nargs="?", metavar="PROMPT", help="a message, sent with the model's chat template (as `ollama run` and mlx_lm.generate do); read from stdin when left out and stdin is not a terminal (default: none)")
+    run.add_argument(
+        "text",
+        nargs="?",
+        metavar="PROMPT",
+        help="a message, sent with the model's chat template (as `ollama run` and mlx_lm.generate do); read from stdin when left out and stdin is not a terminal (default: none)",
+    )
     run.add_argument("--prompt", help="prompt text sent verbatim, without the chat template (chat_metal's flag; default: none)")
     run.add_argument("--system", help="system prompt, with PROMPT (default: none)")
     run.add_argument("--think", action="store_true", help="also print the model's thinking, apart from the answer")
@@ -435,18 +476,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--serve", action="store_true", help="with --json: read requests from stdin (chat_metal's serve mode)")
     run.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain the reply to this JSON Schema (response_format json_schema; default: none)")
     run.add_argument("--verbose", action="store_true", help="show the pool's and the worker's logs (--log-level INFO)")
-    run.add_argument("--own-pool", action="store_true", help="start a pool of this command's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
+    run.add_argument(
+        "--own-pool",
+        action="store_true",
+        help="start a pool of this command's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)",
+    )
     run.set_defaults(func=cmd_run)
 
-    chat = sub.add_parser("chat", help="interactive chat (a REPL: /help lists its commands)", description="An interactive chat with a model: on the running pool if one answers, else on a pool of its own.")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat (a REPL: /help lists its commands)",
+        description="An interactive chat with a model: on the running pool if one answers, else on a pool of its own.",
+    )
     add_pool_flags(chat, server=False)
     add_socket_flag(chat)
     add_model_flags(chat)
     add_sampling_flags(chat)
     chat.add_argument("--system", help="system prompt (default: none; /set system changes it)")
-    chat.add_argument("--think", choices=THINK_MODES, default="on", help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it (default on)")
+    chat.add_argument(
+        "--think",
+        choices=THINK_MODES,
+        default="on",
+        help="a thinking model's reasoning: shown apart, dimmed (on); not asked for (off); not shown (hidden); /set think changes it (default on)",
+    )
     chat.add_argument("--verbose", action="store_true", help="show logs (--log-level INFO) and a stats line after each reply")
-    chat.add_argument("--own-pool", action="store_true", help="start a pool of this chat's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)")
+    chat.add_argument(
+        "--own-pool",
+        action="store_true",
+        help="start a pool of this chat's own even when one is running (default: use the running pool that --control-socket, the config or the default path names)",
+    )
     chat.set_defaults(func=cmd_chat)
 
     ps_cmd = sub.add_parser("ps", help="models of the running pool: state, memory, processor, pid, uptime, keep_alive, requests")

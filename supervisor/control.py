@@ -246,7 +246,9 @@ class ControlServer:
         if len(self._clients) >= self.max_clients + CONTROL_RESERVE:
             # Every connection holds a descriptor: past the bound, refuse one
             # rather than let idle clients use up what workers need to start.
-            log.warning("control socket: %d clients connected (max_control_clients and %d kept for ps and stop); refusing another", len(self._clients), CONTROL_RESERVE)
+            log.warning(
+                "control socket: %d clients connected (max_control_clients and %d kept for ps and stop); refusing another", len(self._clients), CONTROL_RESERVE
+            )
             writer.write(encode_error(f"{len(self._clients)} control clients are connected (max_control_clients); try again later", OVERLOADED))
             writer.close()
             return
@@ -302,10 +304,21 @@ class ControlServer:
             left = at - time.monotonic()
             if left <= 0:
                 if late_line:
-                    log.warning("control socket: closing a connection whose op line did not arrive whole within %gs (control_request_timeout)", self.request_timeout)
-                    client.write(encode_error(f"an op line must arrive whole within {self.request_timeout:g}s of its first byte (control_request_timeout); closing the connection", BAD_REQUEST))
+                    log.warning(
+                        "control socket: closing a connection whose op line did not arrive whole within %gs (control_request_timeout)", self.request_timeout
+                    )
+                    client.write(
+                        encode_error(
+                            f"an op line must arrive whole within {self.request_timeout:g}s of its first byte (control_request_timeout); closing the connection",
+                            BAD_REQUEST,
+                        )
+                    )
                 else:
-                    log.info("control socket: closing a connection idle for %gs (%s)", idle, "control_request_timeout" if idle == self.request_timeout else "control_idle_timeout")
+                    log.info(
+                        "control socket: closing a connection idle for %gs (%s)",
+                        idle,
+                        "control_request_timeout" if idle == self.request_timeout else "control_idle_timeout",
+                    )
                 return None
             try:
                 data = await asyncio.wait_for(reader.read(65536), left)

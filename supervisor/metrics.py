@@ -246,7 +246,10 @@ class PoolMetrics:
         self.drafted = Counter("lattice_drafted_tokens", "Tokens drafted by speculative decoding (prompt lookup or a draft model)", LABELS, registry=r)
         self.accepted = Counter("lattice_accepted_tokens", "Drafted tokens the model kept (each saves one decode step)", LABELS, registry=r)
         self.errors = Counter(
-            "lattice_errors", "Error events that end a request or refuse a line, by code; model is empty when no model was resolved", (*LABELS, "code", "surface"), registry=r
+            "lattice_errors",
+            "Error events that end a request or refuse a line, by code; model is empty when no model was resolved",
+            (*LABELS, "code", "surface"),
+            registry=r,
         )
         self.adapter_reloads = Counter("lattice_adapter_reloads", "Adapter loads after start: outcome loaded or error", (*LABELS, "outcome"), registry=r)
         # Throughput as counters: rate(tokens) / rate(decode seconds) is the

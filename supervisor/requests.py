@@ -225,7 +225,9 @@ def _warn_unknown_fields(line: bytes) -> None:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         log.warning(
             "request field %s is unknown and ignored%s (known: %s; said once per field name)",
-            repr(name)[:100], hint, ", ".join(sorted(KNOWN_FIELDS)),
+            repr(name)[:100],
+            hint,
+            ", ".join(sorted(KNOWN_FIELDS)),
         )
 
 

@@ -98,9 +98,7 @@ class Resolver:
             return self.config.models[0].name
         return None
 
-    def resolve(
-        self, ref: str | None, lora: str | None = None, *, paths: bool = True, lora_paths: bool | None = None, check_lora: bool = True
-    ) -> ModelSpec:
+    def resolve(self, ref: str | None, lora: str | None = None, *, paths: bool = True, lora_paths: bool | None = None, check_lora: bool = True) -> ModelSpec:
         """A configured name, a directory under the model cache, a Hugging
         Face id in the local HF cache, or (unless `paths` is False: what an
         HTTP client names) a path; with the adapter `lora` names where the
@@ -135,16 +133,39 @@ class Resolver:
         if "/" not in ref and ref not in (".", ".."):
             cached = self.cache / ref
             if cached.is_dir():
-                return ModelSpec(name=ref, path=cached.resolve(), lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+                return ModelSpec(
+                    name=ref,
+                    path=cached.resolve(),
+                    lora=adapter,
+                    keep_alive=self.default_keep_alive,
+                    max_batch=self.config.max_batch,
+                    max_adapters=self.config.max_adapters,
+                )
         snapshot = self._hub_snapshot(ref)
         if snapshot is not None:
-            return ModelSpec(name=ref, path=snapshot, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+            return ModelSpec(
+                name=ref,
+                path=snapshot,
+                lora=adapter,
+                keep_alive=self.default_keep_alive,
+                max_batch=self.config.max_batch,
+                max_adapters=self.config.max_adapters,
+            )
         found = self._lmstudio(ref) or self._demo(ref)
         if found is not None:
-            return ModelSpec(name=ref, path=found, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+            return ModelSpec(
+                name=ref, path=found, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters
+            )
         candidate = expand(ref) if paths else None
         if candidate is not None and ("/" in ref or ref.startswith("~")) and candidate.is_dir():
-            return ModelSpec(name=ref, path=candidate, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters)
+            return ModelSpec(
+                name=ref,
+                path=candidate,
+                lora=adapter,
+                keep_alive=self.default_keep_alive,
+                max_batch=self.config.max_batch,
+                max_adapters=self.config.max_adapters,
+            )
         known = ", ".join(sorted(self.by_name)) or "none configured"
         hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
         path = ", not a model path" if paths else ""

@@ -749,6 +749,7 @@ class WorkerSlot:
         if self.state == State.STOPPING:
             await self._stopped.wait()
             return
+
         def not_run(model: str) -> str:
             return f"request not run: model {model!r} {reason}"
 

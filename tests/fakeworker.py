@@ -200,7 +200,9 @@ class FakeWorker:
                 if rid in gone or sent == self.knobs.get("tokens", req.max_tokens):
                     finish = "cancelled" if rid in gone else "length"
                     total_ms = int((time.monotonic() - t0) * 1000)
-                    out.append(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json))
+                    out.append(
+                        encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json)
+                    )
                     del running[rid]
             self.out.write(b"".join(out))
             with self.lock:
@@ -245,9 +247,7 @@ class FakeWorker:
         if k.get("bad_final"):
             self.out.write(b'@@lattice {"ev":"gen_token","token":"","done":true,"gen_tokens":"many"}\n')
             return
-        self.out.write(
-            encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json)
-        )
+        self.out.write(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=sent, total_ms=total_ms, finish_reason=finish, id_json=req.id_json))
 
     def fault(self, sent: int) -> None:
         k = self.knobs

@@ -79,7 +79,9 @@ def peft_key(module: str, part: str, language_model: bool = True) -> str:
     return f"{root}{module}.lora_{part}.weight"
 
 
-def write_peft(out: Path, pairs, *, r: int, alpha: float, config: dict | None = None, language_model: bool = True, with_config: bool = True, metadata=None) -> Path:
+def write_peft(
+    out: Path, pairs, *, r: int, alpha: float, config: dict | None = None, language_model: bool = True, with_config: bool = True, metadata=None
+) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for module, (a, b) in pairs.items():

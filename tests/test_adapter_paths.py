@@ -250,7 +250,11 @@ def inotify_instances(pid: int) -> int:
 
 
 def metric_series(pool) -> set[tuple]:
-    return {key for key in scrape(pool.metrics) if key[0].startswith("lattice_") and not key[0].startswith(("lattice_model_", "lattice_system_", "lattice_supervisor_"))}
+    return {
+        key
+        for key in scrape(pool.metrics)
+        if key[0].startswith("lattice_") and not key[0].startswith(("lattice_model_", "lattice_system_", "lattice_supervisor_"))
+    }
 
 
 def counter(match):

@@ -63,7 +63,7 @@ class Chat:
         deadline = time.monotonic() + timeout
         while (found := regex.search(self.raw, self.mark)) is None:
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {pattern!r} within {timeout}s; the terminal got: {bytes(self.raw[self.mark:])[-3000:]!r}")
+                raise AssertionError(f"no {pattern!r} within {timeout}s; the terminal got: {bytes(self.raw[self.mark :])[-3000:]!r}")
             self._read()
         self.mark = found.end()
         return found
@@ -78,7 +78,7 @@ class Chat:
         deadline = time.monotonic() + timeout
         while not self.at_prompt():
             if time.monotonic() > deadline:
-                raise AssertionError(f"no prompt within {timeout}s; the terminal got: {bytes(self.raw[self.mark:])[-3000:]!r}")
+                raise AssertionError(f"no prompt within {timeout}s; the terminal got: {bytes(self.raw[self.mark :])[-3000:]!r}")
             self._read()
         self.mark = len(self.raw)
 

@@ -37,14 +37,17 @@ def test_run_plain_text_matches_json_and_prints_stats(tiny_model, models_dir):
 
 
 def test_run_json_serve_is_chat_metal_compatible(tiny_model):
-    requests = b"\n".join(
-        [
-            json.dumps({"prompt": CHAT, "max_tokens": 4}).encode(),
-            b"{not json",
-            json.dumps({"max_tokens": 4}).encode(),
-            json.dumps({"prompt": CHAT, "max_tokens": 3, "stop": ["zzz"]}).encode(),
-        ]
-    ) + b"\n"
+    requests = (
+        b"\n".join(
+            [
+                json.dumps({"prompt": CHAT, "max_tokens": 4}).encode(),
+                b"{not json",
+                json.dumps({"max_tokens": 4}).encode(),
+                json.dumps({"prompt": CHAT, "max_tokens": 3, "stop": ["zzz"]}).encode(),
+            ]
+        )
+        + b"\n"
+    )
     out = cli("run", "--model-dir", str(tiny_model), "--json", "--serve", input=requests)
     assert out.returncode == 0, out.stderr
     evs = [e for e in events(out.stdout) if e["ev"] in ("gen_token", "error", "ready")]

@@ -208,7 +208,9 @@ def test_the_scheduler_compiles_its_decode_step_unless_told_not_to(tiny_model):
 
     loaded = load(tiny_model)
     for compile_decode in (True, False):
-        s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, compile_decode=compile_decode)
+        s = Scheduler(
+            loaded, TextCodec(loaded.path, loaded.config), lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, compile_decode=compile_decode
+        )
         for i in range(3):
             s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), max_tokens=8, temperature=0.0), 0.0)
         ended = s.drain()

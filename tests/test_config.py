@@ -40,7 +40,7 @@ def test_bad_durations_are_refused(tmp_path, bad):
         ('api_key = "   "\n', "api_key is blank"),
         ('api_key = ""\n', "api_key is blank"),
         ('http_request_timeout = "never"\n', "http_request_timeout must be a duration"),
-        ('control_request_timeout = -1\n', "control_request_timeout must be a duration"),
+        ("control_request_timeout = -1\n", "control_request_timeout must be a duration"),
         ('metrics_request_timeout = "never"\n', "metrics_request_timeout must be a duration"),
     ],
 )
@@ -51,7 +51,13 @@ def test_a_blank_key_or_an_unbounded_request_time_is_refused(tmp_path, text, why
         load_config(path)
 
 
-@pytest.mark.parametrize("text, where", [("max_adapters = 0\n", "`max_adapters`: Expected `int` >= 1"), ('[[models]]\nname = "a"\npath = "/m"\nmax_adapters = 2000\n', r"`models\[0\]\.max_adapters`: Expected `int` <= 1024")])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("max_adapters = 0\n", "`max_adapters`: Expected `int` >= 1"),
+        ('[[models]]\nname = "a"\npath = "/m"\nmax_adapters = 2000\n', r"`models\[0\]\.max_adapters`: Expected `int` <= 1024"),
+    ],
+)
 def test_max_adapters_is_checked(tmp_path, text, where):
     path = tmp_path / "c.toml"
     path.write_text(text)

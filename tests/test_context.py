@@ -57,10 +57,7 @@ def test_worker_refuses_or_clips_past_the_limit(tiny_model):
 
 def test_pool_shows_and_enforces_max_context(tiny_model, tmp_path, spawn_pool):
     config = tmp_path / "pool.toml"
-    config.write_text(
-        f'[[models]]\nname = "short"\npath = "{tiny_model}"\nmax_context = 64\n'
-        f'[[models]]\nname = "native"\npath = "{tiny_model}"\n'
-    )
+    config.write_text(f'[[models]]\nname = "short"\npath = "{tiny_model}"\nmax_context = 64\n[[models]]\nname = "native"\npath = "{tiny_model}"\n')
     pool = spawn_pool("--config", str(config), "--http", "127.0.0.1:0")
     port = http_port(pool)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as response:

@@ -58,9 +58,7 @@ SGEMM_PROBE = textwrap.dedent(
 
 
 def probe(code: str, *args: str, **env: str):
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, env=child_env(**env), cwd=ROOT, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, env=child_env(**env), cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr.decode(errors="replace")
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 

@@ -21,8 +21,7 @@ def real_pool(tmp_path, tiny_model, second_model, spawn_pool):
     def start(extra: str = ""):
         path = tmp_path / "pool.toml"
         path.write_text(
-            f'{extra}\n[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\n'
-            f'\n[[models]]\nname = "b"\npath = "{second_model}"\npreload = true\n'
+            f'{extra}\n[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\n\n[[models]]\nname = "b"\npath = "{second_model}"\npreload = true\n'
         )
         pool = spawn_pool("--config", str(path))
         pool.wait_ev("ready", model="a")

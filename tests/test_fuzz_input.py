@@ -29,8 +29,22 @@ from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 # Seeded and without an example database, so every run checks the same cases.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 
-FIELDS = ["op", "id", "model", "lora", "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p",
-          "repetition_penalty", "seed", "reasoning_budget", "stop"]
+FIELDS = [
+    "op",
+    "id",
+    "model",
+    "lora",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "reasoning_budget",
+    "stop",
+]
 VALID = [
     b'{"prompt":"<|im_start|>user\\nHi<|im_end|>\\n","model":"m","id":"r1","max_tokens":64,"temperature":0.7,"top_k":50,'
     b'"top_p":0.9,"repetition_penalty":1.1,"seed":42,"reasoning_budget":256,"stop":["\\n\\n"]}',
@@ -42,7 +56,9 @@ VALID = [
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-field_values = json_values | st.sampled_from(sorted(OPS)) | st.lists(st.fixed_dictionaries({"role": st.text(max_size=5), "content": st.text(max_size=20)}), max_size=3)
+field_values = (
+    json_values | st.sampled_from(sorted(OPS)) | st.lists(st.fixed_dictionaries({"role": st.text(max_size=5), "content": st.text(max_size=20)}), max_size=3)
+)
 requests = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), field_values, max_size=8)
 
 
@@ -314,11 +330,7 @@ def test_an_8mib_id_is_refused_and_7_and_7_0_are_one_id(tiny_model, tmp_path, sp
     empty = pool.wait_ev("error")
     assert empty["code"] == "bad_request" and "empty" in empty["msg"] and "id" not in empty
     # In one write, so the first is surely still running when the others come.
-    pool.send(
-        b'{"model":"tiny","prompt":"hi","max_tokens":4000,"id":7}\n'
-        b'{"model":"tiny","prompt":"hi","max_tokens":4,"id":7.0}\n'
-        b'{"op":"cancel","id":7.0}\n'
-    )
+    pool.send(b'{"model":"tiny","prompt":"hi","max_tokens":4000,"id":7}\n{"model":"tiny","prompt":"hi","max_tokens":4,"id":7.0}\n{"op":"cancel","id":7.0}\n')
     pool.sent_ids.append(7)
     duplicate = pool.wait_ev("error")
     assert duplicate["code"] == "bad_request" and "duplicate id 7" in duplicate["msg"]
@@ -332,7 +344,18 @@ def test_an_8mib_id_is_refused_and_7_and_7_0_are_one_id(tiny_model, tmp_path, sp
 
 # `lora` values that name files a client must not reach, or would if the
 # text were expanded (tests/test_adapter_paths.py: the same over HTTP).
-HOSTILE_LORAS = ["/etc/passwd", "/etc", "/", "/dev/zero", "/proc/self/environ", "/x/${HOME}", "$HOME/.bashrc", "~/.bashrc", "/usr/lib", "../../../../etc/shadow"]
+HOSTILE_LORAS = [
+    "/etc/passwd",
+    "/etc",
+    "/",
+    "/dev/zero",
+    "/proc/self/environ",
+    "/x/${HOME}",
+    "$HOME/.bashrc",
+    "~/.bashrc",
+    "/usr/lib",
+    "../../../../etc/shadow",
+]
 
 
 def hostile_corpus(loops: list[str]) -> tuple[list[bytes], list]:

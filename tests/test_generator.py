@@ -132,8 +132,19 @@ def test_sliding_window_model_rows_batched_compute_what_they_compute_alone():
     prompts, so rows rotate, beside plain KV layers."""
     from mlx_lm.models import gemma3_text
 
-    config = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  head_dim=16, num_key_value_heads=2, vocab_size=256, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    config = dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        vocab_size=256,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+    )
     model = random_model(gemma3_text, config)
     assert {type(c).__name__ for c in make_prompt_cache(model)} == {"RotatingKVCache", "KVCache"}
     check_batched_equals_alone(model, 256, prompts_of(256), steps=12)
@@ -142,9 +153,20 @@ def test_sliding_window_model_rows_batched_compute_what_they_compute_alone():
 def test_attention_only_model_rows_batched_compute_what_they_compute_alone():
     from mlx_lm.models import qwen3
 
-    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True,
-                  max_position_embeddings=4096)
+    config = dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     model = random_model(qwen3, config)
     check_batched_equals_alone(model, 256, prompts_of(256))
 

@@ -117,7 +117,11 @@ def test_config_keys_of_a_group_are_checked(tmp_path, keys, message):
 
 
 def test_a_group_entry_becomes_the_workers_flags(tmp_path):
-    config = load_config(write(tmp_path, MODEL + 'ranks = 2\nhosts = ["10.0.0.1", {ssh = "me@mac-b", ip = "10.0.0.2"}]\nparallel = "pipeline"\nport = 40000\nsplit_vocab = false\n'))
+    config = load_config(
+        write(
+            tmp_path, MODEL + 'ranks = 2\nhosts = ["10.0.0.1", {ssh = "me@mac-b", ip = "10.0.0.2"}]\nparallel = "pipeline"\nport = 40000\nsplit_vocab = false\n'
+        )
+    )
     argv, _ = worker_command(Resolver(config).resolve("big"), config, None)
     tail = argv[argv.index("--ranks") :]
     assert tail == [

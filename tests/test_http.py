@@ -35,10 +35,7 @@ def served(tiny_model, tmp_path_factory):
     """One pool for the module: the tiny model, HTTP on port 0 of the
     default host, metrics, and small HTTP bounds the tests reach."""
     config = tmp_path_factory.mktemp("http") / "pool.toml"
-    config.write_text(
-        'http_stream_buffer = "64KiB"\nmax_http_body_bytes = "256KiB"\n'
-        f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n'
-    )
+    config.write_text(f'http_stream_buffer = "64KiB"\nmax_http_body_bytes = "256KiB"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n')
     pool = PoolProc("--config", str(config), "--http", "0", "--metrics-port", "0")
     keep_alive_across_tests(pool.proc.pid)
     pool.wait_ev("ready", model="tiny")
@@ -305,7 +302,11 @@ def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
     assert get(pool, "/v1/models", {"host": "pool.example", "origin": "https://app.example", "authorization": "Bearer s3cret"})[0] == 200
 
     # Three open connections fill max_http_connections: a fourth is answered 429 and closed.
-    wait_for(lambda: not [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_ESTABLISHED], 30, message="earlier connections to close")
+    wait_for(
+        lambda: not [c for c in psutil.Process(pool.proc.pid).net_connections("inet") if c.status == psutil.CONN_ESTABLISHED],
+        30,
+        message="earlier connections to close",
+    )
     held = [socket.create_connection(("127.0.0.1", pool.port)) for _ in range(3)]
     wait_for(lambda: established(pool, {s.getsockname()[1] for s in held}) == 3, 30, message="three connections")
     with socket.create_connection(("127.0.0.1", pool.port)) as extra:

@@ -114,13 +114,22 @@ def test_response_format_json_lands_in_content(agents):
     with client(agents) as c:
         for seed in range(3):
             reply = c.chat.completions.create(
-                model="tiny", messages=HI, max_tokens=80, seed=seed, temperature=1.0,
+                model="tiny",
+                messages=HI,
+                max_tokens=80,
+                seed=seed,
+                temperature=1.0,
                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
             )
             assert set(json.loads(reply.choices[0].message.content)) == {"n", "ok"}
         # Thinking first when asked for.
         thought = c.chat.completions.create(
-            model="tiny", messages=HI, max_tokens=60, temperature=0, extra_body={"reasoning_budget": 4}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            model="tiny",
+            messages=HI,
+            max_tokens=60,
+            temperature=0,
+            extra_body={"reasoning_budget": 4},
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
         )
         assert thought.choices[0].message.reasoning_content and json.loads(thought.choices[0].message.content)
         # reasoning_effort is a reasoning_budget: "minimal" thinks not at all.
@@ -144,7 +153,10 @@ WEATHER = {
         },
     },
 }
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}},
+}
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -179,7 +191,9 @@ def test_tools_are_rendered_by_the_chat_template(agents):
     with client(agents) as c:
         bare = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, temperature=0)
         auto = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
-        chunks = list(c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})
+        )
     assert auto.usage.prompt_tokens > bare.usage.prompt_tokens + 50
     assert auto.choices[0].finish_reason == "length" and not auto.choices[0].message.tool_calls
     assert chunks[-1].usage.prompt_tokens == auto.usage.prompt_tokens
@@ -201,14 +215,25 @@ def test_a_forced_call_parses_at_temperature_1(agents):
                 assert call.type == "function" and call.id.startswith("call_")
                 check_call(call.function.name, call.function.arguments)
         named = c.chat.completions.create(
-            model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=9
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=1.0,
+            seed=9,
         )
         [call] = named.choices[0].message.tool_calls
         assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
         content, calls, finish = streamed(
-            c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3, stream=True)
+            c.chat.completions.create(
+                model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3, stream=True
+            )
         )
-        again = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3)
+        again = c.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=3
+        )
     assert finish == "tool_calls" and content == ""
     assert [(k["name"], k["arguments"]) for k in calls] == [(t.function.name, t.function.arguments) for t in again.choices[0].message.tool_calls]
 
@@ -217,7 +242,11 @@ def test_tool_results_fed_back(agents):
     """An assistant turn with tool_calls and the tool's result, rendered by
     the template as stdin renders them; the reply goes on."""
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
     ]
     with client(agents) as c:
@@ -254,7 +283,15 @@ def test_auto_reads_a_well_formed_call_and_returns_a_malformed_one_as_text(agent
 
 
 def test_legacy_functions_map_to_tools(agents):
-    body = {"model": "tiny", "messages": ASK, "functions": [CLOCK["function"]], "function_call": {"name": "get_time"}, "max_tokens": 200, "temperature": 1.0, "seed": 1}
+    body = {
+        "model": "tiny",
+        "messages": ASK,
+        "functions": [CLOCK["function"]],
+        "function_call": {"name": "get_time"},
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     status, reply = post(agents, "/chat/completions", json.dumps(body).encode())
     assert status == 200 and reply["choices"][0]["finish_reason"] == "tool_calls", reply
     assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
@@ -320,8 +357,12 @@ def anthropic_client(pool, **kwargs):
 
 def test_anthropic_messages_whole_and_streamed(agents):
     with anthropic_client(agents) as c:
-        whole = c.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3})
-        with c.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3}) as stream:
+        whole = c.messages.create(
+            model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3}
+        )
+        with c.messages.stream(
+            model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 3}
+        ) as stream:
             kinds = [event.type for event in stream]
             final = stream.get_final_message()
     assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
@@ -336,10 +377,19 @@ def test_anthropic_messages_whole_and_streamed(agents):
 def test_anthropic_tool_use_round_trip(agents):
     tools = [{"name": "get_time", "description": "The time", "input_schema": CLOCK["function"]["parameters"]}]
     with anthropic_client(agents) as c:
-        first = c.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 1.0})
+        first = c.messages.create(
+            model="tiny",
+            max_tokens=200,
+            messages=ASK,
+            tools=tools,
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            extra_body={"temperature": 1.0},
+        )
         [use] = [b for b in first.content if b.type == "tool_use"]
         assert first.stop_reason == "tool_use" and use.name == "get_time" and use.input["zone"] in ("UTC", "CET") and use.id.startswith("toolu_")
-        with c.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0}) as stream:
+        with c.messages.stream(
+            model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 1.0}
+        ) as stream:
             streamed_use = [b for b in stream.get_final_message().content if b.type == "tool_use"]
         assert streamed_use and streamed_use[0].name == "get_time" and streamed_use[0].input["zone"] in ("UTC", "CET")
         history = ASK + [
@@ -386,8 +436,13 @@ def test_x_api_key_is_accepted_like_the_bearer_key(tiny_model, tmp_path, spawn_p
 def test_responses_text_streaming_and_previous_response(agents):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"], "additionalProperties": False}
     kwargs = dict(
-        model="tiny", input="Tell me about the river.", instructions="Be brief.", max_output_tokens=60, temperature=0,
-        text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, extra_body={"reasoning_budget": 3},
+        model="tiny",
+        input="Tell me about the river.",
+        instructions="Be brief.",
+        max_output_tokens=60,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema}},
+        extra_body={"reasoning_budget": 3},
     )
     with client(agents) as c:
         whole = c.responses.create(**kwargs)
@@ -405,7 +460,11 @@ def test_responses_text_streaming_and_previous_response(agents):
     assert [e for e in kinds if e.startswith("response.output_item")] == ["response.output_item.added", "response.output_item.done"] * 2
     assert follow.status == "incomplete" and follow.incomplete_details.reason == "max_output_tokens" and follow.usage.output_tokens == 4
     # The follow-up's prompt is the first exchange (without its instructions) and the new input.
-    conversation = [{"role": "user", "content": "Tell me about the river."}, {"role": "assistant", "content": whole.output_text}, {"role": "user", "content": "And the sea?"}]
+    conversation = [
+        {"role": "user", "content": "Tell me about the river."},
+        {"role": "assistant", "content": whole.output_text},
+        {"role": "user", "content": "And the sea?"},
+    ]
     agents.send({"id": "stdin-follow", "model": "tiny", "messages": conversation, "max_tokens": 1})
     assert agents.terminal("stdin-follow")["prompt_tokens"] == follow.usage.input_tokens
 
@@ -413,15 +472,24 @@ def test_responses_text_streaming_and_previous_response(agents):
 def test_responses_function_calls_round_trip(agents):
     tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
     with client(agents) as c:
-        first = c.responses.create(model="tiny", input=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=1.0)
+        first = c.responses.create(
+            model="tiny", input=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=1.0
+        )
         [call] = [item for item in first.output if item.type == "function_call"]
         assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET") and first.status == "completed"
-        with c.responses.stream(model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200, temperature=1.0) as stream:
+        with c.responses.stream(
+            model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200, temperature=1.0
+        ) as stream:
             kinds = [event.type for event in stream]
             streamed = [item for item in stream.get_final_response().output if item.type == "function_call"]
         assert streamed and streamed[0].name == "get_time" and "response.function_call_arguments.done" in kinds
         after = c.responses.create(
-            model="tiny", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}], tools=tools, max_output_tokens=4, temperature=0
+            model="tiny",
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}],
+            tools=tools,
+            max_output_tokens=4,
+            temperature=0,
         )
     assert after.usage.input_tokens > first.usage.input_tokens and after.output_text is not None
 
@@ -454,7 +522,13 @@ def ollama_calls(agents, c) -> None:
     assert generated.done and generated.eval_count == 10 and generated.response
     raw = "".join(p.response for p in c.generate(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", raw=True, options=options, stream=True))
     assert raw
-    forced = c.chat(model="tiny", messages=ASK, tools=[CLOCK], format={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}, options={"num_predict": 40, "temperature": 0})
+    forced = c.chat(
+        model="tiny",
+        messages=ASK,
+        tools=[CLOCK],
+        format={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+        options={"num_predict": 40, "temperature": 0},
+    )
     assert set(json.loads(forced.message.content)) == {"a"}
     names = [m.model for m in c.list().models]
     assert names[:1] == ["tiny"] and "tiny2" in names

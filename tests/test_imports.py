@@ -90,7 +90,11 @@ def test_the_slot_does_not_depend_on_the_resolver_or_the_pool(module, never):
 
 
 def front_ends() -> dict[str, Path]:
-    return {name: path for name, path in modules("supervisor").items() if name.startswith("supervisor.httpapi") or name in ("supervisor.chat", "supervisor.cli", "supervisor.attach")}
+    return {
+        name: path
+        for name, path in modules("supervisor").items()
+        if name.startswith("supervisor.httpapi") or name in ("supervisor.chat", "supervisor.cli", "supervisor.attach")
+    }
 
 
 def test_there_are_front_ends():

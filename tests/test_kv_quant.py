@@ -121,7 +121,7 @@ def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
 def test_a_pool_serves_quantized_and_plain_models_side_by_side(tiny_model, tmp_path, spawn_pool):
     config = tmp_path / "pool.toml"
     config.write_text(
-        f'prefix_cache_disk_bytes = 0\n'
+        f"prefix_cache_disk_bytes = 0\n"
         f'[[models]]\nname = "q8"\npath = "{tiny_model}"\nkv_bits = 8\nkv_group_size = 32\npreload = true\n'
         f'[[models]]\nname = "plain"\npath = "{tiny_model}"\npreload = true\n'
     )

@@ -275,13 +275,21 @@ def test_more_ways_to_be_wrong(tmp_path, tiny_model):
     assert "no LoRA tensors" in bad_message(tmp_path / "full", targets, {"model.layers.0.mlp.up_proj.weight": a})
     mixed = {peft_key(q, "A"): a, f"model.{q}.lora_b": b.T.copy()}
     assert "mixes PEFT keys" in bad_message(tmp_path / "mixed", targets, mixed)
-    lm_rank = bad_message(tmp_path / "lm", targets, {f"model.{q}.lora_a": a.T.copy(), f"model.{q}.lora_b": b.T.copy()}, {"lora_parameters": {"rank": 16, "scale": 2.0}}, name="adapters.safetensors")
+    lm_rank = bad_message(
+        tmp_path / "lm",
+        targets,
+        {f"model.{q}.lora_a": a.T.copy(), f"model.{q}.lora_b": b.T.copy()},
+        {"lora_parameters": {"rank": 16, "scale": 2.0}},
+        name="adapters.safetensors",
+    )
     assert "lora_parameters.rank is 16" in lm_rank and q in lm_rank
     beyond = {peft_key("layers.9.self_attn.q_proj", "A"): a, peft_key("layers.9.self_attn.q_proj", "B"): b}
     assert "unmapped keys" in bad_message(tmp_path / "layer9", targets, beyond, {"r": RANK})
     vision = {k.replace("model.language_model.", "model.visual."): v for k, v in ok.items()}
     assert "unmapped keys" in bad_message(tmp_path / "vision", targets, vision, {"r": RANK})
-    assert "not a finite number" in bad_message(tmp_path / "meta", targets, {f"model.{q}.lora_a": a.T.copy(), f"model.{q}.lora_b": b.T.copy()}, metadata={"alpha": "x"}, name="adapters.safetensors")
+    assert "not a finite number" in bad_message(
+        tmp_path / "meta", targets, {f"model.{q}.lora_a": a.T.copy(), f"model.{q}.lora_b": b.T.copy()}, metadata={"alpha": "x"}, name="adapters.safetensors"
+    )
 
 
 def test_only_regular_files_within_the_size_limit_are_read(tmp_path, tiny_model):

@@ -271,7 +271,17 @@ def test_control_socket_and_ps(tiny_model, second_model, tmp_path, spawn_pool):
         table = cli("ps", "--control-socket", str(path))
         assert table.returncode == 0, table.stderr
         assert table.stdout.split(b"\n", 1)[0].split() == [
-            b"NAME", b"ADAPTER", b"FORMAT", b"STATE", b"MEMORY", b"PROCESSOR", b"CONTEXT", b"PID", b"UPTIME", b"UNTIL", b"REQUESTS"
+            b"NAME",
+            b"ADAPTER",
+            b"FORMAT",
+            b"STATE",
+            b"MEMORY",
+            b"PROCESSOR",
+            b"CONTEXT",
+            b"PID",
+            b"UPTIME",
+            b"UNTIL",
+            b"REQUESTS",
         ]
         shown = ps_table(table.stdout)
         assert set(shown) == {"a", "b"}
@@ -402,7 +412,9 @@ def test_a_log_record_never_lands_on_the_progress_bar():
     screen.bar("loading m [###...] 10% of 4.2 MB")
     screen.log(b"2026-12-03 02:18:57,680 INFO worker model=m: hello\n")
     # Cleared, written on a line of its own, the bar drawn again below it.
-    assert stream.getvalue() == "\rloading m [###...] 10% of 4.2 MB\r\033[K2026-12-03 02:18:57,680 INFO worker model=m: hello\n\rloading m [###...] 10% of 4.2 MB"
+    assert (
+        stream.getvalue() == "\rloading m [###...] 10% of 4.2 MB\r\033[K2026-12-03 02:18:57,680 INFO worker model=m: hello\n\rloading m [###...] 10% of 4.2 MB"
+    )
     # Half a reply on the same terminal: the record waits for its newline.
     screen.end_bar()
     before = stream.getvalue()
@@ -420,11 +432,16 @@ def test_ps_stop_and_unload_reach_a_chat_through_its_config_socket(tiny_model, t
     config = write_config(tmp_path, {"tiny": (tiny_model, None)}, f'control_socket = "{path}"\nkeep_alive = "5m"')
     chat = subprocess.Popen(
         [sys.executable, "-m", "supervisor", "chat", "--config", config, "--max-tokens", "2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        cwd=ROOT,
     )
     try:
         chat.stdin.write(b"Hello\n")
         chat.stdin.flush()
+
         # The row shows once the model loads; the chat's message, once answered.
         def served() -> bool:
             out = cli("ps", "--config", config)

@@ -200,7 +200,7 @@ def test_duplicate_running_id_is_refused(config_file, spawn_pool):
     pool.proc.stdin.write(json.dumps({"model": "a", "id": "dup", "prompt": CHAT}).encode() + b"\n")
     pool.proc.stdin.flush()
     err = pool.wait_for(lambda e: e["ev"] == "error")
-    assert err["code"] == "bad_request" and "duplicate id \"dup\"" in err["msg"] and "id" not in err
+    assert err["code"] == "bad_request" and 'duplicate id "dup"' in err["msg"] and "id" not in err
     # Neither does the error of an op that happens to carry it.
     pool.send({"op": "explode", "id": "dup"})
     err = pool.wait_for(lambda e: e["ev"] == "error")
@@ -230,7 +230,7 @@ def test_status_reports_measured_memory(config_file, spawn_pool):
 
 def test_config_errors_name_key_and_file(tmp_path, tiny_model, spawn_pool):
     cases = {
-        "unknown.toml": ('max_loded = 2\n', "unknown key `max_loded`"),
+        "unknown.toml": ("max_loded = 2\n", "unknown key `max_loded`"),
         "nested.toml": (f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreloud = true\n', "unknown key `preloud` in [models[0]]"),
         "type.toml": ('max_loaded = "two"\n', "max_loaded"),
         "dupe.toml": ('[[models]]\nname = "a"\npath = "/x"\n[[models]]\nname = "a"\npath = "/y"\n', "repeated: a"),
@@ -391,8 +391,20 @@ def test_stdout_gone_during_the_grace_period_ends_the_pool_at_once(config_file, 
 def test_unknown_request_fields_are_warned_once_per_name(config_file, spawn_pool):
     pool = spawn_pool("--config", config_file())
     # Every field SPEC §3 names (null is absent), on a generation line and an op.
-    known = {"model": "a", "lora": None, "prompt": CHAT, "max_tokens": 2, "temperature": 0.7, "top_k": 50, "top_p": 0.9,
-             "repetition_penalty": 1.1, "seed": 1, "reasoning_budget": None, "stop": None, "response_format": None}
+    known = {
+        "model": "a",
+        "lora": None,
+        "prompt": CHAT,
+        "max_tokens": 2,
+        "temperature": 0.7,
+        "top_k": 50,
+        "top_p": 0.9,
+        "repetition_penalty": 1.1,
+        "seed": 1,
+        "reasoning_budget": None,
+        "stop": None,
+        "response_format": None,
+    }
     pool.send({"id": "known", **known})
     pool.send({"op": "status", "id": "st", "model": None})
     pool.wait_ev("status")

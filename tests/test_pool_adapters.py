@@ -76,7 +76,15 @@ _ids = iter(range(1, 1_000_000))
 
 
 def request(model: str, prompt: int, max_tokens: int = ADAPTER_TOKENS, **fields) -> dict:
-    return {"model": model, "id": f"{model}-{next(_ids)}", "prompt": ADAPTER_PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0, "repetition_penalty": 1.0, **fields}
+    return {
+        "model": model,
+        "id": f"{model}-{next(_ids)}",
+        "prompt": ADAPTER_PROMPTS[prompt],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "repetition_penalty": 1.0,
+        **fields,
+    }
 
 
 def send_together(pool, reqs: list[dict]) -> None:
@@ -381,9 +389,13 @@ def test_names_past_max_names_leave_least_recently_used_first(tiny_model, files,
 def test_ps_puts_the_adapters_of_a_worker_under_its_first_row():
     def row(model, lora, worker, pid):
         zero = dict.fromkeys(("uss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "mlx_cache_bytes", "queued", "in_flight", "served", "tokens", "restarts"), 0)
-        return StatusRow(model, lora, "ready", pid, "bf16", rss_bytes=2_000_000, weights_bytes=1, adapter_bytes=5000 if lora else 0, uptime_s=1.0, worker=worker, **zero)
+        return StatusRow(
+            model, lora, "ready", pid, "bf16", rss_bytes=2_000_000, weights_bytes=1, adapter_bytes=5000 if lora else 0, uptime_s=1.0, worker=worker, **zero
+        )
 
-    status = Status([row("b-style", "/a/s", 2, 12), row("a", None, 1, 11), row("a-terse", "/a/t", 1, 11), row("b", None, 2, 12), row("c-only", "/c", 3, 13)], 0, 0, 0)
+    status = Status(
+        [row("b-style", "/a/s", 2, 12), row("a", None, 1, 11), row("a-terse", "/a/t", 1, 11), row("b", None, 2, 12), row("c-only", "/c", 3, 13)], 0, 0, 0
+    )
     assert [g[0].model for g in by_worker(status.models)] == ["a", "b", "c-only"]
     lines = table(status).splitlines()
     assert [line.split()[0] for line in lines] == ["NAME", "a", "a-terse", "b", "b-style", "c-only"]

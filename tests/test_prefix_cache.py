@@ -1,6 +1,5 @@
 """Prefix cache: earlier requests' model state reused, output unchanged."""
 
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -147,10 +146,7 @@ def test_rows_of_one_batch_resume_and_store_their_own_snapshots(pair, tokenizer,
     rids = [next(_rid) for _ in firsts]
     events = cached.send_together([Generate(rid=r, id_json=str(r), prompt=p, temperature=0.0, max_tokens=24) for r, p in zip(rids, firsts)])
     replies = [text_of(events[r]) for r in rids]
-    seconds = [
-        chatml([("user", q), ("assistant", reply), ("user", "Go on.")], system)
-        for q, reply, system in zip(QUESTIONS, replies, systems)
-    ]
+    seconds = [chatml([("user", q), ("assistant", reply), ("user", "Go on.")], system) for q, reply, system in zip(QUESTIONS, replies, systems)]
     rids = [next(_rid) for _ in seconds]
     events = cached.send_together([Generate(rid=r, id_json=str(r), prompt=p, temperature=0.0, max_tokens=24) for r, p in zip(rids, seconds)])
     for rid, first, second in zip(rids, firsts, seconds):

@@ -271,6 +271,7 @@ def test_groups_that_cannot_start_fail_with_their_cause_and_are_not_retried(spaw
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
+
     def copy(name):  # the pool keeps one worker per model dir
         return shutil.copytree(tiny_model, tmp_path / name)
 

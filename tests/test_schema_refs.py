@@ -11,7 +11,12 @@ from worker.schema_refs import MAX_SCHEMA_DEPTH, too_deep, unmatchable_ref
 LOOPS = {
     "itself": {"$ref": "#"},
     "two defs": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
-    "legacy definitions": {"type": "object", "properties": {"x": {"$ref": "#/definitions/a"}}, "required": ["x"], "definitions": {"a": {"$ref": "#/definitions/a"}}},
+    "legacy definitions": {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/a"}},
+        "required": ["x"],
+        "definitions": {"a": {"$ref": "#/definitions/a"}},
+    },
     "allOf": {"allOf": [{"type": "string"}, {"$ref": "#"}]},
     "anyOf of loops only": {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]},
     "a required property": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
@@ -30,7 +35,16 @@ WAYS_OUT = {
     "a loop in unused defs": {"type": "string", "$defs": {"a": {"$ref": "#/$defs/a"}}},
     "a remote ref (llguidance's to judge)": {"$ref": "https://example.com/schema.json"},
     "a missing def (llguidance names it)": {"$ref": "#/$defs/gone"},
-    "a linked list": {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"]}}, "$ref": "#/$defs/node"},
+    "a linked list": {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                "required": ["v", "next"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
 }
 
 

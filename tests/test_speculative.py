@@ -291,8 +291,12 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
     from tests.lora_files import lora_pairs, targets_of, write_peft
 
     adapter = str(write_peft(tmp_path / "style", lora_pairs(targets_of(tiny_model), rank=4, seed=2), r=4, alpha=8.0))
-    pet = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "tags": {"type": "array", "items": {"enum": ["loyal", "loud", "shy"]}, "maxItems": 4}},
-           "required": ["kind", "tags"], "additionalProperties": False}
+    pet = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "tags": {"type": "array", "items": {"enum": ["loyal", "loud", "shy"]}, "maxItems": 4}},
+        "required": ["kind", "tags"],
+        "additionalProperties": False,
+    }
     schema = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
     per = {0: {"lora": adapter}, 1: {"response_format": schema, "max_tokens": 60}, 2: {"lora": None}}
     copy = '<|im_start|>user\nCopy {"kind":"dog","tags":["loyal","shy","loud"]}<|im_end|>\n<|im_start|>assistant\n'
@@ -333,7 +337,7 @@ def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path
 
 @pytest.mark.parametrize(
     "entry, needle",
-    [('draft = "mtp"', '"mtp" is not available'), ("draft = \"ngram\"\nranks = 2", "split over ranks"), ("draft = { tokens = 4 }", "model")],
+    [('draft = "mtp"', '"mtp" is not available'), ('draft = "ngram"\nranks = 2', "split over ranks"), ("draft = { tokens = 4 }", "model")],
 )
 def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, tmp_path):
     from supervisor.config import ConfigError, load_config

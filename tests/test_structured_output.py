@@ -538,7 +538,16 @@ def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypat
         monkeypatch.setattr(RowConstraint, name, watched(name))
     masks.fill, masks.fill_async, generator.on_read = fill, fill_async, on_read
     short = json.dumps({"type": "regex", "pattern": "(yes|no), [a-z]{2,12}"})
-    drive(s, [fixed(0, seed=0, response_format=PET_FORMAT, max_tokens=40), fixed(1, seed=1, response_format=short, max_tokens=40), fixed(2, seed=2, response_format=PET_FORMAT, max_tokens=40)], {}, {})
+    drive(
+        s,
+        [
+            fixed(0, seed=0, response_format=PET_FORMAT, max_tokens=40),
+            fixed(1, seed=1, response_format=short, max_tokens=40),
+            fixed(2, seed=2, response_format=PET_FORMAT, max_tokens=40),
+        ],
+        {},
+        {},
+    )
     ends = replies(lines)
     assert len(ends) == 3 and all(end[0] in ("stop", "length") for _, end in ends.values())
     assert any(end[0] == "stop" for _, end in ends.values()), "a grammar completed (done was asked, after the fill)"

@@ -32,7 +32,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 4}}, "required": ["zone"]}}}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 4}}, "required": ["zone"]}},
+}
 TOOLS = [WEATHER, TIME]
 
 # (template file, format, what the template writes before and after the reply)
@@ -77,7 +80,7 @@ def test_a_call_rendered_by_the_family_template_parses_back(family, fmt, head, t
 
 
 def test_text_before_the_calls_is_content():
-    reply = "Let me look.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"
+    reply = 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     assert parse("qwen3", reply, TOOLS) == ("Let me look.", [Call("get_time", '{"zone": "UTC"}')])
     mistral = 'Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
     assert parse("mistral", mistral, TOOLS) == ("Sure.", [Call("get_time", '{"zone": "UTC"}')])
@@ -93,18 +96,18 @@ def test_qwen3_coder_values_take_their_schema_types():
     "fmt, reply",
     [
         ("qwen3", "plain text, no call"),
-        ("qwen3", "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \n</tool_call>"),
-        ("qwen3", "<tool_call>\n{\"arguments\": {}}\n</tool_call>"),
+        ("qwen3", '<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>'),
+        ("qwen3", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
         ("qwen3", "<tool_call>\n[1, 2]\n</tool_call>"),
         ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC"),
         ("llama3_json", '{"name": "get_time", "parameters": {"zone": '),
         ("llama3_json", "Hello there."),
-        ("mistral", "[TOOL_CALLS][{\"name\": 3}]"),
-        ("mistral", "[TOOL_CALLS]get_time[ARGS]{\"zone\""),
+        ("mistral", '[TOOL_CALLS][{"name": 3}]'),
+        ("mistral", '[TOOL_CALLS]get_time[ARGS]{"zone"'),
         ("gemma", "[get_time(zone='UTC'"),
         ("gemma", "[__import__('os').system('true')]"),
         ("gemma", "[1 + 2]"),
-        ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"zone\"\n```<｜tool▁call▁end｜>"),
+        ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"zone"\n```<｜tool▁call▁end｜>'),
     ],
 )
 def test_malformed_calls_are_text(fmt, reply):
@@ -213,7 +216,11 @@ def test_a_template_without_tools_gets_them_as_qwen_writes_them():
         "messages": [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Time?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
         ],
         "tools": TOOLS,

@@ -28,7 +28,7 @@ from ipc.worker_events import (
 
 
 def test_line_classification():
-    assert event_name(encode_token("\"done\":true")) == "gen_token"
+    assert event_name(encode_token('"done":true')) == "gen_token"
     assert read_line(encode_token('","done":true,"x":"')) is TOKEN
     assert isinstance(read_line(encode_done(tok_s=0, ttft_ms=0, prompt_tokens=0, gen_tokens=0, total_ms=0)), Done)
     assert event_name(encode_event("heartbeat")) == "heartbeat"

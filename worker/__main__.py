@@ -366,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
         "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d mask_threads=%d gil_switch_ms=%g",
-        loaded.format, weights, load_ms, scheduler.max_batch, scheduler.max_batch_why, scheduler.batch_memory, scheduler.masks.threads,
+        loaded.format,
+        weights,
+        load_ms,
+        scheduler.max_batch,
+        scheduler.max_batch_why,
+        scheduler.batch_memory,
+        scheduler.masks.threads,
         sys.getswitchinterval() * 1000,
     )
     if group is not None:

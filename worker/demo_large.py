@@ -61,20 +61,22 @@ def text_config(size: str, vocab: int, eos_id: int, layers: int | None) -> dict:
         config["rope_theta"] = 1000000.0
         return config
     k_heads, v_heads, k_dim, v_dim = _HYBRID_LINEAR
-    config.update({
-        "linear_num_key_heads": k_heads,
-        "linear_num_value_heads": v_heads,
-        "linear_key_head_dim": k_dim,
-        "linear_value_head_dim": v_dim,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 4,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-        },
-    })
+    config.update(
+        {
+            "linear_num_key_heads": k_heads,
+            "linear_num_value_heads": v_heads,
+            "linear_key_head_dim": k_dim,
+            "linear_value_head_dim": v_dim,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+            },
+        }
+    )
     return config
 
 

@@ -45,7 +45,7 @@ CHAT_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- set content = message['content'] %}"
@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--q4", action="store_true", help="write MLX 4-bit weights")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument(
-        "--size", choices=sorted(SIZES) + list(LARGE), default="tiny",
+        "--size",
+        choices=sorted(SIZES) + list(LARGE),
+        default="tiny",
         help="model size (default tiny); 4b, 8b: Qwen3-4B/8B's shape, 4b-hybrid, 9b-hybrid: Qwen3.5-4B/9B's, with the demo vocabulary",
     )
     parser.add_argument("--layers", type=int, help="layers of a 4b/8b/hybrid model (default: the real model's)")

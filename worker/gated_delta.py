@@ -165,8 +165,18 @@ def gated_delta_update(
     """
     if q.shape[1] < 2 or a.ndim != 3 or not use_kernel:
         return _ORIGINAL(
-            q, k, v, a, b, A_log, dt_bias, state, mask,
-            use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval,
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            mask,
+            use_kernel=use_kernel,
+            lower_bound=lower_bound,
+            allow_neg_eigval=allow_neg_eigval,
         )
     beta = mx.sigmoid(b)
     if allow_neg_eigval:

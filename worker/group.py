@@ -41,7 +41,6 @@ from worker.scheduler import Scheduler
 log = logging.getLogger("worker")
 
 
-
 def abort(cause: str, code: int = EX_TEMPFAIL) -> None:
     """Ends this rank at once, from any thread, its cause the last line on
     stderr (the pool quotes it); the other ranks follow (worker.launch)."""
@@ -211,7 +210,9 @@ def _check_port(plan: GroupPlan, rank: int) -> None:
             # A port the pool picked itself may have been taken since: the
             # next start picks others. A configured one stays taken.
             ports = [p for _, p in addresses]
-            raise GroupError(f"{plan.describe(rank, ports)}: the port is in use ({exc.strerror}); set another `port` for this model", retry=plan.port is None) from None
+            raise GroupError(
+                f"{plan.describe(rank, ports)}: the port is in use ({exc.strerror}); set another `port` for this model", retry=plan.port is None
+            ) from None
 
 
 def _ring_addresses() -> list[tuple[str, int]] | None:

@@ -108,7 +108,9 @@ class Launcher:
         else:
             remote = {k: os.environ[k] for k in REMOTE_ENV if k in os.environ}
             remote.update(env, PYTHONPATH=str(PACKAGE_ROOT), PYTHONUNBUFFERED="1")
-            script = f"cd {shlex.quote(str(PACKAGE_ROOT))} && exec env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in remote.items()) + " " + shlex.join(command)
+            script = (
+                f"cd {shlex.quote(str(PACKAGE_ROOT))} && exec env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in remote.items()) + " " + shlex.join(command)
+            )
             argv, full_env = ["ssh", *SSH_OPTIONS, host.ssh, script], None
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env)

@@ -130,8 +130,11 @@ class Scheduler:
         self.row_fixed_bytes, self.row_token_bytes = row_bytes(loaded.model)
         if max_batch is None:
             chosen = auto_max_batch(
-                processor=processor(), free_bytes=device_memory() - mx.get_active_memory(), guard_bytes=batch_memory,
-                row_fixed_bytes=self.row_fixed_bytes, row_token_bytes=self.row_token_bytes,
+                processor=processor(),
+                free_bytes=device_memory() - mx.get_active_memory(),
+                guard_bytes=batch_memory,
+                row_fixed_bytes=self.row_fixed_bytes,
+                row_token_bytes=self.row_token_bytes,
                 context=model_limit(loaded.config, "max_position_embeddings"),
             )
             self.max_batch, self.max_batch_why = chosen.rows, chosen.why
@@ -169,8 +172,17 @@ class Scheduler:
         if speculator is not None:
             speculator.clear()
         generator = TokenGenerator(
-            self.loaded.model, self.vocab_size, prefix_cache, self.prefill_step, marker, self.adapters.route, self.masks, self.run_ahead, self.compiled,
-            speculator, frozenset(self.codec.eos_ids),
+            self.loaded.model,
+            self.vocab_size,
+            prefix_cache,
+            self.prefill_step,
+            marker,
+            self.adapters.route,
+            self.masks,
+            self.run_ahead,
+            self.compiled,
+            speculator,
+            frozenset(self.codec.eos_ids),
         )
         generator.on_read = self._read
         return generator

@@ -151,7 +151,10 @@ def unmatchable_ref(root: Any) -> str | None:
     stuck = [
         (where, schema["$ref"])
         for key, (schema, where) in nodes.items()
-        if key not in matchable and isinstance(schema.get("$ref"), str) and isinstance(_pointer(root, schema["$ref"]), dict) and id(_pointer(root, schema["$ref"])) not in matchable
+        if key not in matchable
+        and isinstance(schema.get("$ref"), str)
+        and isinstance(_pointer(root, schema["$ref"]), dict)
+        and id(_pointer(root, schema["$ref"])) not in matchable
     ]
     where, ref = min(stuck, key=lambda s: (len(s[0]), s[0])) if stuck else ("#", "#")
     return f'the "$ref" {ref!r} at {where} loops back with no way out: no JSON value can match the schema'

@@ -169,9 +169,7 @@ class TextCodec:
         used = set().union(*(set(m.content) for m in messages if not m.content.isascii()))
         free = (chr(c) for c in _PRIVATE_USE if chr(c) not in used)
         opener, closer = next(free), next(free)
-        marked = self.render(
-            [msgspec.structs.replace(m, content=opener + m.content + closer) if mark else m for m, mark in zip(messages, marked_ones)], tools
-        )
+        marked = self.render([msgspec.structs.replace(m, content=opener + m.content + closer) if mark else m for m, mark in zip(messages, marked_ones)], tools)
         plain: list[str] = []
         contents: list[tuple[int, int]] = []
         at = 0  # length of the plain text so far

@@ -25,7 +25,16 @@ PREFIX = "msg_"
 _encode = msgspec.json.Encoder().encode
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 507: "api_error"}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    507: "api_error",
+}
 
 
 class AnthropicError(HttpError):
@@ -85,7 +94,13 @@ def _messages(data: dict) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier turns' thinking: chat templates drop it too
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": str(block.get("id", "")), "type": "function", "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+                calls.append(
+                    {
+                        "id": str(block.get("id", "")),
+                        "type": "function",
+                        "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input") or {})},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 if texts:
                     out.append({"role": "user", "content": "".join(texts)})
@@ -95,7 +110,9 @@ def _messages(data: dict) -> list[dict]:
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": result})
             else:
-                raise bad(f"content block of type {kind!r} is not supported{' in ' + role + ' messages' if kind in ('tool_use', 'tool_result') else ''}", "messages")
+                raise bad(
+                    f"content block of type {kind!r} is not supported{' in ' + role + ' messages' if kind in ('tool_use', 'tool_result') else ''}", "messages"
+                )
         if calls:
             out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
         elif texts or not any(m["role"] == "tool" for m in out[-1:]):
@@ -136,7 +153,14 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     if not isinstance(data, dict):
         raise bad("request body must be a JSON object")
     chat: dict = {"model": data.get("model"), "messages": _messages(data)}
-    for ours, theirs in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("stream", "stream"), ("stop", "stop_sequences")):
+    for ours, theirs in (
+        ("max_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stream", "stream"),
+        ("stop", "stop_sequences"),
+    ):
         if data.get(theirs) is not None:
             chat[ours] = data[theirs]
     thinking = data.get("thinking")
@@ -191,7 +215,16 @@ class MessagesReply:
         self._kind: bool | None = None  # the open block: True thinking, False text, None none
 
     def _message(self, content: list, stop_reason: str | None, usage: dict) -> dict:
-        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.model, "content": content, "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+        return {
+            "id": self.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
 
     def first(self) -> bytes:
         return _event("message_start", {"type": "message_start", "message": self._message([], None, {"input_tokens": 0, "output_tokens": 0})})
@@ -226,7 +259,10 @@ class MessagesReply:
             self._block += 1
             block = {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"], "input": {}}
             out += _event("content_block_start", {"type": "content_block_start", "index": self._block, "content_block": block})
-            out += _event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}})
+            out += _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self._block, "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}},
+            )
             out += _event("content_block_stop", {"type": "content_block_stop", "index": self._block})
         return out
 
@@ -234,7 +270,10 @@ class MessagesReply:
         figures = figures or {}
         usage = {"input_tokens": figures.get("prompt_tokens", 0), "output_tokens": figures.get("completion_tokens", 0)}
         out = self._close()
-        out += _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": STOP_REASON.get(finish_reason, "end_turn"), "stop_sequence": None}, "usage": usage})
+        out += _event(
+            "message_delta",
+            {"type": "message_delta", "delta": {"stop_reason": STOP_REASON.get(finish_reason, "end_turn"), "stop_sequence": None}, "usage": usage},
+        )
         return out + _event("message_stop", {"type": "message_stop"})
 
     def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
@@ -246,7 +285,14 @@ class MessagesReply:
         if text:
             content.append({"type": "text", "text": text})
         for call in tool_calls or ():
-            content.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": "toolu_" + call["id"].removeprefix("call_"),
+                    "name": call["function"]["name"],
+                    "input": json.loads(call["function"]["arguments"]),
+                }
+            )
         usage = {"input_tokens": figures["prompt_tokens"], "output_tokens": figures["completion_tokens"]}
         cached = (figures.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached:

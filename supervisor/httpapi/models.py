@@ -59,7 +59,16 @@ def model_object(pool: Pool, name: str, source: str) -> dict:
         context = spec.max_context or read_context_limit(spec.path)
     else:  # not read for every model on disk: /v1/models answers from the loop
         context = None
-    return {"id": name, "object": "model", "created": 0, "owned_by": "lattice-pool", "loaded": running.loaded, "state": running.state, "source": source, "max_context": context}
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "lattice-pool",
+        "loaded": running.loaded,
+        "state": running.state,
+        "source": source,
+        "max_context": context,
+    }
 
 
 def _local(pool: Pool) -> list[tuple[str, str]]:

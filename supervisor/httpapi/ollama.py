@@ -31,7 +31,15 @@ NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control",
 _encode = msgspec.json.Encoder().encode
 
 # Ollama's option names for the pool's request fields.
-OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "stop": "stop"}
+OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "num_predict": "max_tokens",
+    "repeat_penalty": "repetition_penalty",
+    "stop": "stop",
+}
 DONE_REASON = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
@@ -112,7 +120,11 @@ def _messages(raw: Any) -> list[dict]:
         calls = m.get("tool_calls")
         if calls:
             message["tool_calls"] = [
-                {"id": f"call_{i}", "type": "function", "function": {"name": (c.get("function") or {}).get("name"), "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": (c.get("function") or {}).get("name"), "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})},
+                }
                 for i, c in enumerate(calls)
                 if isinstance(c, dict)
             ]
@@ -146,7 +158,10 @@ class _Api:
                 body_ = {"model": data.get("model"), "prompt": prompt}
             else:
                 system = data.get("system")
-                body_ = {"model": data.get("model"), "messages": ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]}
+                body_ = {
+                    "model": data.get("model"),
+                    "messages": ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}],
+                }
         else:
             body_ = {"model": data.get("model"), "messages": _messages(data.get("messages"))}
             if data.get("tools") is not None:

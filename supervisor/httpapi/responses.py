@@ -150,7 +150,12 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     if previous is not None:
         found = app.stored.get(previous) if isinstance(previous, str) else None
         if found is None:
-            raise HttpError(404, f"previous response {str(previous)[:100]!r} is not kept here (the pool keeps the last {MAX_RESPONSES} stored responses, in memory)", code="not_found", param="previous_response_id")
+            raise HttpError(
+                404,
+                f"previous response {str(previous)[:100]!r} is not kept here (the pool keeps the last {MAX_RESPONSES} stored responses, in memory)",
+                code="not_found",
+                param="previous_response_id",
+            )
         history = found
     conversation = history + _input_messages(data["input"])
     instructions = data.get("instructions")
@@ -218,7 +223,14 @@ def _usage(figures: dict) -> dict:
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+    return {
+        "type": "function_call",
+        "id": "fc_" + call["id"].removeprefix("call_"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
 
 
 class ResponsesReply:
@@ -303,7 +315,9 @@ class ResponsesReply:
         index = len(self._items)
         if reasoning:
             return out + self._event("response.reasoning_text.delta", {"item_id": self._open["id"], "output_index": index, "content_index": 0, "delta": text})
-        return out + self._event("response.output_text.delta", {"item_id": self._open["id"], "output_index": index, "content_index": 0, "delta": text, "logprobs": []})
+        return out + self._event(
+            "response.output_text.delta", {"item_id": self._open["id"], "output_index": index, "content_index": 0, "delta": text, "logprobs": []}
+        )
 
     def raw_piece(self, raw: bytes, reasoning: bool) -> bytes:
         return self.piece(msgspec.json.decode(raw), reasoning)
@@ -315,7 +329,9 @@ class ResponsesReply:
             item = _call_item(call)
             out += self._event("response.output_item.added", {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}})
             out += self._event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index, "delta": item["arguments"]})
-            out += self._event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]})
+            out += self._event(
+                "response.function_call_arguments.done", {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]}
+            )
             out += self._event("response.output_item.done", {"output_index": index, "item": item})
             self._items.append(item)
         return out
@@ -330,7 +346,11 @@ class ResponsesReply:
         if not self.extra["store"]:
             return
         text = "".join(i["content"][0]["text"] for i in self._items if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}} for i in self._items if i["type"] == "function_call"]
+        calls = [
+            {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            for i in self._items
+            if i["type"] == "function_call"
+        ]
         answer: dict = {"role": "assistant", "content": text or (None if calls else "")}
         if calls:
             answer["tool_calls"] = calls
@@ -344,7 +364,9 @@ class ResponsesReply:
 
     def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
         if reasoning:
-            self._items.append({"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [], "content": [{"type": "reasoning_text", "text": reasoning}]})
+            self._items.append(
+                {"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [], "content": [{"type": "reasoning_text", "text": reasoning}]}
+            )
         if tool_calls:
             text = text.strip()
         if text or not tool_calls:

@@ -179,7 +179,9 @@ class Connection(H11Protocol):
         # uvicorn answers what h11 cannot parse (a head over 64 KiB, not
         # HTTP at all) in plain text; ours is in OpenAI's shape too.
         body = error_body(f"invalid HTTP request: {msg}", "invalid_request_error", BAD_REQUEST)
-        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
         self.transport.close()
 
     def abort(self) -> None:
@@ -533,7 +535,9 @@ class App:
 
         def overflow() -> None:
             # Called from the pool's write into the exchange: act after it.
-            log.warning("http: request %s: the client read nothing for %d bytes (http_stream_buffer); cancelled, connection dropped", request_id, self.stream_buffer)
+            log.warning(
+                "http: request %s: the client read nothing for %d bytes (http_stream_buffer); cancelled, connection dropped", request_id, self.stream_buffer
+            )
             loop.call_soon(cancel)
             if connection is not None:
                 loop.call_soon(connection.abort)

@@ -328,7 +328,9 @@ class Reply:
         # One chunk per text piece: the prefix and suffix around its JSON string.
         opened = _encode(head)[:-1]
         if chat:
-            self._prefix = {kind: b"data: " + opened + b',"choices":[{"index":%d,"delta":{"%s":' % (index, kind.encode()) for kind in ("content", "reasoning_content")}
+            self._prefix = {
+                kind: b"data: " + opened + b',"choices":[{"index":%d,"delta":{"%s":' % (index, kind.encode()) for kind in ("content", "reasoning_content")
+            }
             self._suffix = b'},"logprobs":null,"finish_reason":null}]' + null_usage + b"}\n\n"
         else:
             self._prefix = {"content": b"data: " + opened + b',"choices":[{"index":%d,"text":' % index}

@@ -346,7 +346,7 @@ def _coder_rules(tools: list[dict]) -> list[str]:
             else:
                 rules.append(f"v{n}_{m}: {_json_rule(pschema)}")
                 value = f"v{n}_{m}"
-            part = f'{_lark_str(f"<parameter={pname}>" + chr(10))} {value} {_lark_str(chr(10) + "</parameter>" + chr(10))}'
+            part = f"{_lark_str(f'<parameter={pname}>' + chr(10))} {value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
             parts.append(part if pname in required else f"({part})?")
         head = _lark_str(f"<tool_call>\n<function={fn['name']}>\n")
         rules.append(f"c{n}: {head} {' '.join(parts)} {_lark_str('</function>' + chr(10) + '</tool_call>')}")
@@ -384,8 +384,8 @@ def grammar(fmt: str, tools: list[dict], parallel: bool) -> str:
             for m, pname in enumerate(p for p in schema.get("required") or [] if p in props):
                 pschema = props[pname] if isinstance(props[pname], dict) else {}
                 rules.append(f"a{n}_{m}: {_json_rule(pschema)}")
-                words.append(("\", \" " if m else "") + f"{_lark_str(pname + '=')} a{n}_{m}")
-            rules.append(f"c{n}: {_lark_str(fn['name'] + '(')} {' '.join(words)} \")\"")
+                words.append(('", " ' if m else "") + f"{_lark_str(pname + '=')} a{n}_{m}")
+            rules.append(f'c{n}: {_lark_str(fn["name"] + "(")} {" ".join(words)} ")"')
             alternatives.append(f"c{n}")
         rules.append("call: " + " | ".join(alternatives))
         body = f'call (", " call){{0,{MAX_CALLS - 1}}}' if parallel else "call"

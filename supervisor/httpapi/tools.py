@@ -166,7 +166,9 @@ def history_calls(calls: object) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise _bad("each tool_calls entry needs function.name", "messages")
-        out.append({"id": call.get("id") or "", "type": "function", "function": {"name": function["name"], "arguments": _arguments(function.get("arguments") or {})}})
+        out.append(
+            {"id": call.get("id") or "", "type": "function", "function": {"name": function["name"], "arguments": _arguments(function.get("arguments") or {})}}
+        )
     return out
 
 
@@ -191,7 +193,10 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
         elif m.get("tool_calls"):
             calls = "\n".join(
                 '<tool_call>\n{"name": %s, "arguments": %s}\n</tool_call>'
-                % (json.dumps(c["function"]["name"]), c["function"]["arguments"] if isinstance(c["function"]["arguments"], str) else json.dumps(c["function"]["arguments"], ensure_ascii=False))
+                % (
+                    json.dumps(c["function"]["name"]),
+                    c["function"]["arguments"] if isinstance(c["function"]["arguments"], str) else json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                )
                 for c in m["tool_calls"]
             )
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})

@@ -50,7 +50,5 @@ class Entry:
 def choose_victim(entries, keep: str) -> Entry | None:
     """The resident adapter to evict for another: least recently used among
     those no row runs with and no message is about (and never `keep`)."""
-    candidates = [
-        e for e in entries if e.current is not None and e.current.rows == 0 and not e.pending and not e.claimed and e.path != keep
-    ]
+    candidates = [e for e in entries if e.current is not None and e.current.rows == 0 and not e.pending and not e.claimed and e.path != keep]
     return min(candidates, key=lambda e: e.last_used, default=None)
