@@ -423,7 +423,24 @@ class Chat:
 
     # -- one turn ----------------------------------------------------------------------
 
+    def model_chosen(self) -> bool:
+        """Whether messages have a model to go to; if none was named and the
+        pool has no default, says how to choose one, in the chat's words (the
+        pool's own error speaks of the protocol's fields)."""
+        if self.model is not None:
+            return True
+        try:
+            self.link.name_of(None)
+        except UnknownModel:
+            self.screen.note(
+                "no model chosen: more than one is configured and none is the default; choose one with /model NAME (or start chat with --model NAME)"
+            )
+            return False
+        return True
+
     async def turn(self, text: str) -> None:
+        if not self.model_chosen():
+            return
         messages = ([Message("system", self.system)] if self.system else []) + self.history + [Message("user", text)]
         knobs = {k: v for k, v in self.knobs.items() if v is not None}
         if self.think == "off":
@@ -481,7 +498,8 @@ class Chat:
                 loop.remove_signal_handler(sig)
 
     async def session(self) -> int:
-        await self.load(self.model)
+        if self.model_chosen():
+            await self.load(self.model)
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         source = PromptInput(self.screen) if interactive else LineInput(self.screen)
         try:

@@ -343,7 +343,7 @@ def stream_gaps_under(pool, flood: list[str], attempt: int) -> tuple[float, floa
     long: the 100 ms the flood may add is measured above this machine's
     own jitter."""
     stream_id = f"stream-{attempt}"
-    pool.send({"model": "tiny", "id": stream_id, "prompt": CHAT, "max_tokens": 100_000, "temperature": 0.7, "seed": 1})
+    pool.send({"model": "tiny", "id": stream_id, "prompt": CHAT, "max_tokens": 30_000, "temperature": 0.7, "seed": 1})
     # Predicates see each new event once, so that this thread, which holds
     # the GIL while it looks, never delays the reader thread that stamps
     # each line's arrival time (_at).

@@ -364,3 +364,17 @@ def test_ctrl_c_aborts_a_load(tmp_path, start_chat):
     assert query_status(chat.socket).models == [] and not psutil.pid_exists(pid)
     chat.line("/bye")
     assert chat.close() == 0
+
+
+def test_chat_without_a_model_among_several_says_how_to_choose_one(tiny_model, tmp_path, start_chat):
+    config = tmp_path / "pool.toml"
+    config.write_text("".join(f'[[models]]\nname = "{name}"\npath = "{tiny_model}"\n' for name in ("one", "two")))
+    chat = start_chat("--config", str(config), "--own-pool")
+    chat.wait(r"no model chosen: .*/model NAME")
+    chat.prompt()
+    chat.line("hello")
+    chat.wait(r"no model chosen: .*/model NAME")
+    chat.prompt()
+    assert b'no "model" given' not in chat.raw and chat.raw.count(b"no model chosen") == 2
+    chat.line("/bye")
+    assert chat.close() == 0
