@@ -21,7 +21,7 @@ import msgspec
 
 from supervisor.config import parse_duration
 from supervisor.httpapi.models import list_models, model_name
-from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request
+from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object
 from supervisor.httpapi.tools import TemplateInfo
 from supervisor.local_models import model_format
 from supervisor.resolve import UnknownModel
@@ -71,16 +71,6 @@ def keep_alive_seconds(value: Any) -> float | None | bool:
         except ValueError:
             raise bad(f"keep_alive {value[:40]!r} is not a duration (e.g. '5m', 300, -1)", "keep_alive") from None
     raise bad("keep_alive must be a duration string or a number of seconds", "keep_alive")
-
-
-def _decode(body: bytes) -> dict:
-    try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise bad(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad("request body must be a JSON object")
-    return data
 
 
 def _common(data: dict, chat: dict) -> None:
@@ -144,7 +134,7 @@ class _Api:
         self.generate = generate
 
     def request(self, body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
-        data = _decode(body)
+        data = json_object(body)
         keep = keep_alive_seconds(data.get("keep_alive"))
         raw = False
         if self.generate:
@@ -314,7 +304,7 @@ async def info(app, path: str, body: bytes) -> bytes:
         live = [m for m in await list_models(pool) if m["loaded"]]
         return _encode({"models": [_entry(m["id"], pool, {"expires_at": _expires(pool, m["id"]), "size_vram": 0}) for m in live]})
     # /api/show
-    data = _decode(body)
+    data = json_object(body)
     name = data.get("model", data.get("name"))
     try:
         name = model_name(pool, name)

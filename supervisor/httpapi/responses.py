@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "resp_"
@@ -137,12 +137,7 @@ def _tools(data: dict, chat: dict) -> None:
 
 
 def request(body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
-    try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise bad(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad("request body must be a JSON object")
+    data = json_object(body)
     if data.get("input") is None:
         raise bad('missing "input" field', "input")
     history: list[dict] = []

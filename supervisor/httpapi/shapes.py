@@ -151,7 +151,8 @@ def _convert(value: object, kind: Any, where: str) -> Any:
         raise bad(f"invalid field {path!r}: {what}" if path else what, path.partition(".")[0].partition("[")[0] or None) from None
 
 
-def _decode(body: bytes) -> tuple[dict, HttpFields]:
+def json_object(body: bytes) -> dict:
+    """A request body that must be a JSON object, for every API's route."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -160,6 +161,11 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
         raise bad("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad("request body must be a JSON object")
+    return data
+
+
+def _decode(body: bytes) -> tuple[dict, HttpFields]:
+    data = json_object(body)
     fields = _convert(data, HttpFields, "")
     if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
         raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
