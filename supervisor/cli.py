@@ -51,7 +51,7 @@ def add_pool_flags(p: argparse.ArgumentParser, *, server: bool = True) -> None:
         "--adapter-dir",
         dest="adapter_dirs",
         action="append",
-        help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs; docs/http.md)",
+        help="a directory whose adapter files a request's lora may name (repeatable; adds to adapter_dirs, whose default is ~/.lattice/adapters; docs/http.md)",
     )
     p.add_argument(
         "--max-batch",

@@ -46,8 +46,10 @@ def pool(tiny_model, tiny_q4_model, tmp_path_factory):
     tensor = shutil.copytree(tiny_model, root / "tiny-tensor")
     single_q4 = shutil.copytree(tiny_q4_model, root / "tiny-q4-copy")
     config = root / "pool.toml"
+    adapters = root / "adapters"
+    adapters.mkdir()
     config.write_text(
-        "prefix_cache_bytes = 0\n"
+        f'prefix_cache_bytes = 0\nadapter_dirs = ["{adapters}"]\n'
         + group_config(tiny_model, preload="true")
         + group_config(tensor, "tensor", parallel='"tensor"', preload="true")
         + group_config(tiny_q4_model, "three", ranks=3, preload="true")
@@ -130,9 +132,9 @@ def test_batched_requests_with_and_without_seeds_run_across_ranks(pool):
     assert texts(pool, [request("two", max_tokens=3)])  # and the group goes on
 
 
-def test_a_request_naming_an_adapter_is_refused_and_the_group_goes_on(pool, tmp_path):
+def test_a_request_naming_an_adapter_is_refused_and_the_group_goes_on(pool):
     # An adapter's layers would have to be split with the model's.
-    lora = tmp_path / "style.safetensors"
+    lora = pool.socket.parent / "adapters" / "style.safetensors"
     lora.write_bytes(b"not read")
     req = request("two", lora=str(lora))
     pool.send(req)
