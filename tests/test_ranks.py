@@ -142,6 +142,9 @@ def test_a_request_naming_an_adapter_is_refused_and_the_group_goes_on(pool):
     end = pool.terminal(req["id"])
     assert end["ev"] == "error" and end["code"] == "adapter_error", end
     assert "takes no LoRA adapters" in end["msg"]
+    # The name it made shows adapter_error (ps, status) until it is unloaded.
+    pool.send({"op": "unload", "model": "two", "lora": str(lora)})
+    pool.wait_for(lambda e: e["ev"] == "unloaded" and e["model"] == "two" and e.get("lora") == str(lora))
     assert texts(pool, [request("two", max_tokens=3)])
 
 
