@@ -133,39 +133,16 @@ class Resolver:
         if "/" not in ref and ref not in (".", ".."):
             cached = self.cache / ref
             if cached.is_dir():
-                return ModelSpec(
-                    name=ref,
-                    path=cached.resolve(),
-                    lora=adapter,
-                    keep_alive=self.default_keep_alive,
-                    max_batch=self.config.max_batch,
-                    max_adapters=self.config.max_adapters,
-                )
+                return self._unconfigured(ref, cached.resolve(), adapter)
         snapshot = self._hub_snapshot(ref)
         if snapshot is not None:
-            return ModelSpec(
-                name=ref,
-                path=snapshot,
-                lora=adapter,
-                keep_alive=self.default_keep_alive,
-                max_batch=self.config.max_batch,
-                max_adapters=self.config.max_adapters,
-            )
+            return self._unconfigured(ref, snapshot, adapter)
         found = self._lmstudio(ref) or self._demo(ref)
         if found is not None:
-            return ModelSpec(
-                name=ref, path=found, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters
-            )
+            return self._unconfigured(ref, found, adapter)
         candidate = expand(ref) if paths else None
         if candidate is not None and ("/" in ref or ref.startswith("~")) and candidate.is_dir():
-            return ModelSpec(
-                name=ref,
-                path=candidate,
-                lora=adapter,
-                keep_alive=self.default_keep_alive,
-                max_batch=self.config.max_batch,
-                max_adapters=self.config.max_adapters,
-            )
+            return self._unconfigured(ref, candidate, adapter)
         known = ", ".join(sorted(self.by_name)) or "none configured"
         hub = ", not in the Hugging Face cache (lattice-pool pull ORG/NAME fetches one)" if is_hub_id(ref) else ""
         path = ", not a model path" if paths else ""
@@ -182,6 +159,12 @@ class Resolver:
         """`demo`: the built-in demo model, once generated (supervisor.demo)."""
         path = pool_cache_dir(os.environ) / "demo-model"
         return path if ref == "demo" and is_model_dir(path) else None
+
+    def _unconfigured(self, ref: str, path: Path, adapter: Path | None) -> ModelSpec:
+        """A model found on disk rather than in the config: the pool's settings."""
+        return ModelSpec(
+            name=ref, path=path, lora=adapter, keep_alive=self.default_keep_alive, max_batch=self.config.max_batch, max_adapters=self.config.max_adapters
+        )
 
     def _hub_snapshot(self, ref: str) -> Path | None:
         path = self._hub.get(ref)
