@@ -19,7 +19,7 @@ from harness.worker import WorkerProc
 
 
 def user_messages(tokenizer, turns: int, tokens_each: int) -> list[str]:
-    from worker.demo_model import corpus_text
+    from worker.demo.build import corpus_text
 
     lines = [line for line in corpus_text().splitlines() if line.strip()]
     out, i = [], 0

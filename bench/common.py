@@ -50,11 +50,11 @@ def load_model(model: str | Path):
     """(dir, Loaded, TextCodec): `model` (a demo model size, built once, or
     a model dir) loaded in this process as a worker loads it. OpenBLAS goes
     in first, as in a worker, so this runs before anything imports mlx."""
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
 
     load_openblas()
-    from worker.loader import load
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     path = model if isinstance(model, Path) else demo_model(model)
     loaded = load(path)

@@ -71,7 +71,7 @@ def real_vocab_tokenizer() -> Path:
     path = MODELS / "bpe-151k" / "tokenizer.json"
     if path.is_file():
         return path
-    from worker.demo_model import train_tokenizer
+    from worker.demo.build import train_tokenizer
 
     def lines():
         for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
@@ -91,7 +91,7 @@ def real_vocab_model(size: str) -> Path:
     path = MODELS / f"{size}-151k"
     if (path / "config.json").is_file():
         return path
-    from worker import demo_model as dm
+    from worker.demo import build as dm
 
     # A bench-only shape: the demo builder pads the embedding and LM head to
     # the configured vocabulary (rows past its own tokenizer are zero).
@@ -127,7 +127,7 @@ def mask_costs(tokenizer_json: str, vocab: int, eos: set[int], encode, rounds: i
     import llguidance
     import mlx.core as mx
 
-    from worker.constrain import BatchMasks, Constraints
+    from worker.engine.constrain import BatchMasks, Constraints
 
     masks = BatchMasks(vocab, eos)  # as a worker's: default_mask_threads()
     t0 = time.perf_counter()
@@ -221,12 +221,12 @@ def engine_overlap(model_dir: Path, tokens: int, runs: int, rows: int) -> dict:
     import mlx.core as mx
 
     from ipc.messages import Generate
-    from worker.defaults import GIL_SWITCH_MS
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.defaults import GIL_SWITCH_MS
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
-    # As in a worker (worker/defaults.py, GIL_SWITCH_MS).
+    # As in a worker (worker/runtime/defaults.py, GIL_SWITCH_MS).
     sys.setswitchinterval(GIL_SWITCH_MS / 1000)
     loaded = load(model_dir)
     engine = Scheduler(loaded, TextCodec(model_dir, loaded.config), lambda line: None, batch_memory=1 << 34, max_batch=rows, prefix_cache_bytes=0)
@@ -375,7 +375,7 @@ def gil_handover(model_dir: Path, steps: int, rows: int = 8, busy_ms: float = 4.
     import numpy as np
     from tokenizers import Tokenizer
 
-    from worker.constrain import BatchMasks, Constraints
+    from worker.engine.constrain import BatchMasks, Constraints
 
     tok_json = (model_dir / "tokenizer.json").read_text()
     config = json.loads((model_dir / "config.json").read_text())
@@ -594,7 +594,7 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
 
     load_openblas()
     import mlx.core as mx

@@ -93,7 +93,7 @@ class OutlinesCore:
     def __init__(self, tok, vocab, eos):
         import outlines_core
 
-        from worker.text import _byte_decoder
+        from worker.text.tokenizer import _byte_decoder
 
         self.lib = outlines_core
         t = time.perf_counter()

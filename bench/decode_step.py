@@ -39,8 +39,8 @@ def main() -> int:
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     from ipc.messages import Generate
-    from worker.sampling import BatchSampler, RowSampling, SamplingParams
-    from worker.scheduler import Scheduler
+    from worker.engine.sampling import BatchSampler, RowSampling, SamplingParams
+    from worker.engine.scheduler import Scheduler
 
     model = loaded.model
     vocab = loaded.config.get("text_config", loaded.config)["vocab_size"]  # Qwen3 keeps it at the top

@@ -38,7 +38,7 @@ def main() -> int:
 
     from bench.chat import user_messages
     from ipc.messages import Generate
-    from worker.scheduler import Scheduler
+    from worker.engine.scheduler import Scheduler
 
     tokenizer = load_tokenizer(loaded.path)
     texts = user_messages(codec.tokenizer, args.prompt_index + 1, 24)

@@ -123,9 +123,9 @@ def kv_child(path: Path, bits: int, tokens: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-    from worker import kv_quant
-    from worker.defaults import PREFILL_STEP_CPU
-    from worker.loader import load
+    from worker.engine import kv_quant
+    from worker.runtime.defaults import PREFILL_STEP_CPU
+    from worker.runtime.loader import load
 
     loaded = load(path)
     if bits:
@@ -181,11 +181,11 @@ def part_decode(args, path: Path, codec, record) -> None:
     import mlx.core as mx
 
     from ipc.messages import Generate
-    from worker import kv_quant
-    from worker.generator import Row
-    from worker.loader import load
-    from worker.sampling import RowSampling, SamplingParams
-    from worker.scheduler import Scheduler
+    from worker.engine import kv_quant
+    from worker.engine.generator import Row
+    from worker.engine.sampling import RowSampling, SamplingParams
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
 
     # "0": the model's dtype, decode step compiled (the default); "0e": the
     # same, op by op, as the quantized step runs ("8": 8 bits).
@@ -247,9 +247,9 @@ def part_quality(args, path: Path, codec, record) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker import kv_quant
-    from worker.defaults import PREFILL_STEP_CPU
-    from worker.loader import load
+    from worker.engine import kv_quant
+    from worker.runtime.defaults import PREFILL_STEP_CPU
+    from worker.runtime.loader import load
 
     models = {}
     for bits in (0, 8, 4):
@@ -318,7 +318,7 @@ def main() -> int:
     p.add_argument("--kv-child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
 
     load_openblas()
     from bench.common import backend, demo_model, machine, summary, tagged, write_result
@@ -327,7 +327,7 @@ def main() -> int:
     if args.kv_child is not None:
         print(json.dumps(kv_child(path, args.kv_child, args.kv_tokens)))
         return 0
-    from worker.text import TextCodec
+    from worker.text.tokenizer import TextCodec
 
     config = json.loads((path / "config.json").read_text())
     codec = TextCodec(path, config)

@@ -36,8 +36,8 @@ PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|i
 
 def model_targets(model_dir: Path) -> dict[str, tuple[int, int]]:
     """Every linear layer of every decoder layer: `layers.N.<module>` -> (d_in, d_out)."""
-    from worker.loader import load
     from worker.lora.layers import LoRASlots
+    from worker.runtime.loader import load
 
     return dict(LoRASlots(load(model_dir).model).targets)
 

@@ -45,7 +45,7 @@ def run(model: Path, setup: str, *args: str) -> list[dict]:
 
 def load_model(path: Path, setup: str):
     if setup == "matched":
-        from worker.cpu_backend import load_openblas
+        from worker.runtime.cpu_backend import load_openblas
 
         load_openblas()
     import mlx.core as mx
@@ -53,8 +53,8 @@ def load_model(path: Path, setup: str):
 
     model, tokenizer = load(str(path))
     if setup == "matched":
-        from worker import gated_delta
-        from worker.cpu_backend import use_float32
+        from worker.runtime import gated_delta
+        from worker.runtime.cpu_backend import use_float32
 
         use_float32(model)
         mx.eval(model.parameters())

@@ -38,7 +38,7 @@ def main() -> int:
     from mlx_lm.models import gated_delta as mlx_lm_gdn
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker import gated_delta
+    from worker.runtime import gated_delta
 
     model = loaded.model
     backend = "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else "cpu")

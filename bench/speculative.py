@@ -131,9 +131,9 @@ def run_batch(scheduler, prompt: str, rows: int, max_tokens: int, rid0: int) -> 
 
 def speed(args, results, write) -> None:
     from bench.common import summary
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     target = args.model_dir
     loaded = load(target)
@@ -199,7 +199,7 @@ def rollback(args, results, write) -> None:
     from mlx_lm.models.gated_delta import gated_delta_update as stepwise
 
     from bench.common import summary
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(args.model_dir)
     model = loaded.model
@@ -263,7 +263,7 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
 
     load_openblas()
     from bench.common import backend, demo_model, load_average, machine, tagged, write_result

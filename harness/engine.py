@@ -12,8 +12,8 @@ from ipc.messages import Generate
 
 
 def scheduler_for(loaded, model=None, **kw):
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.text.tokenizer import TextCodec
 
     lines: list[bytes] = []
     kw.setdefault("batch_memory", 1 << 30)
@@ -39,9 +39,9 @@ def ends_by_id(lines: list[bytes]) -> dict:
 def engine_for(model_dir, **kw):
     """A scheduler of `model_dir` with its prefix cache, in this process;
     its output lines in `.lines`."""
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     loaded = load(model_dir)
     lines: list[bytes] = []

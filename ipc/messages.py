@@ -21,7 +21,7 @@ DEFAULT_REPETITION_PENALTY = 1.1
 # Requests a worker decodes together (its --max-batch; the pool's max_batch),
 # measured on a 2-core CPU: docs/performance.md, "Continuous batching".
 DEFAULT_MAX_BATCH = 8
-# max_batch left to the worker to size (worker.batch_size).
+# max_batch left to the worker to size (worker.runtime.batch_size).
 AUTO_MAX_BATCH = "auto"
 # LoRA adapters one worker keeps in memory (its --max-adapters; the pool's
 # max_adapters); beyond them the least recently used one that no request

@@ -106,13 +106,13 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
     if spec.group is not None:
         args += group_args(spec.group, config)
     module = os.environ.get(WORKER_MODULE_VAR) or "worker"
-    # The worker's lifeline watches this pid (worker.lifeline).
+    # The worker's lifeline watches this pid (worker.shell.lifeline).
     return python_module(module, *args), child_env(LATTICE_SUPERVISOR_PID=str(os.getpid()))
 
 
 def group_args(group: GroupSpec, config: Config) -> list[str]:
     """The worker's flags for a model split over processes: it starts the
-    other ranks itself (worker.launch) and ends them all when it exits; a
+    other ranks itself (worker.group.launch) and ends them all when it exits; a
     rank silent, or a step waiting on the group, for stall_timeout ends it."""
     args = ["--ranks", str(group.ranks), "--backend", group.backend, "--rank-timeout", str(config.stall_timeout)]
     if group.hosts is not None:

@@ -402,7 +402,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_demo_model(args: argparse.Namespace, extra: list[str]) -> int:
     # Building weights needs MLX, which only worker-side code imports.
-    return subprocess.call(python_module("worker.demo_model", *extra), env=child_env())
+    return subprocess.call(python_module("worker.demo.build", *extra), env=child_env())
 
 
 # -- argument parsing ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Duration = str | int | float
 Size = str | int
 # Requests in flight at one worker: the pool never sends more than the
 # worker's waiting line holds. "auto": the worker sizes it from its device's
-# free memory and a row's cache (worker.batch_size).
+# free memory and a row's cache (worker.runtime.batch_size).
 MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)] | Literal["auto"]
 # LoRA adapters one worker keeps in memory (SPEC §10).
 MaxAdapters = Annotated[int, Meta(ge=1, le=MAX_ADAPTERS_LIMIT)]

@@ -26,5 +26,5 @@ def ensure_demo_model() -> Path:
         return path
     log.info("no model configured: generating the built-in demo model into %s (once)", path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(python_module("worker.demo_model", str(path)), env=child_env(), check=True)
+    subprocess.run(python_module("worker.demo.build", str(path)), env=child_env(), check=True)
     return path

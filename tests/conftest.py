@@ -112,8 +112,8 @@ def greedy_steps(model, codec, prompt: str, n: int) -> tuple[list[int], list[flo
 def margins_of(model_dir: Path):
     """margins(prompts, n): for each greedy step of each prompt, in this
     process, how far the chosen logit is above the runner-up."""
-    from worker.loader import load
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     loaded = load(model_dir)
     codec = TextCodec(model_dir, loaded.config)
@@ -169,8 +169,8 @@ def references(tiny_model, updates):
     """Greedy texts of the base and of each merged model, by (name, prompt
     index) (and by (name, prompt index, ADAPTER_LONG) for the long rows), with the
     smallest greedy margin of all of them."""
-    from worker.loader import load
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     codec = TextCodec(tiny_model, load(tiny_model).config)
     texts, margins = {}, []

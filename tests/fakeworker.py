@@ -3,7 +3,7 @@
 `python -m tests.fakeworker --model DIR ...` takes the real worker's
 arguments and speaks the real protocol: msgpack frames in (ipc.framing),
 `@@lattice` lines out (ipc.events), heartbeats from a side thread, the real
-lifeline (worker.lifeline). It loads no model: what it does is read from
+lifeline (worker.shell.lifeline). It loads no model: what it does is read from
 `DIR/fake.json` at every start, so a test scripts each start of a worker:
 
     fake.json = {knobs}                 the same for every start
@@ -59,7 +59,7 @@ from pathlib import Path
 from ipc.events import encode_cancelled_done, encode_done, encode_event, encode_token
 from ipc.framing import FrameReader, decode_payload
 from ipc.messages import Cancel, Generate, Shutdown, Stats
-from worker.lifeline import bind_to_parent
+from worker.shell.lifeline import bind_to_parent
 
 _BLOCK = 64 * 1024
 

@@ -139,7 +139,7 @@ def write_merged_model(base_dir: Path, out: Path, merged: dict[str, np.ndarray])
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(base_dir)
     merge_into(loaded.model, merged)

@@ -3,7 +3,7 @@ and what a worker and the pool say they chose."""
 
 import pytest
 
-from worker.batch_size import (
+from worker.runtime.batch_size import (
     CPU_MAX,
     FREE_SHARE,
     GPU_MAX,

@@ -166,7 +166,7 @@ def prompt_tokens(out: subprocess.CompletedProcess) -> int:
 def test_run_prompt_gets_the_chat_template_and_prompt_is_sent_verbatim(tiny_model):
     from ipc.messages import Message
     from supervisor.httpapi.reasoning import ThinkSplitter
-    from worker.text import TextCodec
+    from worker.text.tokenizer import TextCodec
 
     codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
     base = ("--model-dir", str(tiny_model), "--max-tokens", "12", "--seed", "2", "--reasoning-budget", "4")
@@ -247,7 +247,7 @@ def test_help_gives_every_flag_a_text_and_its_default():
     commands = build_parser()._subparsers._group_actions[0].choices
     for name, parser in commands.items():
         if name == "demo-model":
-            continue  # worker.demo_model's own parser
+            continue  # worker.demo.build's own parser
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):
                 continue

@@ -1,4 +1,4 @@
-"""The compiled decode step (worker.compiled_step): it computes what the
+"""The compiled decode step (worker.engine.compiled_step): it computes what the
 model's own forward computes, for lone rows and left-padded batches, across
 the caches' capacity steps and while rows leave and join; it steps only
 rows and caches it can, and bounds its traces."""
@@ -11,12 +11,12 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from tests.conftest import LOGIT_TOLERANCE
-from worker import compiled_step
-from worker.batch_cache import BatchCache
-from worker.compiled_step import CompiledDecode
-from worker.generator import Row, TokenGenerator
-from worker.prefix_cache import PrefixCache
-from worker.sampling import RowSampling, SamplingParams
+from worker.cache.prefix_cache import PrefixCache
+from worker.engine import compiled_step
+from worker.engine.batch_cache import BatchCache
+from worker.engine.compiled_step import CompiledDecode
+from worker.engine.generator import Row, TokenGenerator
+from worker.engine.sampling import RowSampling, SamplingParams
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(0.0, 0, 1.0, 1.0, None)
 
 
 def load_model(path):
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(path)
     return loaded.model, loaded.config.get("text_config", loaded.config)["vocab_size"]
@@ -202,9 +202,9 @@ def test_a_big_batch_keeps_a_trace_per_size_and_capacity(hybrid, monkeypatch):
 
 def test_the_scheduler_compiles_its_decode_step_unless_told_not_to(tiny_model):
     from ipc.messages import Generate
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     loaded = load(tiny_model)
     for compile_decode in (True, False):

@@ -1,4 +1,4 @@
-"""worker.constrain in-process on the demo tokenizer: what the grammar
+"""worker.engine.constrain in-process on the demo tokenizer: what the grammar
 allows, when a row is done, the masks and their bounds; and the request
 side's checks of response_format. The engine's use of it, through a real
 worker: tests/test_structured_output.py."""
@@ -15,7 +15,7 @@ from ipc.framing import decode_payload, encode_frame
 from ipc.messages import Generate
 from supervisor.requests import BadRequest, parse_line, response_format_text
 from tests.schemas import PET, PET_VALUE
-from worker.constrain import BatchMasks, Constraints, ConstraintViolation
+from worker.engine.constrain import BatchMasks, Constraints, ConstraintViolation
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
@@ -23,7 +23,7 @@ PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "
 
 @pytest.fixture(scope="module")
 def kit(tiny_model):
-    from worker.text import TextCodec
+    from worker.text.tokenizer import TextCodec
 
     config = json.loads((tiny_model / "config.json").read_text())
     codec = TextCodec(tiny_model, config)

@@ -31,7 +31,7 @@ SGEMM_PROBE = textwrap.dedent(
     """
     import ctypes, json, sys
     import numpy as np
-    from worker.cpu_backend import _dist_file, load_openblas, sgemm_provider
+    from worker.runtime.cpu_backend import _dist_file, load_openblas, sgemm_provider
     loaded = load_openblas()
     import mlx.core as mx
 
@@ -78,12 +78,12 @@ LOGITS_PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
     load_openblas()
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from worker.loader import load
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     path = Path(sys.argv[1])
     loaded = load(path, cpu_float32=sys.argv[2] == "float32")

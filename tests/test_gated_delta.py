@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import gated_delta as reference
 
-from worker.gated_delta import chunked_gated_delta, gated_delta_update, install
+from worker.runtime.gated_delta import chunked_gated_delta, gated_delta_update, install
 
 
 def _inputs(seed, B, T, Hk, Hv, Dk, Dv, decay=1.0, dtype=mx.float32):

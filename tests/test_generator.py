@@ -15,10 +15,10 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, make_
 from harness.engine import ends_by_id, events, scheduler_for
 from ipc.messages import Generate
 from tests.conftest import LOGIT_TOLERANCE
-from worker.batch_cache import batchable
-from worker.generator import Row, TokenGenerator
-from worker.prefix_cache import PrefixCache
-from worker.sampling import RowSampling, SamplingParams
+from worker.cache.prefix_cache import PrefixCache
+from worker.engine.batch_cache import batchable
+from worker.engine.generator import Row, TokenGenerator
+from worker.engine.sampling import RowSampling, SamplingParams
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -105,7 +105,7 @@ def prompts_of(vocab: int, lengths=(130, 1, 70, 8, 200)) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def qwen35(tiny_model):
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(tiny_model)
     return loaded, json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
@@ -370,7 +370,7 @@ class ChunkedKV:
 
 
 def test_unbatchable_caches_run_one_request_at_a_time(dense_model):
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(dense_model)
     s, lines = scheduler_for(loaded, ChunkedKV(loaded.model), max_batch=8)

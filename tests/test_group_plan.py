@@ -1,5 +1,5 @@
 """Where the ranks of a group run and the environment they start with, as
-mlx.launch would set it (worker.group_plan), and the config keys that ask
+mlx.launch would set it (worker.group.plan), and the config keys that ask
 for a group (issue 18). Pure: no process, no MLX."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ipc.group import HostSpec
 from supervisor.child import worker_command
 from supervisor.config import ConfigError, load_config
 from supervisor.resolve import Resolver
-from worker.group_plan import CONTENT_PREFIX, GroupError, GroupPlan, Host, plan, resolve_hosts, write_content_files
+from worker.group.plan import CONTENT_PREFIX, GroupError, GroupPlan, Host, plan, resolve_hosts, write_content_files
 
 MINE = {"127.0.0.1", "10.0.0.1"}
 

@@ -130,3 +130,29 @@ def test_tests_share_helpers_through_the_harness_or_the_conftest():
     fixtures' imports and ties the two files' failures together."""
     for path in (ROOT / "tests").glob("*.py"):
         assert not {m for m in imported(path) if m.startswith("tests.test_")}, f"{path.name} imports a test file"
+
+
+# The worker's parts in layers: each may import only the parts before it
+# (and itself), so the file list reads bottom-up and a new module has one
+# obvious home.
+WORKER_LAYERS = ("runtime", "text", "cache", "lora", "engine", "shell", "group", "demo")
+
+
+def worker_part(module: str) -> str:
+    parts = module.split(".")
+    return "top" if len(parts) < 2 or parts[1] == "__main__" else parts[1]
+
+
+def test_the_worker_has_no_flat_modules_but_its_entry_point():
+    flat = {name for name, path in modules("worker").items() if name.count(".") == 1 and path.name != "__init__.py"}
+    assert flat == {"worker.__main__"}, "new worker modules belong in one of its parts"
+    assert {worker_part(name) for name in modules("worker")} - {"top"} == set(WORKER_LAYERS)
+
+
+@pytest.mark.parametrize("part", WORKER_LAYERS)
+def test_each_worker_part_imports_only_the_parts_below_it(part):
+    allowed = set(WORKER_LAYERS[: WORKER_LAYERS.index(part) + 1])
+    for name, targets in graph("worker").items():
+        if worker_part(name) == part:
+            upward = {t for t in targets if worker_part(t) not in allowed}
+            assert not upward, f"{name} imports {sorted(upward)} above its layer"

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from worker.kernel_cache import ENV, keep_kernels, kernel_cache_dir
+from worker.runtime.kernel_cache import ENV, keep_kernels, kernel_cache_dir
 
 
 def test_kernels_go_to_the_users_cache_dir_per_mlx_version_and_gpu(tmp_path):

@@ -12,14 +12,14 @@ PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k +
 
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     return load(tiny_model)
 
 
 def quantized(model_dir, bits: int):
-    from worker import kv_quant
-    from worker.loader import load
+    from worker.engine import kv_quant
+    from worker.runtime.loader import load
 
     loaded = load(model_dir)
     kv_quant.install(loaded.model, bits, 32)
@@ -46,7 +46,7 @@ def forced_logits(model, ids: list[int], path: list[int] | None, steps: int):
 def test_quantized_logits_stay_near_the_models_dtype(tiny_model, plain, bits, tolerance):
     import mlx.core as mx
 
-    from worker.text import TextCodec
+    from worker.text.tokenizer import TextCodec
 
     codec = TextCodec(tiny_model, plain.config)
     q = quantized(tiny_model, bits)
@@ -68,10 +68,10 @@ def test_quantized_logits_stay_near_the_models_dtype(tiny_model, plain, bits, to
 
 
 def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
-    from worker.kv_quant import BatchQuantKV
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.kv_quant import BatchQuantKV
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     def engine(bits):
         loaded = quantized(tiny_model, bits) if bits else load(tiny_model)

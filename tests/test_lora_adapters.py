@@ -26,9 +26,9 @@ from tests.lora_files import (
     write_mlx_lm,
     write_peft,
 )
-from worker.loader import load
 from worker.lora.formats import AdapterError, read_adapter
 from worker.lora.layers import AdaptedLinear, LoRASlots
+from worker.runtime.loader import load
 
 PROMPT = mx.array([[1, 5, 17, 200, 33, 41, 99, 7, 8, 300, 12, 64, 2]])
 RANK, ALPHA = 4, 8.0  # every format below is written to scale by ALPHA / RANK
@@ -143,7 +143,7 @@ def test_quantized_base_is_used_as_is_and_matches_dequantized_merge(tmp_path, ti
 def test_clear_restores_the_base_exactly_and_swaps_reproduce(tmp_path, tiny_model):
     targets = targets_of(tiny_model)
     model = model_at(tiny_model)
-    # A and B take the layers' dtype: float32 on CPU (worker.cpu_backend).
+    # A and B take the layers' dtype: float32 on CPU (worker.runtime.cpu_backend).
     itemsize = model.layers[0].mlp.down_proj.weight.dtype.size
     slots = LoRASlots(model)
     base = as_np(model(PROMPT))

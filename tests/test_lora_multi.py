@@ -228,10 +228,10 @@ def test_a_corrupt_replacement_keeps_that_adapters_version_and_spares_the_others
 def test_two_adapters_on_a_4bit_base(tiny_q4_model, tmp_path):
     """Each row's text is its adapter's alone (computed here on the same
     4-bit layers), the base row the base's."""
-    from worker.loader import load
     from worker.lora.formats import read_adapter
     from worker.lora.layers import LoRASlots
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     targets = targets_of(tiny_q4_model)
     paths = {

@@ -91,10 +91,10 @@ def test_logits_match_the_merged_model_and_follow_the_scale(adapters, tiny_model
     logits are the merged model's within float32 rounding; the same tensors
     at 1.25x the scale are far outside that tolerance; clearing gives back
     the base logits bit for bit."""
-    from worker.loader import load
     from worker.lora.formats import read_adapter
     from worker.lora.layers import LoRASlots
-    from worker.text import TextCodec
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     loaded = load(tiny_model)
     prompt = mx.array(TextCodec(tiny_model, loaded.config).encode(CHAT))[None]

@@ -8,7 +8,7 @@ from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
 from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
-from worker.prefix_cache import chunk_ends, message_starts
+from worker.cache.prefix_cache import chunk_ends, message_starts
 
 QUESTIONS = [
     "Where does the river bend?",
@@ -177,7 +177,7 @@ def test_least_recently_used_snapshot_is_evicted_first(engine):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker.prefix_cache import PrefixCache
+    from worker.cache.prefix_cache import PrefixCache
 
     model = engine.loaded.model
     pc = PrefixCache(model, budget_bytes=1 << 30)

@@ -106,8 +106,8 @@ def test_truncated_or_corrupt_files_are_dropped_never_used(tiny_model, tmp_path,
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
     """Lookups read the model key's directory alone, and the key follows the
     weights' content (and the dtype and quantization a worker runs with)."""
-    from worker.loader import load
-    from worker.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.runtime.loader import load
 
     one, other = load(tiny_model), load(second_model)
     keys = {
@@ -138,7 +138,7 @@ def test_files_round_trip_exactly_and_the_bound_evicts_least_recently_used(tmp_p
     import mlx.core as mx
     import numpy as np
 
-    from worker.prefix_disk import PrefixDisk
+    from worker.cache.prefix_disk import PrefixDisk
 
     disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
     layers = snapshot_layers(0, 300)
@@ -181,7 +181,7 @@ def test_files_round_trip_exactly_and_the_bound_evicts_least_recently_used(tmp_p
 
 
 def path_of(disk, tokens) -> Path:
-    from worker.prefix_disk import entry_name
+    from worker.cache.prefix_disk import entry_name
 
     return disk.dir / entry_name(None, tokens)
 
@@ -192,8 +192,8 @@ def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
     import shutil
 
     from tests.lora_files import lora_pairs, targets_of, write_peft
-    from worker.loader import load
-    from worker.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.runtime.loader import load
 
     one = write_peft(tmp_path / "one", lora_pairs(targets_of(tiny_model), seed=31, strength=2.0), r=4, alpha=8.0)
     same = shutil.copytree(one, tmp_path / "same")
@@ -215,7 +215,7 @@ def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
 
 
 def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
-    from worker.prefix_cache import CHECKPOINT, cut_points
+    from worker.cache.prefix_cache import CHECKPOINT, cut_points
 
     ids = [5] * (2 * CHECKPOINT + 100)
     ids[10] = ids[CHECKPOINT + 7] = 9
@@ -230,9 +230,9 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
 def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):
     import threading
 
-    from worker import scheduler as scheduler_module
-    from worker.loader import load
-    from worker.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.engine import scheduler as scheduler_module
+    from worker.runtime.loader import load
 
     loaded = load(tiny_model)
     key = model_key(tiny_model, loaded.format, loaded.model)

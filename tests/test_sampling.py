@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.sampling import BatchSampler, RowSampling, SamplingParams
+from worker.engine.sampling import BatchSampler, RowSampling, SamplingParams
 
 V = 64
 

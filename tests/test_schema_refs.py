@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.schema_refs import MAX_SCHEMA_DEPTH, too_deep, unmatchable_ref
+from worker.engine.schema_refs import MAX_SCHEMA_DEPTH, too_deep, unmatchable_ref
 
 LOOPS = {
     "itself": {"$ref": "#"},

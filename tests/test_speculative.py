@@ -1,4 +1,4 @@
-"""Speculative decoding in the batched engine (worker.speculate), in one
+"""Speculative decoding in the batched engine (worker.engine.speculate), in one
 process: a row decoded with drafts gives the tokens it gives without them,
 greedy or seeded, on an attention-only and a hybrid (gated-delta) model,
 beside rows that draft well, badly or not at all, with adapters, grammars,
@@ -14,7 +14,7 @@ import pytest
 
 from ipc.messages import Generate
 from tests.conftest import greedy_steps
-from worker.loader import load
+from worker.runtime.loader import load
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
@@ -44,8 +44,8 @@ def dense(dense_model):
 
 
 def scheduler(loaded, draft: str | None = "ngram", **kw):
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.text.tokenizer import TextCodec
 
     lines: list[bytes] = []
     kw.setdefault("batch_memory", 1 << 30)
@@ -83,7 +83,7 @@ def generate(loaded, prompts, draft="ngram", per_request=None, **kw):
 def assert_same_greedy(loaded, prompts, plain: dict, drafted: dict, n: int) -> None:
     """Equal tokens, except from a step where the plain run's best two
     logits tie within TIE (then the rest may differ)."""
-    from worker.text import TextCodec
+    from worker.text.tokenizer import TextCodec
 
     codec = TextCodec(loaded.path, loaded.config)
     for rid, ids in plain.items():
@@ -257,8 +257,8 @@ def test_a_worker_slower_with_drafts_than_without_stops_speculating_then_probes_
     """The worker's own judgement, on step times it is given: speculative
     steps that give fewer tokens per second than plain ones of the same
     batch size switch speculation off; after the pause it tries again."""
-    from worker.drafters import NgramDrafter
-    from worker.speculate import WORKER_JUDGE_AFTER, WORKER_PAUSE, Speculator
+    from worker.engine.drafters import NgramDrafter
+    from worker.engine.speculate import WORKER_JUDGE_AFTER, WORKER_PAUSE, Speculator
 
     now = [0.0]
     spec = Speculator(NgramDrafter(), 4, clock=lambda: now[0])

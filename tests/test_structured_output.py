@@ -42,8 +42,8 @@ def worker(tiny_model):
 @pytest.fixture(scope="module")
 def grammar(tiny_model):
     """The worker's own compiler in this process, to replay a reply."""
-    from worker.constrain import Constraints
-    from worker.text import TextCodec
+    from worker.engine.constrain import Constraints
+    from worker.text.tokenizer import TextCodec
 
     codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
     constraints = Constraints.for_codec(codec, json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"])
@@ -212,7 +212,7 @@ def test_free_steps_never_touch_the_masks_and_a_broken_row_ends_alone(tiny_model
     """In-process, on the real engine: a step with no constrained row fills
     no mask; a forced token the grammar rejects (sampling, being masked,
     cannot) ends that row alone with an error."""
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     s, lines = scheduler_for(load(tiny_model))
     filled = []
@@ -291,7 +291,7 @@ def test_a_batch_run_ahead_draws_what_the_step_by_step_order_draws(tiny_model):
     reads its tokens. Forced on here, it must draw the very tokens the
     step-by-step order draws: sampled and greedy constrained rows, a free
     row, a row joining mid-stream and one cancelled mid-stream."""
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(tiny_model)
     first = [
@@ -325,7 +325,7 @@ def test_rows_that_may_be_forced_keep_the_batch_from_running_ahead(tiny_model):
     """A reasoning budget forces </think> in place of a token already drawn,
     which a pass queued ahead would have fed: while such a row decodes the
     batch steps one by one, and the replies are those of that order."""
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     loaded = load(tiny_model)
     think = CHAT + "<think>\n"
@@ -349,9 +349,9 @@ def test_a_whole_resumed_prompt_joins_a_batch_that_ran_ahead(tiny_model):
     """A prompt resumed whole from the prefix cache would join the decode
     batch at once; a batch that has run ahead is a token further on, so it
     joins after the next step instead, and draws what it draws otherwise."""
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     loaded = load(tiny_model)
     # Ends at a message start: the prefix cache keeps a snapshot there,
@@ -424,8 +424,8 @@ def test_a_constrained_steps_tokens_are_written_before_its_draw_is_handed_over(t
     """On mlx's CPU backend handing the masked draw over waits while the
     forward pass runs: a constrained row's token lines go out before it, as
     early as a free row's, and the replies are what they were."""
-    from worker.loader import load
-    from worker.sampling import BatchSampler
+    from worker.engine.sampling import BatchSampler
+    from worker.runtime.loader import load
 
     loaded = load(tiny_model)
     out = {}
@@ -458,8 +458,8 @@ def test_on_a_gpu_a_constrained_steps_tokens_are_streamed_after_its_forward_pass
     on here; on mlx's CPU backend it computes the same)."""
     import mlx.core as mx
 
-    import worker.generator as generator_module
-    from worker.loader import load
+    import worker.engine.generator as generator_module
+    from worker.runtime.loader import load
 
     seen: list[str] = []
 
@@ -498,8 +498,8 @@ def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypat
     caught every time."""
     import threading
 
-    from worker.constrain import RowConstraint
-    from worker.loader import load
+    from worker.engine.constrain import RowConstraint
+    from worker.runtime.loader import load
 
     s, lines = scheduler_for(load(tiny_model))
     masks, generator = s.masks, s.generator
@@ -557,7 +557,7 @@ def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypat
 def test_a_schema_compiles_no_more_matchers_than_rows_of_it_ran_at_once(tiny_model):
     """Ended rows let go of the matcher they copied: a second batch of the
     same schema reuses the first one's matchers."""
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     s, lines = scheduler_for(load(tiny_model), mask_threads=4)
     for batch in range(2):
@@ -568,7 +568,7 @@ def test_a_schema_compiles_no_more_matchers_than_rows_of_it_ran_at_once(tiny_mod
 
 
 def test_a_failed_prefill_chunk_loses_no_token_of_the_decoding_rows(tiny_model):
-    from worker.loader import load
+    from worker.runtime.loader import load
 
     class FailingPrefill:
         def __init__(self, model):

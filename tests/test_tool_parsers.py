@@ -16,7 +16,7 @@ from harness.engine import allowed_ids
 from harness.procs import ROOT
 from supervisor.httpapi import tool_parsers
 from supervisor.httpapi.tool_parsers import Call, detect, grammar, parse
-from worker.text import _compile_template
+from worker.text.tokenizer import _compile_template
 
 TEMPLATES = ROOT / "tests" / "data" / "tool_templates"
 
@@ -115,7 +115,7 @@ def test_malformed_calls_are_text(fmt, reply):
 
 
 def test_every_format_detects_on_the_demo_template_as_qwen3():
-    from worker.demo_model import CHAT_TEMPLATE
+    from worker.demo.build import CHAT_TEMPLATE
 
     assert detect(CHAT_TEMPLATE) == "qwen3" and detect(None) == "qwen3"
     assert set(tool_parsers.FORMATS) == {f[1] for f in FAMILIES}
@@ -126,8 +126,8 @@ def test_every_format_detects_on_the_demo_template_as_qwen3():
 
 @pytest.fixture(scope="module")
 def walker(tiny_model):
-    from worker.constrain import BatchMasks, Constraints
-    from worker.text import TextCodec
+    from worker.engine.constrain import BatchMasks, Constraints
+    from worker.text.tokenizer import TextCodec
 
     config = json.loads((tiny_model / "config.json").read_text())
     codec = TextCodec(tiny_model, config)

@@ -104,9 +104,9 @@ def test_stop_string_ends_generation_and_is_not_emitted(worker):
 
 
 def test_utf8_deltas_match_an_in_process_run(worker, tiny_model):
-    from worker.loader import load
-    from worker.scheduler import Scheduler
-    from worker.text import TextCodec
+    from worker.engine.scheduler import Scheduler
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
 
     req = dict(prompt="日本語の文章も少し", temperature=1.0, top_k=0, top_p=1.0, seed=5, max_tokens=150)
     events = generate(worker, **req)
@@ -180,7 +180,7 @@ def test_the_worker_refuses_a_prompt_over_its_limit_before_tokenizing(tiny_model
 
 def test_the_worker_sets_the_gil_switch_interval_it_is_given(tiny_model):
     # The token-mask thread needs the GIL before and after each batch of
-    # masks (worker/defaults.py, GIL_SWITCH_MS): the worker's own interval,
+    # masks (worker/runtime/defaults.py, GIL_SWITCH_MS): the worker's own interval,
     # not Python's 5 ms.
     w = WorkerProc(tiny_model, "--gil-switch-ms", "0.25", "--mask-threads", "3")
     try:
@@ -193,7 +193,7 @@ def test_the_worker_sets_the_gil_switch_interval_it_is_given(tiny_model):
 @pytest.mark.parametrize("given", ["0", "-1", "nan", "1001"])
 def test_a_gil_switch_interval_out_of_bounds_is_refused(given):
     from worker.__main__ import parse_args
-    from worker.defaults import GIL_SWITCH_MS
+    from worker.runtime.defaults import GIL_SWITCH_MS
 
     assert parse_args(["--model", "m"]).gil_switch_ms == GIL_SWITCH_MS
     with pytest.raises(SystemExit):
@@ -255,7 +255,7 @@ def test_bad_model_dir_exits_78(tmp_path, tiny_model, breakage):
 
 def test_stray_output_goes_to_stderr():
     code = (
-        "import os; from worker.channel import EventChannel; c = EventChannel.take_stdout(); "
+        "import os; from worker.shell.channel import EventChannel; c = EventChannel.take_stdout(); "
         "print('stray print'); os.system('echo from a C child'); c.write(b'@@lattice {\"ev\":\"x\"}\\n')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, env=child_env(), cwd=ROOT, timeout=30)

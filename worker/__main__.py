@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from ipc.worker_events import EX_CONFIG
-from worker import defaults
+from worker.runtime import defaults
 
 # Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
 # ValueError at import) when the hard limit is lower.
@@ -219,34 +219,34 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(problem)
 
     # Before anything imports mlx: its BLAS symbols bind when it loads.
-    from worker.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas
 
     openblas = load_openblas()
     if openblas:
         log.info("BLAS: %s", openblas)
-    from worker.kernel_cache import keep_kernels
+    from worker.runtime.kernel_cache import keep_kernels
 
     kernels = keep_kernels()
     if kernels:
         log.info("CUDA kernels compiled at run time are kept in %s", kernels)
 
-    from worker.channel import EventChannel
-    from worker.lifeline import bind_to_parent
+    from worker.shell.channel import EventChannel
+    from worker.shell.lifeline import bind_to_parent
 
     channel = EventChannel.take_stdout()
     ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
     bind_to_parent(int(ppid) if ppid else None)
 
     from ipc.events import ADAPTER_ERROR, encode_event
-    from worker.group_plan import EX_TEMPFAIL, GroupError
-    from worker.loader import ModelDirError, materialise, open_lazy
+    from worker.engine.scheduler import Scheduler
+    from worker.engine.speculate import DraftError
+    from worker.group.plan import EX_TEMPFAIL, GroupError
     from worker.lora.formats import AdapterReader
     from worker.lora.manager import AdapterManager
-    from worker.memory import device_memory, processor, release_free_memory
-    from worker.scheduler import Scheduler
-    from worker.server import WorkerServer
-    from worker.speculate import DraftError
-    from worker.text import TextCodec, TokenizerError
+    from worker.runtime.loader import ModelDirError, materialise, open_lazy
+    from worker.runtime.memory import device_memory, processor, release_free_memory
+    from worker.shell.server import WorkerServer
+    from worker.text.tokenizer import TextCodec, TokenizerError
 
     group = None
     if args.ranks > 1:
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             return fatal("a model split over several processes (ranks > 1) takes no LoRA adapters")
         if args.draft:
             return fatal("speculative decoding (draft) does not run on a model split over several processes (ranks > 1)")
-        from worker.group_server import GroupRole
+        from worker.group.server import GroupRole
 
         try:
             group = GroupRole(args, sys.argv[1:] if argv is None else argv)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     except GroupError as exc:
         return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
     if args.kv_bits is not None:
-        from worker import kv_quant
+        from worker.engine import kv_quant
 
         try:
             kv_quant.install(loaded.model, args.kv_bits, args.kv_group_size)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("attention caches quantized: %d bits, groups of %d", args.kv_bits, args.kv_group_size)
     prefix_disk = None
     if group is None and args.prefix_disk_dir is not None and args.prefix_cache_bytes > 0 and args.prefix_disk_bytes != 0:
-        from worker.prefix_disk import PrefixDisk, default_budget, model_key
+        from worker.cache.prefix_disk import PrefixDisk, default_budget, model_key
 
         root = args.prefix_disk_dir.expanduser()
         budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     scheduler.warm_up()
     if args.warm_prompt or args.warm_prompt_file:
-        from worker.warm import read_warm_file, warm_prompts
+        from worker.engine.warm import read_warm_file, warm_prompts
 
         try:
             texts = args.warm_prompt + [read_warm_file(p.expanduser()) for p in args.warm_prompt_file]
@@ -404,7 +404,7 @@ def chat_opens_think(codec) -> bool:
     template's generation prompt opens one): HTTP clients get that text as
     reasoning_content, not as the answer."""
     from ipc.messages import Message
-    from worker.streamer import think_open
+    from worker.text.streamer import think_open
 
     try:
         prompt = codec.encode(codec.render([Message("user", "Hi")]))

@@ -43,11 +43,11 @@ import msgspec
 
 from ipc.events import ADAPTER_ERROR, encode_event
 from ipc.messages import LoadAdapter, ReloadAdapter, SetAdapter, UnloadAdapter
-from worker import defaults
 from worker.lora.formats import AdapterError, AdapterReader, AdapterWeights
 from worker.lora.layers import LoRASlots
 from worker.lora.residency import Entry, Version, choose_victim
-from worker.memory import release_free_memory
+from worker.runtime import defaults
+from worker.runtime.memory import release_free_memory
 
 log = logging.getLogger("worker")
 

@@ -17,7 +17,7 @@ files' modification times order them, least recently used first out, past
 the byte budget, and a hit touches its file: the order survives restarts.
 
 Reads go through the same thread: a request whose prompt has a longer
-prefix on disk than in memory waits while its file is read (worker.scheduler),
+prefix on disk than in memory waits while its file is read (worker.engine.scheduler),
 and the main thread turns the read bytes into arrays. A worker that starts
 reads the most recently used files back into memory the same way, up to
 half its memory budget, so that after a restart the prefixes in use are in
@@ -327,7 +327,7 @@ class PrefixDisk:
 
     def write(self, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
         """Queues a snapshot for writing; its arrays are evaluated and never
-        written in place (worker.prefix_cache), so this thread may read them."""
+        written in place (worker.cache.prefix_cache), so this thread may read them."""
         name = entry_name(adapter, tokens)
         with self._lock:
             known = self._index.get(name)

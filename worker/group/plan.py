@@ -28,7 +28,7 @@ DEFAULT_PORT = 32323
 DEFAULT_NCCL_PORT = 12345
 # Variables whose value MLX reads as a file path: the launcher passes the
 # file's content in LATTICE_CONTENT_<NAME>, and each rank writes its own file
-# (on its own host) right before it joins (worker.group.join).
+# (on its own host) right before it joins (worker.group.model.join).
 FILE_VARS = ("MLX_HOSTFILE", "MLX_IBV_DEVICES")
 CONTENT_PREFIX = "LATTICE_CONTENT_"
 

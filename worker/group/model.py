@@ -34,16 +34,16 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import gather_last_axis
 
-from worker.group_plan import CONTENT_PREFIX, EX_TEMPFAIL, GroupError, GroupPlan, write_content_files
-from worker.prefix_cache import PrefixCache
-from worker.scheduler import Scheduler
+from worker.cache.prefix_cache import PrefixCache
+from worker.engine.scheduler import Scheduler
+from worker.group.plan import CONTENT_PREFIX, EX_TEMPFAIL, GroupError, GroupPlan, write_content_files
 
 log = logging.getLogger("worker")
 
 
 def abort(cause: str, code: int = EX_TEMPFAIL) -> None:
     """Ends this rank at once, from any thread, its cause the last line on
-    stderr (the pool quotes it); the other ranks follow (worker.launch)."""
+    stderr (the pool quotes it); the other ranks follow (worker.group.launch)."""
     print("lattice-pool worker: " + " ".join(cause.split()), file=sys.stderr, flush=True)
     os._exit(code)
 
@@ -171,7 +171,7 @@ def _rows(a: mx.array, lo: int, rows: int) -> mx.array:
 
 
 def join(plan: GroupPlan, rank: int, rendezvous: Callable[[], None]) -> mx.distributed.Group:
-    """This rank joins the group: its environment (set by worker.launch,
+    """This rank joins the group: its environment (set by worker.group.launch,
     as mlx.launch would) names the backend's peers. Blocks until every rank
     has joined.
 
@@ -179,7 +179,7 @@ def join(plan: GroupPlan, rank: int, rendezvous: Callable[[], None]) -> mx.distr
     thread of this process runs meanwhile (heartbeats, the watch on the
     other ranks). So the wait happens before it, in `rendezvous`: rank 0
     waits there until every other rank is about to join (or one died:
-    worker.launch), the others say they are; and each rank first checks
+    worker.group.launch), the others say they are; and each rank first checks
     that its port is free, the one failure it could not report from inside
     init."""
     with tempfile.TemporaryDirectory(prefix="lattice-group-") as files:

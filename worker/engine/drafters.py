@@ -1,10 +1,10 @@
 """Drafters: cheap guesses of a row's next tokens, checked by the target model.
 
-A drafter proposes up to k tokens per row; worker.speculate verifies every
+A drafter proposes up to k tokens per row; worker.engine.speculate verifies every
 row's proposal in one forward of the target model and keeps the longest
 prefix the target would have produced itself. Drafts are deterministic (one
 token per position, no distribution), which is what makes the acceptance
-rule a plain comparison with the target's own draw (worker.speculate).
+rule a plain comparison with the target's own draw (worker.engine.speculate).
 
 `NgramDrafter` is prompt lookup: the row's last n tokens (n from
 `max_n` down to `min_n`) are looked up among its earlier tokens, prompt and
@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from worker.batch_cache import BatchCache
+from worker.engine.batch_cache import BatchCache
 
 
 class NgramState:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.demo_large import LARGE
+from worker.demo.large import LARGE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -295,9 +295,9 @@ def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny", lay
 
 
 def _build_large(out: Path, tok, eos: str, **kwargs) -> Path:
-    """A benchmark-sized model (worker.demo_large), written beside `out`
+    """A benchmark-sized model (worker.demo.large), written beside `out`
     and moved in when whole, as build() does."""
-    from worker import demo_large
+    from worker.demo import large as demo_large
 
     vocab, hidden = tokenizer_vocab(tok), LARGE[kwargs["size"]][1]
     embed, head = bigram_factors(tok, vocab, min(vocab, hidden))

@@ -15,7 +15,7 @@ from ipc.messages import DEFAULT_MAX_ADAPTERS as MAX_ADAPTERS, DEFAULT_MAX_BATCH
 PREFILL_STEP_CPU = 256
 PREFILL_STEP_GPU = 512
 
-# Memory for reusable prompt state of earlier requests (worker.prefix_cache).
+# Memory for reusable prompt state of earlier requests (worker.cache.prefix_cache).
 PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 
 # Seconds a worker stays idle before it hands MLX's buffer cache back

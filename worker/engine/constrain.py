@@ -6,7 +6,7 @@ token-level parser, the bitmask of allowed tokens. This module holds what is
 the pool's own: one tokenizer view per worker, a bounded cache of compiled
 grammars, the think-then-answer rule, and masks applied per row of a batch.
 
-How the engine drives it (worker.scheduler, worker.generator;
+How the engine drives it (worker.engine.scheduler, worker.engine.generator;
 docs/structured-output.md has the whole step):
 
     row = constraints.row(req.response_format, prompt_ids)   # at submit; ConstraintError -> bad_request
@@ -33,7 +33,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, decode_response_format
-from worker.schema_refs import too_deep, unmatchable_ref
+from worker.engine.schema_refs import too_deep, unmatchable_ref
 
 # Compiled grammars kept per worker, least recently used out. One takes about
 # a millisecond to compile and ~25 KB (the test schema, 151k vocabulary), so

@@ -7,7 +7,7 @@ import msgspec
 from ipc.context import context_limit
 from ipc.events import BAD_REQUEST
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate, utf8_len
-from worker.text import SpecialTextError, TextCodec
+from worker.text.tokenizer import SpecialTextError, TextCodec
 
 
 class RequestError(Exception):

@@ -35,17 +35,17 @@ import msgspec
 
 from ipc.events import PREFIX
 from ipc.worker_events import EX_CONFIG, RankFigures, event_body, event_name
-from worker.group import abort
-from worker.group_plan import EX_TEMPFAIL, GroupPlan, Host
+from worker.group.model import abort
+from worker.group.plan import EX_TEMPFAIL, GroupPlan, Host
 
 RANK_STATS = "rank_stats"
-# A rank says it is about to join the group (worker.group.join says why).
+# A rank says it is about to join the group (worker.group.model.join says why).
 RANK_JOINING = "rank_joining"
 # ssh exits 255 when it cannot connect or authenticate.
 SSH_FAILED = 255
 # Where the worker package lives here; a remote host must have it at the
 # same path (as mlx.launch expects the same layout on every host).
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # What a remote rank gets of this environment besides the group's own.
 REMOTE_ENV = ("LATTICE_LOG_LEVEL", "OPENBLAS_NUM_THREADS", "MLX_RING_VERBOSE")
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")

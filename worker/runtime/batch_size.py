@@ -6,7 +6,7 @@ rows, so more rows are nearly free until their caches fill memory: the
 number is the cache memory over one row's cache at SIZING_TOKENS, as vLLM
 sizes its batch against the memory left after the weights, within
 [1, GPU_MAX]. A row that grows past SIZING_TOKENS is still safe: the memory
-guard (worker.scheduler, `batch_memory`) holds new rows back while the
+guard (worker.engine.scheduler, `batch_memory`) holds new rows back while the
 running ones' caches would not fit.
 
 On a CPU every row costs compute: on 2 cores the aggregate still grew from 8

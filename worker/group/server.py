@@ -7,7 +7,7 @@ for a request that has none, so every rank samples alike), cancels, the
 idle release of MLX's buffer cache, and the shutdown. A follower (rank >= 1)
 takes exactly those items from the group instead of an inbox, so every rank
 runs the same Scheduler calls; its request lines go nowhere, and its stdout
-carries its `rank_stats` to rank 0 (worker.launch).
+carries its `rank_stats` to rank 0 (worker.group.launch).
 
 A model split over processes takes no LoRA adapters (their layers would be
 split too): a request naming one, and every adapter message, is answered
@@ -28,13 +28,13 @@ import msgspec
 from ipc.events import ADAPTER_ERROR, encode_error, encode_event
 from ipc.messages import Cancel, Generate, Shutdown
 from ipc.worker_events import RankFigures
-from worker.channel import EventChannel
-from worker.group import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
-from worker.group_plan import GroupPlan, plan
-from worker.launch import RANK_JOINING, RANK_STATS, Launcher
-from worker.loader import LazyModel, LoadedModel
-from worker.memory import memory_figures
-from worker.server import IDLE, SHUTDOWN, WAKE, WorkerServer
+from worker.group.launch import RANK_JOINING, RANK_STATS, Launcher
+from worker.group.model import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
+from worker.group.plan import GroupPlan, plan
+from worker.runtime.loader import LazyModel, LoadedModel
+from worker.runtime.memory import memory_figures
+from worker.shell.channel import EventChannel
+from worker.shell.server import IDLE, SHUTDOWN, WAKE, WorkerServer
 
 log = logging.getLogger("worker")
 

@@ -3,7 +3,7 @@
 A RowStream turns one request's tokens into its event lines: UTF-8-safe
 detokenizing, stop strings, the reasoning budget, max_tokens, end-of-sequence
 ids, timing, and the final line. It never touches the model; the generator
-(worker.generator) produces the ids.
+(worker.engine.generator) produces the ids.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ipc.events import encode_done, encode_token, tokens_per_second
 from ipc.messages import Generate
-from worker.text import StopMatcher, TextCodec
+from worker.text.tokenizer import StopMatcher, TextCodec
 
 Emit = Callable[[bytes], None]
 
@@ -85,7 +85,7 @@ class RowStream:
         """The most tokens the row may draft past its pending one: a drafted
         block ends at max_tokens, and a reasoning budget is spent at its
         last token at the latest, so that a forced </think> comes where it
-        would without drafts (worker.speculate)."""
+        would without drafts (worker.engine.speculate)."""
         limit = self.max_tokens - len(self.generated) - 1
         think = self.think
         if think.budget is not None:

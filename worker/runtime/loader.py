@@ -90,7 +90,7 @@ class LazyModel:
 
 def open_lazy(path: Path) -> LazyModel:
     """The model built from its dir, weights mapped but not read, so it can
-    still be split over processes (worker.group) before they are."""
+    still be split over processes (worker.group.model) before they are."""
     from mlx_lm.utils import load_model
 
     read_config(path)
@@ -106,9 +106,9 @@ def open_lazy(path: Path) -> LazyModel:
 def materialise(lazy: LazyModel, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:
     """Reads the weights in slices, so that `progress(bytes_loaded,
     bytes_total)` can report as the file is read. On CPU the weights become
-    float32 (worker.cpu_backend says why)."""
-    from worker import gated_delta
-    from worker.cpu_backend import use_float32
+    float32 (worker.runtime.cpu_backend says why)."""
+    from worker.runtime import gated_delta
+    from worker.runtime.cpu_backend import use_float32
 
     model = lazy.model
     try:

@@ -24,9 +24,9 @@ from ipc.events import BAD_REQUEST, encode_error, encode_event
 from ipc.framing import FrameReader, FrameTooLarge, decode_payload
 from ipc.messages import Cancel, Generate, Shutdown, Stats
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
-from worker.channel import EventChannel
-from worker.memory import memory_figures
-from worker.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler
+from worker.runtime.memory import memory_figures
+from worker.shell.channel import EventChannel
 
 log = logging.getLogger("worker")
 
@@ -144,7 +144,7 @@ class WorkerServer:
     def _take(self, block: bool) -> list:
         """What has arrived by now; with nothing to do, wait for one, handing
         MLX's buffer cache back once the worker has been idle long enough.
-        (A rank of a group takes what rank 0 took: worker.group_server.)"""
+        (A rank of a group takes what rank 0 took: worker.group.server.)"""
         items = self._wait() if block else []
         for _ in range(self._inbox.qsize()):
             items += self._inbox.get_nowait()

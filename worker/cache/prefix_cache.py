@@ -19,7 +19,7 @@ extends or edits near its end resumes from there.
 
 Entries are keyed by the adapter content hash as well as the tokens, held in
 least-recently-used order and bounded by a byte budget. With a disk tier
-(worker.prefix_disk) every snapshot stored is written to disk as well, and
+(worker.cache.prefix_disk) every snapshot stored is written to disk as well, and
 entries read back from disk come in through `insert`.
 """
 
@@ -145,7 +145,7 @@ def _restore(model, layers: list, length: int) -> list:
 class PrefixCache:
     def __init__(self, model, budget_bytes: int, disk=None):
         self.model = model
-        self.disk = disk  # worker.prefix_disk.PrefixDisk, or None
+        self.disk = disk  # worker.cache.prefix_disk.PrefixDisk, or None
         self.budget = budget_bytes
         self.used = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -270,7 +270,7 @@ class PrefixCache:
 
     def _counted(self, nbytes: int) -> int:
         """What a snapshot of `nbytes` counts against the budget (a rank of
-        a group counts what every rank agrees on: worker.group)."""
+        a group counts what every rank agrees on: worker.group.model)."""
         return nbytes
 
     @staticmethod

@@ -138,7 +138,7 @@ def row_bytes(model) -> tuple[int, int]:
     fixed = per_token = 0
     for c in cache:
         keys = getattr(c, "keys", None)
-        if isinstance(keys, tuple):  # quantized (worker.kv_quant): packed values, scales, biases
+        if isinstance(keys, tuple):  # quantized (worker.engine.kv_quant): packed values, scales, biases
             keys = keys[0]
         if isinstance(keys, mx.array):
             per_token += -(-c.nbytes // keys.shape[2])

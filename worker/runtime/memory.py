@@ -8,7 +8,7 @@ import mlx.core as mx
 import psutil
 
 from ipc.worker_events import rss_uss
-from worker.batch_size import gpu_memory
+from worker.runtime.batch_size import gpu_memory
 
 try:  # glibc's; musl and macOS have none
     _malloc_trim = ctypes.CDLL(None).malloc_trim

@@ -38,23 +38,23 @@ import msgspec
 
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
-from worker import defaults
-from worker.batch_cache import row_bytes
-from worker.batch_size import auto_max_batch
-from worker.compiled_step import CompiledDecode
-from worker.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
-from worker.generator import BatchFailed, Row, TokenGenerator
-from worker.loader import LoadedModel
+from worker.cache.prefix_cache import PrefixCache, cut_points
+from worker.cache.prefix_disk import READ_WAIT_S, PrefixDisk
+from worker.engine.batch_cache import row_bytes
+from worker.engine.compiled_step import CompiledDecode
+from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
+from worker.engine.generator import BatchFailed, Row, TokenGenerator
+from worker.engine.sampling import RowSampling, SamplingParams
+from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
-from worker.memory import device_memory, processor, trim_heap
-from worker.prefix_cache import PrefixCache, cut_points
-from worker.prefix_disk import READ_WAIT_S, PrefixDisk
-from worker.prompts import PromptReader, RequestError, model_limit
-from worker.sampling import RowSampling, SamplingParams
-from worker.speculate import DEFAULT_TOKENS, speculator_for
-from worker.streamer import Emit, RowStream
-from worker.text import TextCodec
+from worker.runtime import defaults
+from worker.runtime.batch_size import auto_max_batch
+from worker.runtime.loader import LoadedModel
+from worker.runtime.memory import device_memory, processor, trim_heap
+from worker.text.prompts import PromptReader, RequestError, model_limit
+from worker.text.streamer import Emit, RowStream
+from worker.text.tokenizer import TextCodec
 
 log = logging.getLogger("worker")
 
@@ -80,7 +80,7 @@ class Scheduler:
         emit: Emit,
         *,
         batch_memory: int,
-        max_batch: int | None = defaults.MAX_BATCH,  # None: auto (worker.batch_size)
+        max_batch: int | None = defaults.MAX_BATCH,  # None: auto (worker.runtime.batch_size)
         prefill_step: int | None = None,
         prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
@@ -115,7 +115,7 @@ class Scheduler:
         # The tokenizer view for llguidance is built on the first
         # response_format (0.6-1.7 s and 88 MB for a 151k vocabulary).
         self._constraints: Constraints | None = None
-        # None: worker.constrain.default_mask_threads()
+        # None: worker.engine.constrain.default_mask_threads()
         self.masks = BatchMasks(self.vocab_size, codec.eos_ids, mask_threads)
         if prefill_step is None:
             prefill_step = defaults.PREFILL_STEP_GPU if mx.default_device() == mx.gpu else defaults.PREFILL_STEP_CPU

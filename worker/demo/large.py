@@ -12,7 +12,7 @@ larger by 0.4-2.0B parameters; the layers are theirs. `layers` cuts the depth
 bytes).
 
 Weights are mx.random noise (seeded; see _noise) scaled by 1/sqrt(fan-in),
-plus the demo's bigram embedding and LM head (worker.demo_model), written
+plus the demo's bigram embedding and LM head (worker.demo.build), written
 in MLX's layout in shards of at most SHARD_BYTES with an index, as
 mlx_lm.convert writes them; `q4` quantizes each tensor as it is made (affine, group 64),
 as `nn.quantize` would.
@@ -112,7 +112,7 @@ def _noise(shape: tuple[int, ...], std: float):
 
 def _value(name: str, shape: tuple[int, ...], embed: np.ndarray, head: np.ndarray):
     """One tensor's value in MLX's layout (lazy): the rules of
-    worker.demo_model.build_weights, with noise scaled to the fan-in so that
+    worker.demo.build.build_weights, with noise scaled to the fan-in so that
     36 layers keep the residual stream near the embedding's scale."""
     import mlx.core as mx
 

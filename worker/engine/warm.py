@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ipc.messages import Generate
-from worker.generator import Row
-from worker.prefix_cache import cut_points
-from worker.sampling import RowSampling, SamplingParams
+from worker.cache.prefix_cache import cut_points
+from worker.engine.generator import Row
+from worker.engine.sampling import RowSampling, SamplingParams
 
 log = logging.getLogger("worker")
 

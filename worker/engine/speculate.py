@@ -2,7 +2,7 @@
 
 A decode step normally feeds each row its pending token (sampled, not yet
 fed) and draws one new token. A speculative step feeds each row its pending
-token followed by a draft of up to k tokens (worker.drafters), in one
+token followed by a draft of up to k tokens (worker.engine.drafters), in one
 forward of shape (rows, 1 + longest draft), and draws the target's token at
 every position. A row keeps the draft tokens up to the first one that
 differs from the target's own draw, and the target's token at that position
@@ -59,7 +59,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from worker.constrain import RowConstraint
+from worker.engine.constrain import RowConstraint
 
 log = logging.getLogger("worker")
 
@@ -518,14 +518,14 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
         log.warning("speculative decoding is off: drafts cannot be rolled back in caches %s", kinds)
         return None
     if draft == "ngram":
-        from worker.drafters import NgramDrafter
+        from worker.engine.drafters import NgramDrafter
 
         log.info("speculative decoding: prompt lookup, up to %d tokens a step", tokens)
         return Speculator(NgramDrafter(), tokens)
     from pathlib import Path
 
-    from worker.drafters import ModelDrafter
-    from worker.loader import load
+    from worker.engine.drafters import ModelDrafter
+    from worker.runtime.loader import load
 
     try:
         loaded = load(Path(draft).expanduser().resolve())

@@ -25,7 +25,7 @@ in the model's stacked adapters (worker.lora.layers), routed before every
 forward, and `Row.adapter` the adapter's content key, which the prefix
 cache keys snapshots by.
 
-Structured output: a row may carry a RowConstraint (worker.constrain). A
+Structured output: a row may carry a RowConstraint (worker.engine.constrain). A
 decode step in which some row has one commits this step's tokens to the
 constraints and masks the logits before sampling, the masks filled while
 the forward pass runs (on a GPU, while it is built too); a step in which
@@ -66,13 +66,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker.batch_cache import BatchCache, batchable
-from worker.compiled_step import CompiledDecode
-from worker.constrain import BatchMasks, ConstraintViolation, RowConstraint
-from worker.gated_delta import CHUNK
-from worker.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts
-from worker.sampling import BatchSampler, RowSampling
-from worker.speculate import Speculator
+from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts
+from worker.engine.batch_cache import BatchCache, batchable
+from worker.engine.compiled_step import CompiledDecode
+from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
+from worker.engine.sampling import BatchSampler, RowSampling
+from worker.engine.speculate import Speculator
+from worker.runtime.gated_delta import CHUNK
 
 log = logging.getLogger("worker")
 
@@ -99,7 +99,7 @@ class Row:
     constraint: RowConstraint | None = None  # its response_format, if any
     broken: ConstraintViolation | None = None  # a committed token broke its constraint
     may_force: bool = False  # the caller may force its pending token (TokenGenerator.force)
-    # Speculative decoding (worker.speculate): whether the row drafts, the
+    # Speculative decoding (worker.engine.speculate): whether the row drafts, the
     # most tokens it may draft now (the caller's bound: max_tokens, a
     # reasoning budget), and its tokens drafted and kept so far.
     speculative: bool = False

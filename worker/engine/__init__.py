@@ -1,0 +1,1 @@
+"""The batched engine: the decode step, its caches, sampling, structured output and speculation."""
