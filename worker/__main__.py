@@ -338,6 +338,24 @@ def main(argv: list[str] | None = None) -> int:
         log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
 
     scheduler.warm_up()
+    if group is None:
+        from worker.engine.embed import Embedder, EmbedError
+
+        try:
+            server.embedder = Embedder(
+                loaded.model,
+                loaded.config,
+                codec,
+                channel.write,
+                max_context=scheduler.prompts.max_context,
+                chunk=scheduler.prefill_step,
+                route=adapters.route,
+            )
+            server.embedder.warm_up()
+        except EmbedError as exc:
+            server.embed_refusal = f"this model cannot compute embeddings: {exc}"
+    else:
+        server.embed_refusal = "a model split over several processes (ranks > 1) computes no embeddings"
     if args.warm_prompt or args.warm_prompt_file:
         from worker.engine.warm import read_warm_file, warm_prompts
 

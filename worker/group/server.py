@@ -26,7 +26,7 @@ import time
 import msgspec
 
 from ipc.events import ADAPTER_ERROR, encode_error, encode_event
-from ipc.messages import Cancel, Generate, Shutdown
+from ipc.messages import Cancel, Embed, Generate, Shutdown
 from ipc.worker_events import RankFigures
 from worker.group.launch import RANK_JOINING, RANK_STATS, Launcher
 from worker.group.model import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
@@ -100,6 +100,8 @@ class LeaderServer(WorkerServer):
             elif item is IDLE:
                 kept.append(item)
                 shared.append(IdleRelease())
+            elif isinstance(item, tuple) and isinstance(item[0], Embed):
+                kept.append(item)  # refused here: a group computes no embeddings
             elif isinstance(item, tuple):
                 req, arrived = item
                 if req.lora is not msgspec.UNSET and req.lora is not None:

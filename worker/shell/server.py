@@ -22,8 +22,9 @@ import msgspec
 
 from ipc.events import BAD_REQUEST, encode_error, encode_event
 from ipc.framing import FrameReader, FrameTooLarge, decode_payload
-from ipc.messages import Cancel, Generate, Shutdown, Stats
+from ipc.messages import Cancel, Embed, Generate, Shutdown, Stats
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
+from worker.engine.embed import Embedder
 from worker.engine.scheduler import Scheduler
 from worker.runtime.memory import memory_figures
 from worker.shell.channel import EventChannel
@@ -43,6 +44,10 @@ class WorkerServer:
         self.channel = channel
         self.request_fd = request_fd
         self.scheduler: Scheduler | None = None
+        # Embed requests (worker.engine.embed); None where the model cannot
+        # embed (or is split over processes): they are refused.
+        self.embedder: Embedder | None = None
+        self.embed_refusal = "this worker does not compute embeddings"
         self.format = "unknown"
         self.weights_bytes = 0
         self.processor: str | None = None  # set once the model is loaded
@@ -67,6 +72,7 @@ class WorkerServer:
             while True:
                 time.sleep(interval_s)
                 busy = self.scheduler is not None and self.scheduler.busy
+                busy = busy or (self.embedder is not None and (self.embedder.has_work or self.embedder.running))
                 self.channel.write(encode_event(HEARTBEAT, busy=busy))
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
@@ -92,7 +98,7 @@ class WorkerServer:
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     self._malformed(exc)
                     continue
-                if isinstance(msg, Generate):
+                if isinstance(msg, (Generate, Embed)):
                     items.append((msg, time.perf_counter()))
                 elif isinstance(msg, Stats):
                     self.channel.write(self.stats_event())
@@ -132,13 +138,16 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         scheduler = self.scheduler
+        embedder = self.embedder
         stopping = False
         while True:
-            block = not scheduler.has_work
+            block = not scheduler.has_work and not (embedder is not None and embedder.has_work)
             if stopping and block and not scheduler.busy and not scheduler.adapters.reading:
                 log.info("shutdown requested; exiting")
                 return
             stopping = self._apply(self._take(block)) or stopping
+            if embedder is not None and embedder.has_work:
+                embedder.step()
             scheduler.step()
 
     def _take(self, block: bool) -> list:
@@ -172,10 +181,19 @@ class WorkerServer:
             elif item is IDLE:
                 log.debug("idle for %.1f s: MLX's buffer cache handed back", scheduler.idle_release_s)
                 scheduler.release_idle()
+            elif isinstance(item, tuple) and isinstance(item[0], Embed):
+                self._embed(*item)
             elif isinstance(item, tuple):
                 scheduler.submit(*item)
             elif isinstance(item, Cancel):
-                scheduler.cancel(item.rid)
+                if self.embedder is None or not self.embedder.cancel(item.rid):
+                    scheduler.cancel(item.rid)
             else:
                 scheduler.adapter_message(item)
         return stopping
+
+    def _embed(self, msg: Embed, arrived: float) -> None:
+        if self.embedder is None:
+            self.channel.write(encode_error(self.embed_refusal, BAD_REQUEST, msg.id_json))
+        else:
+            self.embedder.submit(msg, arrived)
