@@ -24,7 +24,9 @@ log = logging.getLogger("lattice.requests")
 
 # `generate` is a generation request sent on the control socket, where a
 # line without op is refused (its lines go back to that connection alone).
-OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate"})
+# `embed`: embeddings of `input` (supervisor.embeddings), for a model of
+# kind "embedding"; its lines are one `embedding` line per input, then done.
+OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate", "embed"})
 
 PositiveInt = Annotated[int, Meta(ge=1, le=10_000_000)]
 NonNegInt = Annotated[int, Meta(ge=0, le=10_000_000)]
@@ -63,6 +65,12 @@ class ClientLine(msgspec.Struct, dict=True):
     allow_special_tokens: bool | None = None
     # false: no speculative decoding for this request.
     speculative: bool | None = None
+    # The `embed` op's: a text, a list of texts, token ids or lists of them
+    # (checked by supervisor.embeddings.embed_inputs), the vectors' length,
+    # and whether an input over the model's context is cut (else refused).
+    input: Any = None
+    dimensions: PositiveInt | None = None
+    truncate: bool | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:
@@ -249,6 +257,8 @@ def parse_line(line: bytes) -> ClientLine:
             raise BadRequest(f'op {msg.op!r} needs a "model" field', id_json)
         if msg.op == "cancel" and msg.id is None:
             raise BadRequest('op "cancel" needs the "id" of the request to cancel')
+        if msg.op == "embed" and msg.id is None:
+            raise BadRequest('op "embed" needs an "id": its lines carry it')
         if msg.op != "generate":
             return msg
         if msg.id is None:
