@@ -154,6 +154,11 @@ def test_ollama_embed(pool, reference):
             c.embed(model="emb", input="river " * CONTEXT, truncate=False)
         with pytest.raises(ollama.ResponseError) as chat:
             c.embed(model="chat", input="Hi")
+        with pytest.raises(ollama.ResponseError) as empty:
+            c.embed(model="emb", input=["Hi", ""])
+        with pytest.raises(ollama.ResponseError) as many:
+            c.embed(model="emb", input=["Hi"] * 2049)
+        assert c.show("emb").capabilities == ["embedding"]
     assert got.model == "emb" and got.prompt_eval_count == sum(reference(t)[1] for t in TEXTS[:2])
     for vector, w in zip(got.embeddings, want):
         assert np.abs(np.array(vector) - w).max() < TOLERANCE
@@ -162,6 +167,8 @@ def test_ollama_embed(pool, reference):
     assert cut.prompt_eval_count == CONTEXT and abs(np.linalg.norm(cut.embeddings[0]) - 1) < 1e-5
     assert long.value.status_code == 400 and "context" in long.value.error
     assert chat.value.status_code == 400 and "chat model" in chat.value.error
+    assert empty.value.status_code == 400 and "input 1 is an empty string" in empty.value.error
+    assert many.value.status_code == 400 and "2048" in many.value.error
     status, body = post(SimpleNamespace(url=pool.url.removesuffix("/v1")), "/api/embed", json.dumps({"model": "emb", "input": [1, 2]}).encode())
     assert status == 400 and body == {"error": "input must be a string or a list of strings"}
 

@@ -148,6 +148,10 @@ class WorkerServer:
             stopping = self._apply(self._take(block)) or stopping
             if embedder is not None and embedder.has_work:
                 embedder.step()
+                if not embedder.has_work and not scheduler.busy:
+                    # MLX's buffers of the last forward go back after
+                    # idle_release_s, as after a batch of generations.
+                    scheduler.idle_since = time.monotonic()
             scheduler.step()
 
     def _take(self, block: bool) -> list:
