@@ -184,3 +184,19 @@ def test_stdin_embed_op(pool, reference):
     for e in lines:
         vector = np.frombuffer(base64.b64decode(e["embedding"]), "<f4")
         assert np.abs(vector - unit(reference(TEXTS[e["index"]])[0], 32)).max() < TOLERANCE
+
+
+def test_embeddings_and_generation_share_a_worker(pool, reference):
+    """`chat` and `emb` are one worker: an embeddings request runs between
+    a generation's steps, and neither changes the other's answer."""
+    greedy = {"model": "chat", "messages": [{"role": "user", "content": "Tell me about the river."}], "max_tokens": 24, "temperature": 0}
+    pool.send({**greedy, "id": "alone"})
+    assert pool.terminal("alone")["ev"] == "gen_token"
+    pool.send({**greedy, "id": "beside"})
+    pool.send({"op": "embed", "id": "between", "model": "emb", "input": TEXTS})
+    assert pool.terminal("beside")["gen_tokens"] == pool.terminal("alone")["gen_tokens"]
+    assert pool.text("beside") == pool.text("alone")
+    assert pool.terminal("between")["ev"] == "gen_token"
+    for e in [e for e in pool.events if e.get("id") == "between" and e["ev"] == "embedding"]:
+        vector = np.frombuffer(base64.b64decode(e["embedding"]), "<f4")
+        assert np.abs(vector - reference(TEXTS[e["index"]])[0]).max() < TOLERANCE

@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 channel.write,
                 max_context=scheduler.prompts.max_context,
                 chunk=scheduler.prefill_step,
+                max_prompt_bytes=args.max_prompt_bytes,
                 route=adapters.route,
             )
             server.embedder.warm_up()

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ipc.events import BAD_REQUEST, WORKER_CRASHED, encode_cancelled_done, encode_done, encode_embedding, encode_error
-from ipc.messages import Embed
+from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Embed, utf8_len
 from worker.text.prompts import model_limit
 from worker.text.tokenizer import TextCodec
 
@@ -113,13 +113,25 @@ class _Long:
 
 
 class Embedder:
-    def __init__(self, model, config: dict, codec: TextCodec, emit: Emit, *, max_context: int | None, chunk: int, route: Callable = lambda slots: None):
+    def __init__(
+        self,
+        model,
+        config: dict,
+        codec: TextCodec,
+        emit: Emit,
+        *,
+        max_context: int | None,
+        chunk: int,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+        route: Callable = lambda slots: None,
+    ):
         self.model = model
         self.body = decoder(model)
         self.codec = codec
         self.emit = emit
         self.max_context = max_context
         self.chunk = chunk
+        self.max_prompt_bytes = max_prompt_bytes
         # LoRA layers (worker.lora) take the routing of the last forward:
         # embeddings run on the base model.
         self._route = route
@@ -140,6 +152,11 @@ class Embedder:
 
     def submit(self, msg: Embed, arrived: float) -> None:
         try:
+            # Before tokenizing, as for a prompt: a huge input would cost
+            # seconds and gigabytes to refuse after.
+            size = sum(utf8_len(x, self.max_prompt_bytes) if isinstance(x, str) else len(x) for x in msg.inputs)
+            if size > self.max_prompt_bytes:
+                raise EmbedError(f"input is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes of text and token ids)")
             inputs = [self._ids(x, msg.truncate, i) for i, x in enumerate(msg.inputs)]
             if not inputs:
                 raise EmbedError("no input to embed")
@@ -158,7 +175,10 @@ class Embedder:
         if isinstance(given, str):
             if not given:
                 raise EmbedError(f"input {index} is empty")
-            ids = self.codec.tokenizer.encode(given, add_special_tokens=True).ids
+            try:
+                ids = self.codec.tokenizer.encode(given, add_special_tokens=True).ids
+            except Exception as exc:  # text the tokenizer cannot take (a lone surrogate)
+                raise EmbedError(f"input {index} cannot be tokenized: {exc}") from None
         else:
             if not given:
                 raise EmbedError(f"input {index} has no token ids")
