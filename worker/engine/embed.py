@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.events import BAD_REQUEST, WORKER_CRASHED, encode_cancelled_done, encode_done, encode_embedding, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Embed, utf8_len
@@ -252,8 +253,6 @@ class Embedder:
         self._answer(batch, np.array(vectors))
 
     def _cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-
         return make_prompt_cache(self.model)
 
     def _chunk(self, long: _Long) -> None:
