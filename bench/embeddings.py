@@ -16,6 +16,10 @@ round figure is the median of its requests. ratio = baseline seconds /
 pool seconds per batch (throughput of the pool over the baseline's); the
 goal is >= 0.9.
 
+Each round also sends the batch as the stdin `embed` op: `stdin.added_ms`
+is the client's time to its done line minus the worker's own time for the
+request, i.e. what the pool's path adds, free of the forward's noise.
+
 Writes bench/results/embeddings-<backend>-<size>.json after every round.
 """
 
@@ -109,6 +113,24 @@ def pool_side(url: str, n: int, runs: int) -> dict:
     return {"seconds": statistics.median(times), "tokens": tokens}
 
 
+def stdin_side(pool, n: int, runs: int) -> dict:
+    """The same batch as the stdin `embed` op: the client's time to its done
+    line, and that minus the worker's own time for it (the done line's
+    total_ms, from the request's arrival at the worker to its last vector):
+    what the pool's path (parsing, the pipes, one line per vector, stdout)
+    adds to the worker's work."""
+    client, added = [], []
+    for i in range(runs):
+        request_id = f"bench-{time.monotonic_ns()}-{i}"
+        t0 = time.monotonic()
+        pool.send({"op": "embed", "id": request_id, "model": "emb", "input": texts(n)})
+        done = pool.terminal(request_id, timeout=600)
+        assert done["ev"] == "gen_token", done
+        client.append((done["_at"] - t0) * 1000)
+        added.append(client[-1] - done["total_ms"])
+    return {"client_ms": summary(client, 1), "added_ms": summary(added, 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small", help="demo model size (default small)")
@@ -159,6 +181,8 @@ def main() -> int:
             result["pool_texts_per_s"] = summary([args.texts / r["pool"]["seconds"] for r in result["rounds"]], 1)
             result["baseline_texts_per_s"] = summary([args.texts / r["baseline"]["seconds"] for r in result["rounds"]], 1)
             result["prompt_tokens"] = figures["pool"]["tokens"]
+            result["rounds"][-1]["stdin"] = stdin_side(pool, args.texts, args.requests)
+            result["stdin_added_ms"] = summary([r["stdin"]["added_ms"]["median"] for r in result["rounds"]], 1)
             write(name, result)
             print(
                 f"round {i + 1}: pool {figures['pool']['seconds'] * 1000:.1f} ms, baseline {figures['baseline']['seconds'] * 1000:.1f} ms, ratio {ratio:.3f}",
