@@ -39,6 +39,10 @@ MAX_WAITING = 1024
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_ADAPTER_BYTES = 1 << 30
 
+# The most alternatives a request may ask for with each token's
+# log-probability (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
+
 
 def utf8_len(text: str, limit: int) -> int:
     """UTF-8 bytes of `text`, exact up to `limit`; above it, some number
@@ -98,6 +102,10 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # defaults): where the prompt leaves less room in the model's context,
     # the worker lowers it to that room instead of refusing the request.
     clip_max_tokens: bool = False
+    # None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated
+    # token's log-probability and its k likeliest alternatives ride on the
+    # token lines (docs/protocol.md); computed only for rows that ask.
+    logprobs: int | None = None
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --

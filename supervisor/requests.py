@@ -18,7 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.events import json_str
-from ipc.messages import Message, decode_response_format, utf8_len
+from ipc.messages import MAX_TOP_LOGPROBS, Message, decode_response_format, utf8_len
 
 log = logging.getLogger("lattice.requests")
 
@@ -63,6 +63,10 @@ class ClientLine(msgspec.Struct, dict=True):
     allow_special_tokens: bool | None = None
     # false: no speculative decoding for this request.
     speculative: bool | None = None
+    # OpenAI's chat fields: each token's log-probability on its token line,
+    # with the top_logprobs likeliest alternatives.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:
@@ -259,6 +263,8 @@ def parse_line(line: bytes) -> ClientLine:
         raise BadRequest('give either "prompt" or "messages", not both', id_json)
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
+    if msg.top_logprobs is not None and not msg.logprobs:
+        raise BadRequest('"top_logprobs" needs "logprobs": true', id_json)
     text = response_format_text(msg)
     if text is not None and _format_type(text) == "text":
         # OpenAI's default, sent by clients that set it explicitly: plain
@@ -300,6 +306,11 @@ def response_format_text(msg: ClientLine) -> str | None:
     """The request's response_format as JSON text for Generate; None when absent or null."""
     raw = bytes(msg.response_format)
     return None if raw in (b"", b"null") else raw.decode("utf-8")
+
+
+def logprobs_count(msg: ClientLine) -> int | None:
+    """Generate.logprobs for the line: None unless it asks for them."""
+    return (msg.top_logprobs or 0) if msg.logprobs else None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -456,7 +456,7 @@ class Scheduler:
             raise row.broken
         if token is None:
             return None
-        return self.streams[row].feed(token)
+        return self.streams[row].feed(token, row.logprobs.popleft() if row.logprobs else None)
 
     def _read(self, out: list[tuple[Row, int | None]]) -> None:
         """A constrained step's tokens, streamed and written as soon as the
