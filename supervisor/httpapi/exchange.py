@@ -32,6 +32,7 @@ class _Token(msgspec.Struct, tag_field="ev", tag="gen_token"):
     gen_tokens: int = 0
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[dict] | None = None
 
 
 class _Error(msgspec.Struct, tag_field="ev", tag="error"):
@@ -63,6 +64,7 @@ class Exchange:
         overflow: Callable[[], None],
         fault: Callable[[], None],
         tools: ToolReader | None = None,
+        logprobs: bool = False,
     ):
         self.reply = reply
         self.tools = tools  # reads tool calls out of the answer
@@ -84,6 +86,10 @@ class Exchange:
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
+        # Log-probabilities asked for: the worker's entries not yet sent (a
+        # stream), or all of them (a whole answer).
+        self.logprobs = logprobs
+        self._entries: list[dict] = []
 
     @property
     def headers(self) -> list:
@@ -125,6 +131,8 @@ class Exchange:
             elif event.done:
                 self._end_done(event)
             else:
+                if event.logprobs:
+                    self._entries.extend(event.logprobs)
                 self._text_piece(event.token)
         self.changed.set()
 
@@ -140,8 +148,9 @@ class Exchange:
     def _raw_piece(self, raw: bytes) -> bool:
         """The stream's fast path: the token's JSON string as the worker
         wrote it goes into the chunk without being decoded and encoded
-        again, unless it may hold a <think> tag (or the splitter holds text)."""
-        if self.tools is not None:
+        again, unless it may hold a <think> tag (or the splitter holds text),
+        or the line carries log-probabilities too."""
+        if self.tools is not None or self.logprobs:
             return False
         if self.splitter is None:
             self._put(self.reply.raw_piece(raw, False))
@@ -158,7 +167,12 @@ class Exchange:
                 text = self.tools.feed(text)
                 if not text:
                     continue
-            if self.stream:
+            if self.stream and self.logprobs:
+                # A line's entries go with the first piece of text after
+                # them (text held back, as a tag may be, keeps them waiting).
+                self._put(self.reply.logprob_piece(text, reasoning, self._entries))
+                self._entries = []
+            elif self.stream:
                 self._put(self.reply.piece(text, reasoning))
             else:
                 (self._reasoning if reasoning else self._text).append(text)
@@ -195,7 +209,9 @@ class Exchange:
         self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
         if self.stream and self._calls:
             self._put(self.reply.tool_calls(self._calls))
-        if self.stream:
+        if self.stream and self.logprobs:
+            self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None, self._entries or None))
+        elif self.stream:
             self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None))
 
     def _end_error(self, error: HttpError) -> None:
@@ -223,6 +239,10 @@ class Exchange:
             # never wrote </think>): as vLLM's Qwen3 reasoning parser does,
             # a reply without </think> is all answer, so `content` is never
             # empty for text the model did write.
-            return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage)
+            return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage, **self._logprobs())
         reasoning = "".join(self._reasoning) if splitter is not None and splitter.thought else None
-        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage, self._calls)
+        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage, self._calls, **self._logprobs())
+
+    def _logprobs(self) -> dict:
+        # Only for the APIs that asked (whose replies take them).
+        return {"logprobs": self._entries} if self.logprobs else {}
