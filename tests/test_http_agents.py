@@ -238,6 +238,22 @@ def test_a_forced_call_parses_at_temperature_1(agents):
     assert [(k["name"], k["arguments"]) for k in calls] == [(t.function.name, t.function.arguments) for t in again.choices[0].message.tool_calls]
 
 
+def test_forced_parallel_calls_cut_by_max_tokens_keep_the_complete_ones(agents):
+    """A forced reply of several calls (this seed writes three or more),
+    cut by max_tokens inside its second: the first comes back whole, the
+    cut one is dropped, and finish_reason says "length"; streamed too."""
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=40, max_tokens=60)
+    with client(agents) as c:
+        whole = c.chat.completions.create(**kwargs)
+        content, streamed_calls, finish = streamed(c.chat.completions.create(stream=True, **kwargs))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    calls = [(k.function.name, k.function.arguments) for k in choice.message.tool_calls]
+    assert len(calls) == 1 and calls[0][0] == "get_weather"
+    check_call(*calls[0])
+    assert finish == "length" and content == "" and [(k["name"], k["arguments"]) for k in streamed_calls] == calls
+
+
 def test_tool_results_fed_back(agents):
     """An assistant turn with tool_calls and the tool's result, rendered by
     the template as stdin renders them; the reply goes on."""

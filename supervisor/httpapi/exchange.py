@@ -188,7 +188,7 @@ class Exchange:
         if self.splitter is not None:
             self._pieces(self.splitter.flush())
         if self.tools is not None and event.finish_reason != "cancelled":
-            rest, calls = self.tools.finish()
+            rest, calls = self.tools.finish(cut=event.finish_reason == "length")
             self.tools = None  # what is left goes out as plain text
             if rest:
                 self._pieces([(False, rest)])
@@ -204,7 +204,8 @@ class Exchange:
             self._end_error(HttpError(503, "the request was cancelled: its model was unloaded or the pool is shutting down", "server_error", "cancelled"))
             return
         self.finish_reason = event.finish_reason or "stop"
-        if self._calls:
+        # Calls kept from a reply cut by max_tokens still say it was cut.
+        if self._calls and self.finish_reason != "length":
             self.finish_reason = "tool_calls"
         self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
         if self.stream and self._calls:

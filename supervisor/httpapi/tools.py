@@ -312,12 +312,17 @@ class ToolReader:
             self._begun = True
         return text
 
-    def finish(self) -> tuple[str, list[Call]]:
-        """(text still to go out as content, the calls)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[Call]]:
+        """(text still to go out as content, the calls). `cut`: max_tokens
+        ended the reply; a forced one then keeps its whole calls (its
+        grammar wrote nothing else) and drops the one it was inside."""
         held, self._held = self._held, ""
         if not self._calling:
             return held, []
-        found = tool_parsers.parse(self.fmt, held, self.tools.tools)
+        if cut and self.tools.forced:
+            found = tool_parsers.complete_calls(self.fmt, held, self.tools.tools)
+        else:
+            found = tool_parsers.parse(self.fmt, held, self.tools.tools)
         if found is None:
             return held, []
         content, calls = found
