@@ -608,6 +608,10 @@ def ollama_calls(agents, c) -> None:
     # (Cut short inside its thinking: the whole reply is content, the stream's was thinking.)
     assert "".join((p.message.thinking or "") + p.message.content for p in parts) == (whole.message.thinking or "") + whole.message.content
     assert parts[-1].done and not any(p.done for p in parts[:-1])
+    scored = c.chat(model="tiny", messages=ASK, options=options, logprobs=True, top_logprobs=2)
+    streamed_scores = [e for p in c.chat(model="tiny", messages=ASK, options=options, logprobs=True, top_logprobs=2, stream=True) for e in p.logprobs or ()]
+    assert len(scored.logprobs) == 10 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in scored.logprobs)
+    assert [e.token for e in streamed_scores] == [e.token for e in scored.logprobs]
     generated = c.generate(model="tiny", prompt="Tell me about the river.", options=options, think=False)
     assert generated.done and generated.eval_count == 10 and generated.response
     raw = "".join(p.response for p in c.generate(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", raw=True, options=options, stream=True))
