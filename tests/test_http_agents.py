@@ -431,6 +431,14 @@ def test_logprobs_are_the_models_log_softmax(agents, tiny_model):
     assert [e.token for e in streamed] == [e.token for e in entries]
     assert all(abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE for a, b in zip(streamed, entries))
     reference_logprobs(tiny_model, HI, entries, 5)
+    # stdin: the same fields; the entries ride on the token lines.
+    agents.send({"id": "stdin-lp", "model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "repetition_penalty": 1.0, "logprobs": True, "top_logprobs": 5})
+    assert agents.terminal("stdin-lp")["gen_tokens"] == 3
+    lines = [e for e in agents.of("stdin-lp") if not e.get("done")]
+    assert [x["token"] for e in lines for x in e["logprobs"]] == [e.token for e in entries[:3]]
+    assert all(list(e) == ["ev", "token", "logprobs", "done", "id"] for e in lines)
+    agents.send({"id": "stdin-lp-bad", "model": "tiny", "messages": HI, "top_logprobs": 2})
+    assert agents.terminal("stdin-lp-bad")["code"] == "bad_request"
     lp = legacy.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)] and "".join(lp.tokens) == legacy.choices[0].text

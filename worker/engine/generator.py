@@ -405,6 +405,8 @@ class TokenGenerator:
         """Queues, for each decode row that asks, the log-probabilities of
         its token just read (`tokens`, in the batch's order; a forced one
         included); a fresh row's input is its prompt's, not a token."""
+        if not self.sampler.wants_logprobs:
+            return  # (a row that asked and left took its pending draw with it)
         for row, token in zip(self.decoding, tokens):
             if row.pending_lp is not None and not row.fresh:
                 step, i = row.pending_lp

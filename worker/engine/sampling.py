@@ -82,6 +82,11 @@ class BatchSampler:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Some row asks for log-probabilities."""
+        return self._top_logprobs is not None
+
     def extend(self, rows: list[RowSampling]) -> None:
         if not rows:
             return
