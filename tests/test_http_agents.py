@@ -432,7 +432,9 @@ def test_logprobs_are_the_models_log_softmax(agents, tiny_model):
     assert all(abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE for a, b in zip(streamed, entries))
     reference_logprobs(tiny_model, HI, entries, 5)
     # stdin: the same fields; the entries ride on the token lines.
-    agents.send({"id": "stdin-lp", "model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "repetition_penalty": 1.0, "logprobs": True, "top_logprobs": 5})
+    agents.send(
+        {"id": "stdin-lp", "model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "repetition_penalty": 1.0, "logprobs": True, "top_logprobs": 5}
+    )
     assert agents.terminal("stdin-lp")["gen_tokens"] == 3
     lines = [e for e in agents.of("stdin-lp") if not e.get("done")]
     assert [x["token"] for e in lines for x in e["logprobs"]] == [e.token for e in entries[:3]]
