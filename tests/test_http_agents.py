@@ -5,6 +5,7 @@ name, thinking that never hides the answer, tool calls."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 
 import openai
@@ -438,7 +439,7 @@ def test_logprobs_are_the_models_log_softmax(agents, tiny_model):
     assert agents.terminal("stdin-lp")["gen_tokens"] == 3
     lines = [e for e in agents.of("stdin-lp") if not e.get("done")]
     assert [x["token"] for e in lines for x in e["logprobs"]] == [e.token for e in entries[:3]]
-    assert all(list(e) == ["ev", "token", "logprobs", "done", "id"] for e in lines)
+    assert all(re.fullmatch(rb'@@lattice \{"ev":"gen_token","token":".*","logprobs":\[.*\],"done":false,"id":"stdin-lp"\}\n', e["_line"]) for e in lines)
     agents.send({"id": "stdin-lp-bad", "model": "tiny", "messages": HI, "top_logprobs": 2})
     assert agents.terminal("stdin-lp-bad")["code"] == "bad_request"
     lp = legacy.choices[0].logprobs
