@@ -456,7 +456,9 @@ class Scheduler:
             raise row.broken
         if token is None:
             return None
-        return self.streams[row].feed(token, row.logprobs.popleft() if row.logprobs else None)
+        if row.logprobs:
+            return self.streams[row].feed(token, row.logprobs.popleft())
+        return self.streams[row].feed(token)
 
     def _read(self, out: list[tuple[Row, int | None]]) -> None:
         """A constrained step's tokens, streamed and written as soon as the
