@@ -33,9 +33,9 @@ StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 class ClientLine(SamplingFields, dict=True):
     """Every field a client line may carry (SPEC §3: chat_metal's fields, the
     routing ones, `lora`, `response_format`); the sampling fields and their
-    bounds are ipc.sampling's. Unknown fields are ignored, so
-    newer clients keep working with this pool, and warned about once per
-    name on stderr, so a misspelt one (`max_tokns`) does not go unnoticed."""
+    bounds are ipc.sampling's. Unknown fields are ignored, so newer clients
+    keep working with this pool, and warned about once per name on stderr,
+    so a misspelt one (`max_tokns`) does not go unnoticed."""
 
     op: str | None = None
     id: str | int | float | None = None
@@ -238,9 +238,9 @@ def parse_line(line: bytes) -> ClientLine:
 
 
 def from_fields(fields: dict[str, Any]) -> ClientLine:
-    """A request given as values (an HTTP body's, the CLI's flags), with a
-    line's validation and errors, and no JSON between: `fields` are a line's
-    (response_format as decoded JSON)."""
+    """A request given as values already decoded (an HTTP body's), with a
+    line's validation and errors and no JSON between: `fields` are a line's,
+    response_format among them as its decoded JSON."""
     try:
         msg = msgspec.convert({k: v for k, v in fields.items() if k != "response_format"}, ClientLine)
     except msgspec.ValidationError as exc:
