@@ -13,7 +13,7 @@ import re
 import mlx.core as mx
 import pytest
 
-from ipc.messages import Generate
+from ipc.messages import Generate, read_response_format
 from tests.conftest import greedy_steps
 from worker.runtime.loader import load
 
@@ -304,7 +304,7 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
         "required": ["kind", "tags"],
         "additionalProperties": False,
     }
-    schema = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
+    schema = read_response_format({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
     per = {0: {"lora": adapter}, 1: {"response_format": schema, "max_tokens": 60}, 2: {"lora": None}}
     copy = '<|im_start|>user\nCopy {"kind":"dog","tags":["loyal","shy","loud"]}<|im_end|>\n<|im_start|>assistant\n'
     prompts = [LOOPY, copy, PROMPTS[2]]
