@@ -379,7 +379,7 @@ def test_logprobs_of_drafted_tokens_are_the_targets_and_a_grammar_masks_them(hyb
     tokens its grammar allows (the others at the floor)."""
     from worker.engine.sampling import FLOOR_LOGPROB
 
-    schema = json.dumps({"type": "regex", "pattern": "(yes|no)( (yes|no)){5}"})
+    schema = read_response_format({"type": "regex", "pattern": "(yes|no)( (yes|no)){5}"})
     per = [{"logprobs": 3}, {"logprobs": 20, "response_format": schema}, {}]
     prompts = [LOOPY, PROMPTS[1], PROMPTS[2]]
 
