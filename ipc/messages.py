@@ -6,7 +6,7 @@ holds every typed message that crosses the pipe in the other direction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -95,7 +95,7 @@ class Generate(Sampling, tag="generate", frozen=True):
     # None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated
     # token's log-probability and its k likeliest alternatives ride on the
     # token lines (docs/protocol.md); computed only for rows that ask.
-    logprobs: int | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
