@@ -331,15 +331,6 @@ class ToolReader:
         return content, calls
 
 
-def read_whole(tools: ToolRequest, fmt: str, text: str) -> tuple[str, list[Call]]:
-    """A whole answer as (content, calls)."""
-    found = tool_parsers.parse(fmt, text, tools.tools)
-    if found is None:
-        return text, []
-    content, calls = found
-    return content, calls if tools.parallel else calls[:1]
-
-
 def call_objects(calls: list[Call], with_index: bool = False) -> list[dict]:
     out = []
     for i, call in enumerate(calls):
