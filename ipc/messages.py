@@ -76,12 +76,8 @@ class Generate(Sampling, tag="generate", frozen=True):
     # compiles it.
     response_format: ResponseFormat | None = None
     # The adapter this request runs with (SPEC §10): its path as the
-    # supervisor resolved it, or None for the base model. Left out (UNSET),
-    # the worker's default adapter: the one it was started with (`--lora`)
-    # or last given by SetAdapter, else the base model. So a pool that keeps
-    # one worker per (model, adapter) pair sends nothing and gets what it
-    # always got.
-    lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # supervisor resolved it, or None for the base model.
+    lora: str | None = None
     # Special-token text (`<|im_start|>`) in `messages` contents is read as
     # the token only when this is set; otherwise as the characters it is.
     allow_special_tokens: bool = False
@@ -216,14 +212,6 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
     path: str
 
 
-class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True):
-    """Reads the adapter at `path` again and makes it the worker's default
-    (what a Generate without `lora` runs with); None makes the base model
-    the default. A bad file leaves the default as it was."""
-
-    path: str | None
-
-
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     pass
 
@@ -232,4 +220,4 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | SetAdapter | Stats | Shutdown
+ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Stats | Shutdown
