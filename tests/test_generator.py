@@ -431,3 +431,21 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     hybrid, hybrid_vocab = qwen35
     _, rec = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 1)
     assert rec.lengths[:4] == [31, 37, 2, 1]
+
+
+def test_prompts_arriving_together_are_read_in_one_pass(dense_model):
+    """32 prompts of 53-80 tokens start together: each row's piece is 64
+    tokens, and the few left past it fold into the same pass, so every row
+    joins the decode batch after one forward."""
+    from worker.runtime.loader import load
+
+    loaded = load(dense_model)
+    vocab = loaded.model.args.vocab_size
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(10, 200, size=int(n)).tolist() for n in rng.integers(53, 81, size=32)]
+    rec = Passes(loaded.model)
+    gen = TokenGenerator(rec, vocab, PrefixCache(rec, 0), 512, None)
+    gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)])
+    gen.step()
+    assert rec.lengths == [max(len(p) for p in prompts) - 1]
+    assert not gen.prefilling and len(gen.decoding) == 32

@@ -9,7 +9,7 @@ ids come out; nothing here knows about text or events. Each `step()`:
 2. one prefill chunk of the rows that are still reading their prompts (the
    "prefill group"): one batched forward, right-padded to the longest row's
    piece, in which each of the B rows reads up to S = max(prefill_step / B,
-   64) prompt tokens (a lone row: prefill_step), and S / 8 more when that
+   64) prompt tokens (a lone row: prefill_step), and S / 4 more when that
    leaves no short piece before its prompt's end or a cut (a pass of a few
    tokens reads all the weights for almost no work). Decode rows therefore
    stall for at most one such chunk, about max(prefill_step, 64 B) tokens,
@@ -82,8 +82,10 @@ log = logging.getLogger("worker")
 # gated-delta prefill's own chunk; smaller pieces gain no parallelism there.
 MIN_PIECE = CHUNK
 # A piece of at most 1/FOLD of a chunk left before a cut or the prompt's end
-# is read with the chunk before it (chunk_ends), not in a pass of its own.
-FOLD = 8
+# is read with the chunk before it (chunk_ends), not in a pass of its own:
+# 32 chat prompts of 53-80 tokens arriving together (64-token pieces each)
+# are read in one pass.
+FOLD = 4
 
 
 @dataclass(eq=False)
