@@ -29,8 +29,10 @@ Figures: aggregate tok/s (generated tokens / time from sending to the last
 final line), TTFT p50 and p99 over the N requests (client side, from the
 send), and the slowest TTFT over a lone request's; for our sides also the
 decode rate each request saw inside the worker (tokens after the first /
-time after the first, from its final line) and the first token's time
-from the request's arrival in the worker; medians over rounds, ratios
+time after the first, from its final line), the first token's time
+from the request's arrival in the worker, and what the pipes and the relay
+add to it (client's first token less the worker's, per request); medians
+over rounds, ratios
 per round then their median; the results file is written after every
 round, so a run stopped at a time limit keeps what it finished. Prefix
 caches are off: the same prompts repeat. Goals (issue 13): at N = 8 aggregate
@@ -164,6 +166,8 @@ def summary(runs: list[dict]) -> dict:
         # From the request's arrival in the worker: the client's figure less
         # this is what the pipes and the pool's relay add.
         out["worker_ttft_p50_ms"] = round(median([percentile(sorted(t[0] for t in r["worker_ttft_total_tokens"]), 50) for r in runs]), 1)
+        # Paired per request, then the median over requests and rounds.
+        out["relay_ttft_ms"] = round(median([median([c - w[0] for c, w in zip(r["ttft_ms"], r["worker_ttft_total_tokens"])]) for r in runs]), 2)
     if all(r.get("decode_s") for r in runs):
         out["decode_tok_s"] = round(median([(r["tokens"] - 1) / r["decode_s"] for r in runs]), 1)
     return out
