@@ -198,15 +198,19 @@ def tabulate(result: dict, sides: dict, colds: dict, names: list[str], sizes: li
                 # Per round (the sides ran close in time), then the median.
                 per_round = [agg(a) / agg(b) for a, b in zip(sides["batched"][n], sides[name][n])]
                 r[f"aggregate_vs_{name}"] = round(median(per_round), 3)
+                r[f"aggregate_vs_{name}_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
         if lone:
             r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
         ratios[n] = r
     if 1 in sizes and 1 in sides.get("mlx_lm_stream_generate", {}):
         ours_ttft = [r["ttft_ms"][0] for r in sides["batched"][1]]
         theirs = [r["ttft_ms"][0] for r in sides["mlx_lm_stream_generate"][1]]
-        ratios[1]["ttft_vs_stream_generate"] = round(median([a / b for a, b in zip(ours_ttft, theirs)]), 3)
+        ttft = [a / b for a, b in zip(ours_ttft, theirs)]
+        ratios[1]["ttft_vs_stream_generate"] = round(median(ttft), 3)
+        ratios[1]["ttft_vs_stream_generate_range"] = [round(min(ttft), 3), round(max(ttft), 3)]
         decode = [worker_decode(a) / ((b["tokens"] - 1) / b["decode_s"]) for a, b in zip(sides["batched"][1], sides["mlx_lm_stream_generate"][1])]
         ratios[1]["decode_vs_stream_generate"] = round(median(decode), 3)
+        ratios[1]["decode_vs_stream_generate_range"] = [round(min(decode), 3), round(max(decode), 3)]
     result["ratios"] = ratios
     result["bandwidth_fraction_n1"] = bandwidth_fraction(result, table, result["weights_bytes"], result["bandwidth_bytes_s"])
 
