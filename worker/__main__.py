@@ -160,7 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--draft",
-        help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
+        help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the checkpoint's MTP head) or a draft model's directory drafts tokens "
+        "that the model verifies in one forward (docs/engine.md)",
     )
     p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
     p.add_argument(
@@ -188,8 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
     args = p.parse_args(argv)
-    if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().is_dir():
-        p.error(f"--draft must be 'ngram' or a draft model's directory, not {args.draft!r}")
+    if args.draft is not None and args.draft not in ("ngram", "mtp") and not Path(args.draft).expanduser().is_dir():
+        p.error(f"--draft must be 'ngram', 'mtp' or a draft model's directory, not {args.draft!r}")
     if not 1 <= args.draft_tokens <= 32:
         p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix_disk=prefix_disk,
         )
     except DraftError as exc:
-        return fatal(f"bad draft model: {exc}")
+        return fatal(f"bad draft: {exc}")
     if args.lora:
         # The adapter this worker served before a restart survives the loss
         # of its file, as it survives a broken rewrite while running.

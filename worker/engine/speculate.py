@@ -177,7 +177,7 @@ class Speculator:
         gen._apply_forced()
         pending = gen._next.tolist()
         drafts = self._drafts(gen, rows, pending)
-        if not any(drafts):
+        if not any(drafts) and not self._capture(rows):
             self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
             return None
         out = self._verify(gen, rows, pending, drafts)
@@ -191,6 +191,12 @@ class Speculator:
         """Plain steps of this batch size have been timed (else this one
         runs plain, and is)."""
         return batch in self._plain
+
+    def _capture(self, rows: list) -> bool:
+        """A drafter that reads the target's hidden states (MTP) lacks some
+        row's latest: a verify forward without drafts hands it over."""
+        waiting = getattr(self.drafter, "waiting", None)
+        return waiting is not None and waiting([self._rows[row].state for row in rows if self._may_draft(row)])
 
     def _drafts(self, gen, rows: list, pending: list[int]) -> list[list[int]]:
         which = [i for i, row in enumerate(rows) if self._may_draft(row)]
@@ -249,9 +255,9 @@ class Speculator:
         gen._route([row.slot for row in rows])
         if positions is not None:
             with positions:
-                logits = gen.model(inputs, cache=layers)
+                logits, hidden = self._forward(gen, inputs, layers)
         else:
-            logits = gen.model(inputs, cache=layers)
+            logits, hidden = self._forward(gen, inputs, layers)
         sampler = gen.sampler
         drawn, keys, seen = [], [], []
         for j in range(width):
@@ -271,6 +277,14 @@ class Speculator:
             while a < len(d) and d[a] == t[a]:
                 a += 1
             kept.append(a)
+        if hidden is not None:
+            specs = [self._rows.get(row) for row in rows]
+            self.drafter.verified(
+                [None if spec is None else spec.state for spec in specs],
+                [0 if spec is None else len(spec.state.tokens) - row.fresh for row, spec in zip(rows, specs)],
+                hidden,
+                kept,
+            )
         index = mx.array(kept)
         across = mx.arange(len(rows))
         sampler._keys = keys[index, across]
@@ -292,6 +306,13 @@ class Speculator:
             if d:
                 self._judge(row, len(d), a)
         return out
+
+    def _forward(self, gen, inputs: mx.array, layers: list) -> tuple[mx.array, mx.array | None]:
+        """The verify forward: logits, and the final hidden states for a
+        drafter that reads them."""
+        if getattr(self.drafter, "wants_hidden", False):
+            return self.drafter.forward(inputs, layers)
+        return gen.model(inputs, cache=layers), None
 
     def _roll_back(self, gen, cache, layers, saved, inputs, kept: list[int], width: int) -> None:
         """Leaves each row's cache holding its pending token and its kept
@@ -507,8 +528,9 @@ class DraftError(ValueError):
     """A draft model that cannot serve: the worker cannot start as configured."""
 
 
-def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
-    """The worker's speculator for `--draft` (None: no drafter)."""
+def speculator_for(draft: str | None, tokens: int, model, path=None, config: dict | None = None) -> Speculator | None:
+    """The worker's speculator for `--draft` (None: no drafter); `path` and
+    `config` are the target's directory and config (for "mtp")."""
     if draft is None:
         return None
     from mlx_lm.models.cache import make_prompt_cache
@@ -522,6 +544,8 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
 
         log.info("speculative decoding: prompt lookup, up to %d tokens a step", tokens)
         return Speculator(NgramDrafter(), tokens)
+    if draft == "mtp":
+        return _mtp_speculator(model, path, config or {}, tokens)
     from pathlib import Path
 
     from worker.engine.drafters import ModelDrafter
@@ -539,3 +563,28 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
         raise DraftError(f"draft model {draft} cannot run: {exc}") from exc
     log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
     return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)
+
+
+def _mtp_speculator(model, path, config: dict, tokens: int) -> Speculator:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from worker.engine.mtp import MtpDrafter, MtpError, load_head
+
+    try:
+        head = load_head(model, path, config)
+        drafter = MtpDrafter(model, head)
+        # A head that cannot run fails here, not at its first draft; and the
+        # verify forward, split at the hidden states, must be the model's.
+        probe = mx.array([[0, 1]])
+        logits, hidden = drafter.forward(probe, make_prompt_cache(model))
+        mx.eval(head(drafter.body.embed_tokens(probe), hidden, KVCache()))
+        if not mx.allclose(logits, model(probe, cache=make_prompt_cache(model)), rtol=1e-3, atol=1e-3).item():
+            raise MtpError(f'draft = "mtp": this model\'s logits are not its LM head on its final hidden state ({type(model).__module__})')
+    except MtpError as exc:
+        raise DraftError(str(exc)) from exc
+    except Exception as exc:
+        raise DraftError(f'draft = "mtp": the MTP head of {path} cannot run: {exc}') from exc
+    nbytes = sum(p.nbytes for _, p in tree_flatten(head.parameters()))
+    log.info("speculative decoding: the checkpoint's MTP head (%d bytes), up to %d tokens a step", nbytes, tokens)
+    return Speculator(drafter, tokens, nbytes)
