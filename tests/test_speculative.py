@@ -343,7 +343,7 @@ def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path
 
 @pytest.mark.parametrize(
     "entry, needle",
-    [('draft = "mtp"', '"mtp" is not available'), ('draft = "ngram"\nranks = 2', "split over ranks"), ("draft = { tokens = 4 }", "model")],
+    [('draft = "mtp"\nranks = 2', "split over ranks"), ('draft = "ngram"\nranks = 2', "split over ranks"), ("draft = { tokens = 4 }", "model")],
 )
 def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, tmp_path):
     from supervisor.config import ConfigError, load_config
@@ -366,3 +366,53 @@ def test_a_row_whose_lookup_finds_nothing_stops_trying_and_steps_plain(dense):
         tried.append(s.speculator.wants(s.generator.decoding))
         s.step()
     assert tried.count(True) < len(tried) // 2, tried
+
+
+# -- the checkpoint's MTP head ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tiny_model, dense_model, tmp_path_factory):
+    """The hybrid demo model with `demo-model --mtp`'s head in its own
+    weights file (as a Hugging Face checkpoint carries it: mlx-lm's loader
+    drops it), and the attention-only model with one in mtp.safetensors."""
+    import shutil
+
+    from worker.demo.build import add_mtp
+
+    out = {}
+    for which, source, inside in (("hybrid", tiny_model, True), ("dense", dense_model, False)):
+        path = tmp_path_factory.mktemp(f"mtp-{which}")
+        shutil.copytree(source, path, dirs_exist_ok=True)
+        add_mtp(path, inside=inside)
+        out[which] = load(path)
+    return out
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_the_mtp_head_drafts_and_rows_give_the_tokens_of_plain_decoding(which, mtp_models):
+    loaded = mtp_models[which]
+    plain, _, _, _ = generate(loaded, PROMPTS, draft=None)
+    drafted, done, _, s = generate(loaded, PROMPTS, draft="mtp")
+    assert_same_greedy(loaded, PROMPTS, plain, drafted, 40)
+    assert sum(d["accepted_tokens"] for d in done.values()) > 20
+    assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
+    assert s.speculator.weights_bytes > 0
+    # A seed gives its tokens with the head's drafts as without them.
+    prompts = PROMPTS[::2]
+    seeds = {i: {"seed": 7 + i, "temperature": 0.8} for i in range(len(prompts))}
+    plain, _, _, _ = generate(loaded, prompts, draft=None, per_request=seeds, max_tokens=24)
+    drafted, done, _, _ = generate(loaded, prompts, draft="mtp", per_request=seeds, max_tokens=24)
+    assert drafted == plain
+    assert sum(d["drafted_tokens"] for d in done.values()) > 0
+
+
+def test_mtp_on_a_checkpoint_without_an_mtp_head_is_refused_clearly(hybrid, tmp_path):
+    from supervisor.config import load_config
+    from worker.engine.speculate import DraftError, speculator_for
+
+    with pytest.raises(DraftError, match=r'draft = "mtp": .* carries no mtp\.\* weights'):
+        speculator_for("mtp", 4, hybrid.model, hybrid.path, hybrid.config)
+    config = tmp_path / "pool.toml"
+    config.write_text('[[models]]\nname = "a"\npath = "/m"\ndraft = "mtp"\n')
+    assert load_config(config).models[0].draft == "mtp"
