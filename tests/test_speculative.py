@@ -323,9 +323,12 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
 def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path, spawn_pool):
     """`draft = "ngram"` in a [[models]] entry: the final line carries the
     counts, a request with speculative false gets chat_metal's line, and
-    status sums the name's counts."""
+    status sums the name's counts. `draft = "mtp"` on a checkpoint without
+    an MTP head fails its requests, saying why."""
     config = tmp_path / "pool.toml"
-    config.write_text(f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n')
+    config.write_text(
+        f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n\n[[models]]\nname = "m"\npath = "{tiny_model}"\ndraft = "mtp"\n'
+    )
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="a")
     request = {"model": "a", "prompt": LOOPY, "max_tokens": 30, "temperature": 0, "repetition_penalty": 1.0}
@@ -336,8 +339,11 @@ def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path
     assert one["accepted_tokens"] > 0 and one["drafted_tokens"] >= one["accepted_tokens"]
     assert two["_line"].endswith(b',"finish_reason":"length","id":2}\n') and "drafted_tokens" not in two
     pool.send({"op": "status"})
-    row = pool.wait_ev("status")["models"][0]
+    row = next(r for r in pool.wait_ev("status")["models"] if r["model"] == "a")
     assert (row["drafted_tokens"], row["accepted_tokens"]) == (one["drafted_tokens"], one["accepted_tokens"])
+    pool.send({"model": "m", "prompt": "x", "max_tokens": 2, "id": 3})
+    end = pool.terminal(3)
+    assert end["code"] == "load_failed" and 'draft = "mtp"' in end["msg"] and "carries no mtp.* weights" in end["msg"], end
     assert pool.close() == 0
 
 
