@@ -269,11 +269,11 @@ class MtpDrafter:
         last one."""
         hs, ts = [], []
         for s in rows:
-            seq_end = s.tokens + [pending.get(id(s))]
             h = mx.concatenate([a for _, a in s.hidden], axis=0) if len(s.hidden) > 1 else s.hidden[0][1]
             start = s.hidden[0][0]
             hs.append(h)
-            ts.append(seq_end[start + 1 : start + 1 + h.shape[0]])
+            # The tokens after those positions: the last is the pending one.
+            ts.append(s.tokens[start + 1 : start + h.shape[0]] + [pending[id(s)]])
             s.hidden.clear()
         lengths = [len(t) for t in ts]
         width = max(lengths)
