@@ -7,6 +7,13 @@ Four cases, each run through two schedulers of the worker on the same
 target model, one plain and one with a drafter, alternated, `--runs`
 rounds after a warm-up round:
 
+On a large demo shape (`4b`, `8b`, `4b-hybrid`, `9b-hybrid`) the target is
+the demo model with its layers' output projections scaled by 0.1
+(`damped`): the same shapes and costs, but a residual stream that stays
+near the token's embedding, as in the small demo models, so that drafts
+made from its own layers agree with it often; and embedding rows of tokens
+the demo corpus never pairs (near zero) given a direction of their own.
+
 - `draft-agrees`: a draft model built here from the target itself, sharing
   its embedding, final norm and LM head: on a hybrid (Qwen3.5-shaped)
   target two of its decoder layers (the first, linear attention, and the
@@ -99,6 +106,53 @@ def layers_draft(target: Path, out: Path) -> Path:
     return out
 
 
+# The large demo shapes' layers (noise at 0.5/sqrt(fan-in)) move the
+# residual stream far from the token's embedding over 36 layers, so that no
+# small drafter agrees with them; their output projections are scaled by
+# this for the speed cases, which leaves every shape and cost as it was.
+DAMP = 0.1
+DAMPED = ("o_proj", "out_proj", "down_proj")
+
+
+def damped(target: Path, out: Path) -> Path:
+    """The target with its layers' output projections (attention's o_proj,
+    the gated-delta out_proj, the MLP's down_proj) scaled by DAMP, so the
+    residual stream stays near the token's embedding, as in the small demo
+    models, and drafts from its own layers agree with it often."""
+    import shutil
+
+    import mlx.core as mx
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for file in sorted(target.glob("model*.safetensors")):
+        arrays, metadata = mx.load(str(file), return_metadata=True)
+        for key in arrays:
+            module, _, leaf = key.rpartition(".")
+            if module.endswith(DAMPED) and leaf in ("weight", "scales", "biases") and arrays[key].dtype != mx.uint32:
+                arrays[key] = arrays[key] * DAMP  # affine 4-bit: scaling its scales and biases scales the weight
+            elif key.endswith("embed_tokens.weight") and arrays[key].dtype != mx.uint32:
+                arrays[key] = _whole_rows(arrays[key])
+        mx.save_safetensors(str(out / file.name), arrays, metadata=metadata)
+    for item in target.iterdir():
+        if not item.name.endswith(".safetensors"):
+            shutil.copy(item, out / item.name)
+    return out
+
+
+def _whole_rows(embed):
+    """The embedding with its near-zero rows (tokens the demo corpus' bigrams
+    never saw) given a seeded direction at the others' scale (RMS 8): an
+    MTP head RMS-norms the embedding, which would blow their noise up."""
+    import mlx.core as mx
+
+    rms = mx.sqrt((embed.astype(mx.float32) ** 2).mean(axis=1, keepdims=True))
+    noise = mx.random.normal(embed.shape, key=mx.random.key(5))
+    noise = noise / mx.sqrt((noise**2).mean(axis=1, keepdims=True)) * 8.0
+    return mx.where(rms < 1.0, noise, embed.astype(mx.float32)).astype(embed.dtype)
+
+
 def with_mtp(target: Path, out: Path) -> Path:
     """The target's files (linked) with `demo-model --mtp`'s head beside them."""
     from worker.demo.build import add_mtp
@@ -166,11 +220,15 @@ def run_batch(scheduler, prompt: str, rows: int, max_tokens: int, rid0: int) -> 
 
 def speed(args, results, write) -> None:
     from bench.common import summary
+    from worker.demo.large import LARGE
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
     from worker.text.tokenizer import TextCodec
 
     target = args.model_dir
+    demo = json.loads((target / "config.json").read_text()).get("lattice_demo", {})
+    if demo.get("size") in LARGE:
+        target = damped(target, target.parent / f"{target.name}-agree")
     # The target with an MTP head beside it: the same weights for every case.
     model_dir = with_mtp(target, target.parent / f"{target.name}-mtp")
     loaded = load(model_dir)

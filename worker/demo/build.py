@@ -235,7 +235,7 @@ def save_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
 # How much of the model's own hidden state the demo's MTP head mixes in:
 # enough that the head reads it, little enough that it still agrees with
 # the model (the next token's embedding carries the demo's bigram guess).
-MTP_HIDDEN_MIX = 0.1
+MTP_HIDDEN_MIX = 0.01
 
 
 def mtp_weights(layer: dict, final_norm, hidden: int, hf_norms: bool) -> dict:

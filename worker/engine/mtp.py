@@ -20,9 +20,10 @@ state and its last guess are fed back in. Those chained positions are not
 the target's and are trimmed from the head's cache after the draft, so it
 holds exactly one entry per position the target has computed and kept.
 
-The head attends over the positions it was fed: the reply from the first
-speculative step on, not the prompt (the prompt reaches it through the
-target's hidden state, which carries it). A plain step (speculation paused,
+The head reads the row's prompt too (its last MAX_POSITIONS positions):
+a prompt chunk's forward hands over its hidden states as a verify
+forward does (worker.engine.speculate `read_prompt`; positions resumed
+from the prefix cache have none, and the head starts after them). A plain step (speculation paused,
 or before its first measurement) hands over no hidden state: the rows then
 stop drafting for one step, run a verify forward without drafts to get one,
 and the head continues from there, skipping the positions it missed. Both
@@ -44,9 +45,12 @@ from mlx_lm.models.cache import KVCache
 from worker.engine.batch_cache import BatchCache
 
 PREFIX = "mtp."
-# Verify forwards' hidden states a row keeps while it does not draft (each
-# holds a reference to its whole forward's output).
-MAX_PIECES = 8
+# The target's hidden states a row keeps until the head reads them: the
+# latest MAX_POSITIONS positions (of its prompt, when it first drafts), in
+# at most MAX_PIECES pieces (each holds a reference to its whole forward's
+# output: a row that does not draft for a while keeps its latest ones).
+MAX_POSITIONS = 512
+MAX_PIECES = 32
 
 
 class MtpError(ValueError):
@@ -202,14 +206,25 @@ class MtpDrafter:
         token and kept drafts); None entries in `states` are rows that do
         not speculate."""
         for i, (s, start, a) in enumerate(zip(states, starts, kept)):
-            if s is None:
-                continue
-            if s.end != start:  # positions were missed (plain steps): the head skips them
-                s.hidden.clear()
-            elif len(s.hidden) >= MAX_PIECES:  # a row not drafting for a while: its latest positions
+            if s is not None:
+                self.add(s, start, hidden[i, : a + 1])
+
+    def add(self, s: MtpState, start: int, hidden: mx.array) -> None:
+        """The target's hidden states (n, hidden) at a row's positions
+        start... (from a verify forward or its prompt's prefill)."""
+        if s.end != start:  # positions were missed (plain steps): the head skips them
+            s.hidden.clear()
+        s.hidden.append((start, hidden))
+        s.end = start + hidden.shape[0]
+        held = sum(h.shape[0] for _, h in s.hidden)
+        while len(s.hidden) > MAX_PIECES or held > MAX_POSITIONS:
+            first, h = s.hidden[0]
+            cut = min(h.shape[0], max(1, held - MAX_POSITIONS)) if len(s.hidden) <= MAX_PIECES else h.shape[0]
+            if cut == h.shape[0]:
                 del s.hidden[0]
-            s.hidden.append((start, hidden[i, : a + 1]))
-            s.end = start + a + 1
+            else:
+                s.hidden[0] = (first + cut, h[cut:])
+            held -= cut
 
     def waiting(self, states: list[MtpState]) -> bool:
         """Some row needs a verify forward to hand over its hidden state."""

@@ -105,6 +105,9 @@ class Speculator:
         self.weights_bytes = weights_bytes  # a draft model's
         self.k_max = max(1, min(MAX_TOKENS, tokens))
         self._rows: dict[object, RowSpec] = {}
+        # Prompt chunks' hidden states of rows still reading their prompts
+        # (a drafter that reads hidden states), handed over when they join.
+        self._prompts: dict[object, list[tuple[int, mx.array]]] = {}
         self.steps = 0
         self.off_until = 0
         self._pause = WORKER_PAUSE
@@ -130,9 +133,37 @@ class Speculator:
     def join(self, rows: list) -> None:
         for row in rows:
             if row.speculative:
-                self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+                spec = self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+                for start, hidden in self._prompts.pop(row, ()):
+                    self.drafter.add(spec.state, start, hidden)
+
+    @property
+    def reads_hidden(self) -> bool:
+        """The drafter reads the target's hidden states (MTP): prompt chunks
+        are read through read_prompt."""
+        return getattr(self.drafter, "wants_hidden", False)
+
+    def read_prompt(self, rows: list, starts: list[int], lengths: list[int], tokens: mx.array, layers: list) -> None:
+        """A prefill chunk's forward (rows right-padded to `tokens`' width),
+        keeping each speculative row's hidden states for the drafter. The LM
+        head is never evaluated on them (the plain chunk computes logits it
+        drops)."""
+        _, hidden = self.drafter.forward(tokens, layers)
+        # Every reading row is in every chunk: others were lost with their group.
+        for row in [row for row in self._prompts if row not in rows]:
+            del self._prompts[row]
+        for i, (row, start, n) in enumerate(zip(rows, starts, lengths)):
+            if row.speculative and n:
+                pieces = self._prompts.setdefault(row, [])
+                if pieces and pieces[-1][0] + pieces[-1][1].shape[0] != start:
+                    pieces.clear()
+                pieces.append((start, hidden[i, :n]))
+                # Only the latest few chunks can be read (MAX_POSITIONS).
+                del pieces[:-4]
 
     def forget(self, rows) -> None:
+        for row in rows:
+            self._prompts.pop(row, None)
         gone = [spec.state for spec in (self._rows.pop(row, None) for row in rows) if spec is not None]
         if gone:
             self.drafter.forget(gone)
@@ -140,6 +171,7 @@ class Speculator:
     def clear(self) -> None:
         self.drafter.forget([spec.state for spec in self._rows.values()])
         self._rows.clear()
+        self._prompts.clear()
         self._last = None
 
     def observe(self, out: list) -> None:
