@@ -405,7 +405,9 @@ class Speculator:
             log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * spec.accept, spec.pause)
             spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
             spec.accept, spec.judged, spec.k = 1.0, 0, 1
-        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT:
+        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT and kept:
+            # Drafting well again (the running share restarts at 1 after a
+            # pause, so it alone stays above the bar for a few misses).
             spec.pause = ROW_PAUSE
 
     def _account(self, now: float, gen) -> None:
