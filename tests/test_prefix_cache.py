@@ -22,17 +22,22 @@ QUESTIONS = [
     n=st.integers(1, 300),
     cuts=st.lists(st.integers(-5, 320), max_size=8),
     step=st.integers(1, 64),
+    fold=st.integers(0, 16),
     data=st.data(),
 )
 @settings(max_examples=200, deadline=None)
-def test_chunk_plan_after_a_cut_is_the_tail_of_the_full_plan(n, cuts, step, data):
-    full = chunk_ends(n, cuts, step, 0)
+def test_chunk_plan_after_a_cut_is_the_tail_of_the_full_plan(n, cuts, step, fold, data):
+    full = chunk_ends(n, cuts, step, 0, fold)
     assert full[-1] == n and full == sorted(set(full))
-    assert all(b - a <= step for a, b in zip([0] + full, full))
+    assert all(b - a <= step + fold for a, b in zip([0] + full, full))
     inside = [c for c in cuts if 0 < c < n]
     assert set(inside) <= set(full)
+    # No piece of `fold` tokens or fewer is left alone before a cut or the end,
+    # unless the cut before it made it so.
+    bounds = set(inside) | {0, n}
+    assert all(b - a > fold or a in bounds for a, b in zip([0] + full, full) if b in bounds)
     start = data.draw(st.sampled_from([0] + inside))
-    assert chunk_ends(n, cuts, step, start) == [e for e in full if e > start]
+    assert chunk_ends(n, cuts, step, start, fold) == [e for e in full if e > start]
 
 
 def test_message_starts_skip_position_zero():

@@ -275,7 +275,11 @@ def set_up_process(args: argparse.Namespace):
     if problem:
         raise StartError(problem)
 
-    # Before anything imports mlx: its BLAS symbols bind when it loads.
+    # Before anything imports mlx: its BLAS symbols bind when it loads, and
+    # its CUDA caches read their settings when they are made.
+    from worker.runtime.kernel_cache import no_thrashing_abort
+
+    no_thrashing_abort(os.environ)
     from worker.runtime.cpu_backend import load_openblas
 
     openblas = load_openblas()

@@ -8,13 +8,15 @@ ids come out; nothing here knows about text or events. Each `step()`:
    device computes step t+1 while the caller streams step t.
 2. one prefill chunk of the rows that are still reading their prompts (the
    "prefill group"): one batched forward, right-padded to the longest row's
-   piece, in which each of the B rows reads up to max(prefill_step / B, 64)
-   prompt tokens (a lone row: prefill_step). Decode rows therefore stall
-   for at most one such chunk, max(prefill_step, 64 B) tokens, per token.
-   Rows admitted while a group reads join it at its next chunk; whenever
-   rows join or leave, every reading row's remaining pieces are cut again
-   for the new B. A row whose prompt is read (all but its last token)
-   joins the decode batch; the last prompt token is its first decode
+   piece, in which each of the B rows reads up to S = max(prefill_step / B,
+   64) prompt tokens (a lone row: prefill_step), and S / 4 more when that
+   leaves no short piece before its prompt's end or a cut (a pass of a few
+   tokens reads all the weights for almost no work). Decode rows therefore
+   stall for at most one such chunk, about max(prefill_step, 64 B) tokens,
+   per token. Rows admitted while a group reads join it at its next chunk;
+   whenever rows join or leave, every reading row's remaining pieces are
+   cut again for the new B. A row whose prompt is read (all but its last
+   token) joins the decode batch; the last prompt token is its first decode
    input.
 
 The prefix cache is used per row: a row resumes from the longest stored
@@ -80,6 +82,11 @@ log = logging.getLogger("worker")
 # The smallest prompt piece a row reads per forward in a group: the chunked
 # gated-delta prefill's own chunk; smaller pieces gain no parallelism there.
 MIN_PIECE = CHUNK
+# A piece of at most 1/FOLD of a chunk left before a cut or the prompt's end
+# is read with the chunk before it (chunk_ends), not in a pass of its own:
+# 32 chat prompts of 53-80 tokens arriving together (64-token pieces each)
+# are read in one pass.
+FOLD = 4
 
 
 @dataclass(eq=False)
@@ -199,10 +206,14 @@ class TokenGenerator:
         one that is reading, which they join at its next chunk."""
         caches = []
         for row in rows:
-            # Chunks end at message starts, with or without a prefix cache, so
-            # a prompt resumed from a snapshot there computes what a cold one
-            # does (greedy output is the same with and without the cache).
-            row.cuts = cut_points(row.ids, self.chat_marker)
+            # A hybrid model's chunks end at message starts, with or without a
+            # prefix cache, so a prompt resumed from a snapshot there computes
+            # what a cold one does (greedy output is the same with and without
+            # the cache). An attention-only model resumes at any common
+            # prefix, so such cuts would only add forward passes: a chat
+            # prompt's `<|im_start|>assistant\n` read in one of its own, on a
+            # GPU as long as a decode step.
+            row.cuts = cut_points(row.ids, None if self.prefix_cache.trimmable else self.chat_marker)
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
             row.pos = row.cached
             row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), message_starts(row.ids, self.chat_marker))
@@ -236,7 +247,7 @@ class TokenGenerator:
         readers = sum(1 for row in rows if row.pos < len(row.ids) - 1)
         step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
         for row in rows:
-            row.ends = chunk_ends(len(row.ids) - 1, row.cuts, step, row.pos)
+            row.ends = chunk_ends(len(row.ids) - 1, row.cuts, step, row.pos, fold=step // FOLD)
 
     def remove(self, rows: list[Row]) -> None:
         """Drops rows (finished, cancelled or failed) and frees their state."""
