@@ -84,8 +84,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # True: `path` may appear after the pool starts (a volume mounted later,
     # a download in progress); otherwise a missing path refuses the start.
     optional: bool = False
-    # Speculative decoding (docs/engine.md): "ngram" (prompt lookup), or a
-    # draft model with the same tokenizer.
+    # Speculative decoding (docs/engine.md): "ngram" (prompt lookup), "mtp"
+    # (the checkpoint's own MTP head), or a draft model with the same tokenizer.
     draft: Literal["ngram", "mtp"] | DraftModel | None = None
     # Tokens a request's prompt and reply may take together (default: the
     # model config's max_position_embeddings with its rope scaling).
@@ -104,8 +104,6 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     kv_group_size: Literal[32, 64, 128] = 64
 
     def __post_init__(self) -> None:
-        if self.draft == "mtp":
-            raise ValueError(f'model {self.name!r}: draft = "mtp" is not available in this version; use "ngram" or {{ model = PATH }}')
         if self.draft is not None and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         parse_size(self.prefix_cache_disk_bytes)

@@ -236,10 +236,13 @@ def test_a_draft_model_gives_the_tokens_of_plain_decoding(which, request, second
 
 def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, dense_model):
     """A random attention-only model never agrees with the demo model: each
-    row stops drafting after a few misses, and the rest of the text comes
-    from plain steps."""
+    row stops drafting after a few misses, each pause twice the last, and
+    the rest of the text comes from plain steps."""
     plain, _, _, _ = generate(hybrid, PROMPTS, draft=None, max_tokens=48)
     s, lines = scheduler(hybrid, str(dense_model))
+    # Every step takes one tick, so the rows' own pauses are what is tested
+    # (the worker's timing could also switch drafting off: its own test).
+    s.speculator._clock = itertools.count().__next__
     for i, prompt in enumerate(PROMPTS):
         s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=48, temperature=0.0, repetition_penalty=1.0), 0.0)
     kinds: list[bool] = []
@@ -251,7 +254,8 @@ def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, den
     done = done_lines(lines)
     assert all(d["accepted_tokens"] == 0 for d in done.values())
     assert all(d["drafted_tokens"] <= 16 for d in done.values()), done
-    assert any(kinds[:8]) and not any(kinds[-24:]), kinds
+    # Drafting phases of 6 steps, pauses of 16 then 32 steps: none at the end.
+    assert any(kinds[:8]) and not any(kinds[-20:]), kinds
     assert_same_greedy(hybrid, PROMPTS, plain, s._ended_ids, 48)
 
 
@@ -325,9 +329,12 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
 def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path, spawn_pool):
     """`draft = "ngram"` in a [[models]] entry: the final line carries the
     counts, a request with speculative false gets chat_metal's line, and
-    status sums the name's counts."""
+    status sums the name's counts. `draft = "mtp"` on a checkpoint without
+    an MTP head fails its requests, saying why."""
     config = tmp_path / "pool.toml"
-    config.write_text(f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n')
+    config.write_text(
+        f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\ndraft = "ngram"\n\n[[models]]\nname = "m"\npath = "{tiny_model}"\ndraft = "mtp"\n'
+    )
     pool = spawn_pool("--config", str(config))
     pool.wait_ev("ready", model="a")
     request = {"model": "a", "prompt": LOOPY, "max_tokens": 30, "temperature": 0, "repetition_penalty": 1.0}
@@ -340,14 +347,17 @@ def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path
     # (then chat_metal's line carries cached_tokens); either way no draft counts.
     assert re.search(rb',"finish_reason":"length"(,"cached_tokens":\d+)?,"id":2}\n$', two["_line"]) and "drafted_tokens" not in two
     pool.send({"op": "status"})
-    row = pool.wait_ev("status")["models"][0]
+    row = next(r for r in pool.wait_ev("status")["models"] if r["model"] == "a")
     assert (row["drafted_tokens"], row["accepted_tokens"]) == (one["drafted_tokens"], one["accepted_tokens"])
+    pool.send({"model": "m", "prompt": "x", "max_tokens": 2, "id": 3})
+    end = pool.terminal(3)
+    assert end["code"] == "load_failed" and 'draft = "mtp"' in end["msg"] and "carries no mtp.* weights" in end["msg"], end
     assert pool.close() == 0
 
 
 @pytest.mark.parametrize(
     "entry, needle",
-    [('draft = "mtp"', '"mtp" is not available'), ('draft = "ngram"\nranks = 2', "split over ranks"), ("draft = { tokens = 4 }", "model")],
+    [('draft = "mtp"\nranks = 2', "split over ranks"), ('draft = "ngram"\nranks = 2', "split over ranks"), ("draft = { tokens = 4 }", "model")],
 )
 def test_draft_settings_a_pool_cannot_serve_are_refused_at_start(entry, needle, tmp_path):
     from supervisor.config import ConfigError, load_config
@@ -409,3 +419,53 @@ def test_logprobs_of_drafted_tokens_are_the_targets_and_a_grammar_masks_them(hyb
         # at most 1 and each one fits the pattern's alphabet.
         assert sum(math.exp(t["logprob"]) for t in allowed) <= 1 + 1e-5
         assert all(set(t["token"]) <= set("yesno ") for t in allowed), allowed
+
+
+# -- the checkpoint's MTP head ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tiny_model, dense_model, tmp_path_factory):
+    """The hybrid demo model with `demo-model --mtp`'s head in its own
+    weights file (as a Hugging Face checkpoint carries it: mlx-lm's loader
+    drops it), and the attention-only model with one in mtp.safetensors."""
+    import shutil
+
+    from worker.demo.build import add_mtp
+
+    out = {}
+    for which, source, inside in (("hybrid", tiny_model, True), ("dense", dense_model, False)):
+        path = tmp_path_factory.mktemp(f"mtp-{which}")
+        shutil.copytree(source, path, dirs_exist_ok=True)
+        add_mtp(path, inside=inside)
+        out[which] = load(path)
+    return out
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_the_mtp_head_drafts_and_rows_give_the_tokens_of_plain_decoding(which, mtp_models):
+    loaded = mtp_models[which]
+    plain, _, _, _ = generate(loaded, PROMPTS, draft=None)
+    drafted, done, _, s = generate(loaded, PROMPTS, draft="mtp")
+    assert_same_greedy(loaded, PROMPTS, plain, drafted, 40)
+    assert sum(d["accepted_tokens"] for d in done.values()) > 20
+    assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
+    assert s.speculator.weights_bytes > 0
+    # A seed gives its tokens with the head's drafts as without them.
+    prompts = PROMPTS[::2]
+    seeds = {i: {"seed": 7 + i, "temperature": 0.8} for i in range(len(prompts))}
+    plain, _, _, _ = generate(loaded, prompts, draft=None, per_request=seeds, max_tokens=24)
+    drafted, done, _, _ = generate(loaded, prompts, draft="mtp", per_request=seeds, max_tokens=24)
+    assert drafted == plain
+    assert sum(d["drafted_tokens"] for d in done.values()) > 0
+
+
+def test_mtp_on_a_checkpoint_without_an_mtp_head_is_refused_clearly(hybrid, tmp_path):
+    from supervisor.config import load_config
+    from worker.engine.speculate import DraftError, speculator_for
+
+    with pytest.raises(DraftError, match=r'draft = "mtp": .* carries no mtp\.\* weights'):
+        speculator_for("mtp", 4, hybrid.model, hybrid.path, hybrid.config)
+    config = tmp_path / "pool.toml"
+    config.write_text('[[models]]\nname = "a"\npath = "/m"\ndraft = "mtp"\n')
+    assert load_config(config).models[0].draft == "mtp"

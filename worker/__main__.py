@@ -186,7 +186,8 @@ def _compute_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft",
-        help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
+        help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the checkpoint's MTP head) or a draft model's directory drafts tokens "
+        "that the model verifies in one forward (docs/engine.md)",
     )
     p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
 
@@ -221,8 +222,8 @@ def _group_args(g) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().is_dir():
-        p.error(f"--draft must be 'ngram' or a draft model's directory, not {args.draft!r}")
+    if args.draft is not None and args.draft not in ("ngram", "mtp") and not Path(args.draft).expanduser().is_dir():
+        p.error(f"--draft must be 'ngram', 'mtp' or a draft model's directory, not {args.draft!r}")
     if not 1 <= args.draft_tokens <= 32:
         p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
@@ -406,7 +407,7 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
             prefix_disk=prefix_disk,
         )
     except DraftError as exc:
-        raise StartError(f"bad draft model: {exc}") from exc
+        raise StartError(f"bad draft: {exc}") from exc
 
 
 def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:

@@ -232,6 +232,63 @@ def save_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
     mx.save_safetensors(str(path), tensors, metadata={"format": "pt"})
 
 
+# How much of the model's own hidden state the demo's MTP head mixes in:
+# enough that the head reads it, little enough that it still agrees with
+# the model (the next token's embedding carries the demo's bigram guess).
+MTP_HIDDEN_MIX = 0.01
+
+
+def mtp_weights(layer: dict, final_norm, hidden: int, hf_norms: bool) -> dict:
+    """`mtp.*` weights of an MTP head that agrees with the demo model often:
+    its decoder layer is the model's own full-attention layer (`layer`, by
+    names inside the layer), fed the next token's embedding at the scale the
+    model's embedding has (RMS 8) plus a little of the model's hidden state;
+    its final norm is the model's. `hf_norms`: norm weights stored as
+    weight - 1, as in a Hugging Face Qwen3.5 checkpoint."""
+    import mlx.core as mx
+
+    offset = 1.0 if hf_norms else 0.0
+    eye = mx.eye(hidden)
+    out = {f"mtp.layers.0.{k}": v for k, v in layer.items()}
+    out["mtp.fc.weight"] = mx.concatenate([eye, MTP_HIDDEN_MIX * eye], axis=1)
+    out["mtp.pre_fc_norm_embedding.weight"] = mx.full((hidden,), 8.0 - offset)
+    out["mtp.pre_fc_norm_hidden.weight"] = mx.full((hidden,), 1.0 - offset)
+    out["mtp.norm.weight"] = final_norm
+    return out
+
+
+def add_mtp(out: Path, inside: bool = False) -> None:
+    """Adds an MTP head (mtp_weights) to the demo model in `out`: into its
+    own weights file (`inside`, as a Hugging Face checkpoint carries it; a
+    model in one file), or as `mtp.safetensors` beside its files."""
+    import mlx.core as mx
+
+    config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config)
+    files = sorted(out.glob("model*.safetensors"))
+    weights: dict = {}
+    formats = set()
+    for file in files:
+        arrays, metadata = mx.load(str(file), return_metadata=True)  # lazy: only what is kept is read
+        weights.update(arrays)
+        formats.add(metadata.get("format"))
+    base = next(b for b in ("model.language_model.", "language_model.model.", "model.") if b + "norm.weight" in weights)
+    hybrid = "full_attention_interval" in text
+    prefix = f"{base}layers.{text['full_attention_interval'] - 1 if hybrid else 0}."
+    layer = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    norm = weights[base + "norm.weight"]
+    hf_norms = hybrid and formats != {"mlx"}
+    head = mtp_weights(layer, norm, text["hidden_size"], hf_norms)
+    head = {k: v.astype(norm.dtype) if k.startswith(("mtp.fc", "mtp.pre_fc")) else v for k, v in head.items()}
+    metadata = {"format": "mlx" if formats == {"mlx"} else "pt"}
+    if inside:
+        (file,) = files
+        mx.eval(list(weights.values()))  # read whole before the file is written over
+        mx.save_safetensors(str(file), weights | head, metadata=metadata)
+    else:
+        mx.save_safetensors(str(out / "mtp.safetensors"), head, metadata=metadata)
+
+
 def write_tokenizer_files(out: Path, tok, eos: str) -> None:
     tok.save(str(out / "tokenizer.json"))
     added = {}
@@ -257,11 +314,11 @@ def write_tokenizer_files(out: Path, tok, eos: str) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny", layers: int | None = None) -> Path:
+def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny", layers: int | None = None, mtp: bool = False) -> Path:
     tok = train_tokenizer(vocab_size=1024)
     eos = "<|im_end|>"
     if size in LARGE:
-        return _build_large(out, tok, eos, q4=q4, seed=seed, size=size, layers=layers)
+        return _build_large(out, tok, eos, q4=q4, seed=seed, size=size, layers=layers, mtp=mtp)
     if layers is not None:
         raise ValueError(f"layers applies to the sizes {', '.join(LARGE)}")
     eos_id = tok.token_to_id(eos)
@@ -279,13 +336,15 @@ def build(out: Path, *, q4: bool = False, seed: int = 0, size: str = "tiny", lay
     try:
         if q4:
             bf16 = staging / "bf16"
-            build(bf16, seed=seed, size=size)
+            build(bf16, seed=seed, size=size, mtp=mtp)
             quantize_dir(bf16, staging / "model")
         else:
             model_dir = staging / "model"
             model_dir.mkdir()
             save_safetensors(model_dir / "model.safetensors", build_weights(config, tok, seed))
             (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if mtp:
+                add_mtp(model_dir, inside=True)
             write_tokenizer_files(model_dir, tok, eos)
         for item in (staging / "model").iterdir():
             os.replace(item, out / item.name)
@@ -299,12 +358,15 @@ def _build_large(out: Path, tok, eos: str, **kwargs) -> Path:
     and moved in when whole, as build() does."""
     from worker.demo import large as demo_large
 
+    mtp = kwargs.pop("mtp")
     vocab, hidden = tokenizer_vocab(tok), LARGE[kwargs["size"]][1]
     embed, head = bigram_factors(tok, vocab, min(vocab, hidden))
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
     try:
         demo_large.build(staging, embed, head, tok.token_to_id(eos), **kwargs)
+        if mtp:
+            add_mtp(staging)
         write_tokenizer_files(staging, tok, eos)
         for item in staging.iterdir():
             os.replace(item, out / item.name)
@@ -331,6 +393,10 @@ def quantize_dir(src: Path, dst: Path, bits: int = 4, group_size: int = 64) -> N
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, dst / name)
+    # mlx-lm's loader drops an MTP head: it is kept as it was, in a file of its own.
+    head = {k: v for k, v in mx.load(str(src / "model.safetensors")).items() if k.startswith("mtp.")}
+    if head:
+        mx.save_safetensors(str(dst / "mtp.safetensors"), head, metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,12 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         help="model size (default tiny); 4b, 8b: Qwen3-4B/8B's shape, 4b-hybrid, 9b-hybrid: Qwen3.5-4B/9B's, with the demo vocabulary",
     )
     parser.add_argument("--layers", type=int, help="layers of a 4b/8b/hybrid model (default: the real model's)")
+    parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help='also write an MTP head (mtp.* weights, as Qwen3.5 checkpoints carry) that agrees with the model often, for draft = "mtp"',
+    )
     args = parser.parse_args(argv)
     if args.layers is not None and (args.size not in LARGE or args.layers < 1):
         parser.error("--layers takes a positive number, with --size " + "/".join(LARGE))
     if args.layers is not None and LARGE[args.size][0] == "qwen3_5" and args.layers % 4:
         parser.error("a hybrid model's layers come in fours (three gated-delta layers, then one attention layer)")
-    out = build(args.dir.expanduser().resolve(), q4=args.q4, seed=args.seed, size=args.size, layers=args.layers)
+    out = build(args.dir.expanduser().resolve(), q4=args.q4, seed=args.seed, size=args.size, layers=args.layers, mtp=args.mtp)
     print(f"demo model written to {out}", file=sys.stderr)
     return 0
 

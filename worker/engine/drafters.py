@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from worker.engine.batch_cache import BatchCache
+from worker.engine.compiled_step import CompiledDecode
 
 
 class NgramState:
@@ -117,6 +118,11 @@ class ModelDrafter:
 
     def __init__(self, model):
         self.model = model
+        # The draft's one-token forwards, compiled as the target's decode
+        # step is: a small draft model's step is bound by building its graph
+        # op by op (CPU, demo draft of 2 layers, 3 chained tokens: about
+        # half the time compiled; bench/speculative.py).
+        self.compiled = CompiledDecode(model)
         self._rows: list[History] = []  # in the order of the batch cache
         self._fed: list[int] = []  # tokens in the cache, per row
         self._cache: BatchCache | None = None
@@ -155,8 +161,10 @@ class ModelDrafter:
         saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers]
         tokens = mx.argmax(last, axis=-1)
         drafted = [tokens]
+        compiled = self.compiled.steppable(layers)
         for _ in range(k - 1):
-            tokens = mx.argmax(self.model(tokens[:, None], cache=layers)[:, -1, :], axis=-1)
+            logits = self.compiled.forward(tokens, layers) if compiled else self.model(tokens[:, None], cache=layers)[:, -1, :]
+            tokens = mx.argmax(logits, axis=-1)
             drafted.append(tokens)
         per_row = mx.stack(drafted, axis=1).tolist()
         for c, arrays in zip(layers, saved):

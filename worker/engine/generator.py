@@ -486,7 +486,10 @@ class TokenGenerator:
         if padded:
             group.pad(lengths, width)
         self._route([row.slot for row in rows])
-        self.model(tokens, cache=group.layers)
+        if self.speculator is not None and self.speculator.reads_hidden:
+            self.speculator.read_prompt(rows, [row.pos for row in rows], lengths, tokens, group.layers)
+        else:
+            self.model(tokens, cache=group.layers)
         if group.merged:
             group.unpad()
         mx.async_eval(group.state)

@@ -124,7 +124,7 @@ class Scheduler:
         self.adapters.emit = self.emit
         # One speculator for every generator made here: its measurements of
         # plain and speculative steps outlive a generator lost to a fault.
-        self.speculator = speculator_for(draft, draft_tokens, loaded.model)
+        self.speculator = speculator_for(draft, draft_tokens, loaded.model, loaded.path, loaded.config)
         self.generator = self._generator(self.prefix_cache)
         self.batch_memory = batch_memory
         self.row_fixed_bytes, self.row_token_bytes = row_bytes(loaded.model)

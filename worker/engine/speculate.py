@@ -105,6 +105,9 @@ class Speculator:
         self.weights_bytes = weights_bytes  # a draft model's
         self.k_max = max(1, min(MAX_TOKENS, tokens))
         self._rows: dict[object, RowSpec] = {}
+        # Prompt chunks' hidden states of rows still reading their prompts
+        # (a drafter that reads hidden states), handed over when they join.
+        self._prompts: dict[object, list[tuple[int, mx.array]]] = {}
         self.steps = 0
         self.off_until = 0
         self._pause = WORKER_PAUSE
@@ -119,6 +122,7 @@ class Speculator:
         # Gated-delta state kept per position (else the kept tokens are fed
         # again): off Metal, see _Positions.
         self.per_position = not mx.metal.is_available()
+        self._gd: tuple[object, list] | None = None  # (model, its gated-delta layers)
 
     def figures(self) -> dict[str, int]:
         """Totals for worker_stats (summed by the pool's status and metrics)."""
@@ -129,9 +133,37 @@ class Speculator:
     def join(self, rows: list) -> None:
         for row in rows:
             if row.speculative:
-                self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+                spec = self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+                for start, hidden in self._prompts.pop(row, ()):
+                    self.drafter.add(spec.state, start, hidden)
+
+    @property
+    def reads_hidden(self) -> bool:
+        """The drafter reads the target's hidden states (MTP): prompt chunks
+        are read through read_prompt."""
+        return getattr(self.drafter, "wants_hidden", False)
+
+    def read_prompt(self, rows: list, starts: list[int], lengths: list[int], tokens: mx.array, layers: list) -> None:
+        """A prefill chunk's forward (rows right-padded to `tokens`' width),
+        keeping each speculative row's hidden states for the drafter. The LM
+        head is never evaluated on them (the plain chunk computes logits it
+        drops)."""
+        _, hidden = self.drafter.forward(tokens, layers)
+        # Every reading row is in every chunk: others were lost with their group.
+        for row in [row for row in self._prompts if row not in rows]:
+            del self._prompts[row]
+        for i, (row, start, n) in enumerate(zip(rows, starts, lengths)):
+            if row.speculative and n:
+                pieces = self._prompts.setdefault(row, [])
+                if pieces and pieces[-1][0] + pieces[-1][1].shape[0] != start:
+                    pieces.clear()
+                pieces.append((start, hidden[i, :n]))
+                # Only the latest few chunks can be read (MAX_POSITIONS).
+                del pieces[:-4]
 
     def forget(self, rows) -> None:
+        for row in rows:
+            self._prompts.pop(row, None)
         gone = [spec.state for spec in (self._rows.pop(row, None) for row in rows) if spec is not None]
         if gone:
             self.drafter.forget(gone)
@@ -139,6 +171,7 @@ class Speculator:
     def clear(self) -> None:
         self.drafter.forget([spec.state for spec in self._rows.values()])
         self._rows.clear()
+        self._prompts.clear()
         self._last = None
 
     def observe(self, out: list) -> None:
@@ -177,7 +210,7 @@ class Speculator:
         gen._apply_forced()
         pending = gen._next.tolist()
         drafts = self._drafts(gen, rows, pending)
-        if not any(drafts):
+        if not any(drafts) and not self._capture(rows):
             self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
             return None
         out = self._verify(gen, rows, pending, drafts)
@@ -191,6 +224,12 @@ class Speculator:
         """Plain steps of this batch size have been timed (else this one
         runs plain, and is)."""
         return batch in self._plain
+
+    def _capture(self, rows: list) -> bool:
+        """A drafter that reads the target's hidden states (MTP) lacks some
+        row's latest: a verify forward without drafts hands it over."""
+        waiting = getattr(self.drafter, "waiting", None)
+        return waiting is not None and waiting([self._rows[row].state for row in rows if self._may_draft(row)])
 
     def _drafts(self, gen, rows: list, pending: list[int]) -> list[list[int]]:
         which = [i for i, row in enumerate(rows) if self._may_draft(row)]
@@ -239,7 +278,7 @@ class Speculator:
         layers = cache.layers
         hybrid = any(type(c) is ArraysCache for c in layers)
         saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers] if hybrid else None
-        positions = _Positions(gen.model) if hybrid and self.per_position else None
+        positions = _Positions(self._gated_delta(gen.model)) if hybrid and self.per_position else None
         constrained = any(row.constraint is not None for row in rows)
         bits = None
         if constrained:
@@ -249,9 +288,9 @@ class Speculator:
         gen._route([row.slot for row in rows])
         if positions is not None:
             with positions:
-                logits = gen.model(inputs, cache=layers)
+                logits, hidden = self._forward(gen, inputs, layers)
         else:
-            logits = gen.model(inputs, cache=layers)
+            logits, hidden = self._forward(gen, inputs, layers)
         sampler = gen.sampler
         drawn, keys, seen, logprobs = [], [], [], []
         for j in range(width):
@@ -272,6 +311,14 @@ class Speculator:
             while a < len(d) and d[a] == t[a]:
                 a += 1
             kept.append(a)
+        if hidden is not None:
+            specs = [self._rows.get(row) for row in rows]
+            self.drafter.verified(
+                [None if spec is None else spec.state for spec in specs],
+                [0 if spec is None else len(spec.state.tokens) - row.fresh for row, spec in zip(rows, specs)],
+                hidden,
+                kept,
+            )
         index = mx.array(kept)
         across = mx.arange(len(rows))
         sampler._keys = keys[index, across]
@@ -303,6 +350,20 @@ class Speculator:
             if d:
                 self._judge(row, len(d), a)
         return out
+
+    def _gated_delta(self, model) -> list:
+        """The model's gated-delta layers (found once: walking the model's
+        modules every step cost about 5 % of a speculative step on a CPU)."""
+        if self._gd is None or self._gd[0] is not model:
+            self._gd = (model, [m for m in model.modules() if hasattr(m, "in_proj_qkv") and hasattr(m, "conv_kernel_size")])
+        return self._gd[1]
+
+    def _forward(self, gen, inputs: mx.array, layers: list) -> tuple[mx.array, mx.array | None]:
+        """The verify forward: logits, and the final hidden states for a
+        drafter that reads them."""
+        if getattr(self.drafter, "wants_hidden", False):
+            return self.drafter.forward(inputs, layers)
+        return gen.model(inputs, cache=layers), None
 
     def _roll_back(self, gen, cache, layers, saved, inputs, kept: list[int], width: int) -> None:
         """Leaves each row's cache holding its pending token and its kept
@@ -355,7 +416,9 @@ class Speculator:
             log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * spec.accept, spec.pause)
             spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
             spec.accept, spec.judged, spec.k = 1.0, 0, 1
-        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT:
+        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT and kept:
+            # Drafting well again (the running share restarts at 1 after a
+            # pause, so it alone stays above the bar for a few misses).
             spec.pause = ROW_PAUSE
 
     def _account(self, now: float, gen) -> None:
@@ -430,8 +493,8 @@ class _Positions:
     one plus a re-run (docs/performance.md, "Speculative decoding"); on
     Metal mlx-lm's fused kernel keeps no intermediate states."""
 
-    def __init__(self, model):
-        self.layers = [m for m in model.modules() if hasattr(m, "in_proj_qkv") and hasattr(m, "conv_kernel_size")]
+    def __init__(self, layers: list):
+        self.layers = layers  # the model's gated-delta layers
         self.states: list[list[mx.array]] = []
         self.inputs: list[tuple[int, mx.array]] = []
         self._patched: list[tuple[object, object]] = []
@@ -518,8 +581,9 @@ class DraftError(ValueError):
     """A draft model that cannot serve: the worker cannot start as configured."""
 
 
-def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
-    """The worker's speculator for `--draft` (None: no drafter)."""
+def speculator_for(draft: str | None, tokens: int, model, path=None, config: dict | None = None) -> Speculator | None:
+    """The worker's speculator for `--draft` (None: no drafter); `path` and
+    `config` are the target's directory and config (for "mtp")."""
     if draft is None:
         return None
     from mlx_lm.models.cache import make_prompt_cache
@@ -533,6 +597,8 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
 
         log.info("speculative decoding: prompt lookup, up to %d tokens a step", tokens)
         return Speculator(NgramDrafter(), tokens)
+    if draft == "mtp":
+        return _mtp_speculator(model, path, config or {}, tokens)
     from pathlib import Path
 
     from worker.engine.drafters import ModelDrafter
@@ -550,3 +616,28 @@ def speculator_for(draft: str | None, tokens: int, model) -> Speculator | None:
         raise DraftError(f"draft model {draft} cannot run: {exc}") from exc
     log.info("speculative decoding: draft model %s (%d bytes), up to %d tokens a step", draft, loaded.weights_bytes, tokens)
     return Speculator(ModelDrafter(loaded.model), tokens, loaded.weights_bytes)
+
+
+def _mtp_speculator(model, path, config: dict, tokens: int) -> Speculator:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from worker.engine.mtp import MtpDrafter, MtpError, load_head
+
+    try:
+        head = load_head(model, path, config)
+        drafter = MtpDrafter(model, head)
+        # A head that cannot run fails here, not at its first draft; and the
+        # verify forward, split at the hidden states, must be the model's.
+        probe = mx.array([[0, 1]])
+        logits, hidden = drafter.forward(probe, make_prompt_cache(model))
+        mx.eval(head(drafter.body.embed_tokens(probe), hidden, KVCache()))
+        if not mx.allclose(logits, model(probe, cache=make_prompt_cache(model)), rtol=1e-3, atol=1e-3).item():
+            raise MtpError(f'draft = "mtp": this model\'s logits are not its LM head on its final hidden state ({type(model).__module__})')
+    except MtpError as exc:
+        raise DraftError(str(exc)) from exc
+    except Exception as exc:
+        raise DraftError(f'draft = "mtp": the MTP head of {path} cannot run: {exc}') from exc
+    nbytes = sum(p.nbytes for _, p in tree_flatten(head.parameters()))
+    log.info("speculative decoding: the checkpoint's MTP head (%d bytes), up to %d tokens a step", nbytes, tokens)
+    return Speculator(drafter, tokens, nbytes)
