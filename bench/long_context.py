@@ -13,9 +13,9 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
   `--kv-tokens` tokens in the worker's chunks; the attention caches' bytes
   and MLX's peak memory, as ratios to the model's dtype in the same round.
 - `decode`: tokens per second of N = 1 and N = 8 rows at a
-  `--decode-context`-token prompt, 8-bit KV against the model's dtype
-  (with the compiled decode step, the default, and op by op, as the
-  quantized step runs), alternated in one process.
+  `--decode-context`-token prompt, 8-bit KV against the model's dtype,
+  both with the compiled decode step (the default), and the model's dtype
+  op by op too, alternated in one process.
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
@@ -188,13 +188,13 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.runtime.loader import load
 
     # "0": the model's dtype, decode step compiled (the default); "0e": the
-    # same, op by op, as the quantized step runs ("8": 8 bits).
+    # same, op by op; "8": 8 bits, compiled.
     engines = {}
     for key in ("0", "0e", "8"):
         loaded = load(path)
         if key == "8":
             kv_quant.install(loaded.model, 8, args_group(loaded))
-        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key == "0")
+        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key != "0e")
         s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
