@@ -204,7 +204,8 @@ def test_quantized_kv_start_is_plain_before_it_and_near_8_bits_after(tiny_model,
 
 def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(tiny_model):
     """Rows below, across and above START in one batch, rows leaving and
-    joining: each row's logits are those it gets alone."""
+    joining, a right-padded chunk in which one row crosses START: each row's
+    logits are those it gets alone."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
@@ -214,38 +215,56 @@ def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(tiny_model):
 
     model = lazy(tiny_model).model
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(5, 500, size=n).tolist() for n in (8, 36, 60, 38)]
-    joining = rng.integers(5, 500, size=30).tolist()
-    steps = 10
-    feeds = rng.integers(5, 500, size=(len(prompts) + 1, steps)).tolist()
+    prompts = [rng.integers(5, 500, size=n).tolist() for n in (8, 36, 60, 38, 36)]
+    joiner, steps, chunk_at = len(prompts) - 1, 10, 6
+
+    def length(r: int, k: int) -> int:
+        # At the chunk the joiner (39 tokens) reads 4 and crosses START.
+        return 1 if k != chunk_at else 4 if r == joiner else 1 + r % 3
+
+    pieces = [[rng.integers(5, 500, size=length(r, k)).tolist() for k in range(steps)] for r in range(len(prompts))]
 
     def prefilled(ids):
         cache = make_prompt_cache(model)
         model(mx.array(ids)[None], cache=cache)
         return cache
 
-    alone = [lone_logits(model, ids, feed)[0][1:] for ids, feed in zip(prompts + [joining], feeds)]
-    batch = BatchCache.of_rows([prefilled(ids) for ids in prompts])
-    rows = list(range(len(prompts)))
+    def first_step(r: int) -> int:
+        return 3 if r == joiner else 0
+
+    alone = []
+    for r, ids in enumerate(prompts):
+        cache = prefilled(ids)
+        alone.append([model(mx.array(piece)[None], cache=cache)[0, -1] for piece in pieces[r][: steps - first_step(r)]])
+    batch = BatchCache.of_rows([prefilled(ids) for ids in prompts[:joiner]])
+    rows = list(range(joiner))
     kinds = set()
     for k in range(steps):
         if k == 3:  # the first row leaves, a row joins
             batch.filter(list(range(1, len(rows))))
             rows = rows[1:]
-            batch = batch.extend(BatchCache.of_rows([prefilled(joining)]))
-            rows.append(len(prompts))
-        inputs = mx.array([feeds[r][k - 3 if r == len(prompts) else k] for r in rows], dtype=mx.uint32)
-        logits = model(inputs[:, None], cache=batch.layers)[:, -1, :]
+            batch = batch.extend(BatchCache.of_rows([prefilled(prompts[joiner])]))
+            rows.append(joiner)
+        feed = [pieces[r][k - first_step(r)] for r in rows]
+        lengths = [len(f) for f in feed]
+        width = max(lengths)
+        if width * len(rows) > sum(lengths):
+            batch.pad(lengths, width)
+        logits = model(mx.array([f + [0] * (width - len(f)) for f in feed], dtype=mx.uint32), cache=batch.layers)
+        batch.unpad()
         layer = batch.layers[-1]
         assert isinstance(layer, BatchLazyKV)
         kinds.add((layer.plain is not None, layer.quant is not None))
         for i, r in enumerate(rows):
-            at = k - 3 if r == len(prompts) else k
             # A mixed batch's quantized rows attend over their values
             # dequantized, with the plain rows' kernel: float rounding apart,
             # what mlx-lm's quantized attention gives (0 on the CPU here).
-            assert mx.abs(logits[i] - alone[r][at]).max().item() < 1e-3, (k, r)
-    assert kinds == {(True, True)}
+            gap = mx.abs(logits[i, lengths[i] - 1] - alone[r][k - first_step(r)]).max().item()
+            assert gap < 1e-3, (k, r, gap)
+    # Mixed until the joiner is quantized, then one kind again.
+    assert kinds == {(True, True), (False, True)}
+    held = [len(prompts[r]) + sum(len(p) for p in pieces[r][: steps - first_step(r)]) for r in rows]
+    assert layer.lens == layer.offset.tolist() == held
 
 
 def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_model, plain):
