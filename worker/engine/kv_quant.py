@@ -371,11 +371,6 @@ class BatchLazyKV(_BaseCache):
         pure = self.pure
         return pure.left_padding if pure is not None else self._joined(self.plain.left_padding, self.quant.left_padding)
 
-    @property
-    def keys(self):
-        pure = self.pure
-        return pure.keys if pure is not None else self.plain.keys
-
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
 
