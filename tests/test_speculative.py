@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import mlx.core as mx
 import pytest
 
-from ipc.messages import Generate
+from ipc.messages import Generate, read_response_format
 from tests.conftest import greedy_steps
 from worker.runtime.loader import load
 
@@ -303,7 +304,7 @@ def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, 
         "required": ["kind", "tags"],
         "additionalProperties": False,
     }
-    schema = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
+    schema = read_response_format({"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}})
     per = {0: {"lora": adapter}, 1: {"response_format": schema, "max_tokens": 60}, 2: {"lora": None}}
     copy = '<|im_start|>user\nCopy {"kind":"dog","tags":["loyal","shy","loud"]}<|im_end|>\n<|im_start|>assistant\n'
     prompts = [LOOPY, copy, PROMPTS[2]]
@@ -334,7 +335,9 @@ def test_a_pool_model_with_prompt_lookup_reports_its_drafts(tiny_model, tmp_path
     one, two = pool.terminal(1), pool.terminal(2)
     assert pool.text(1) == pool.text(2)
     assert one["accepted_tokens"] > 0 and one["drafted_tokens"] >= one["accepted_tokens"]
-    assert two["_line"].endswith(b',"finish_reason":"length","id":2}\n') and "drafted_tokens" not in two
+    # The second request may find the first one's prompt in the prefix cache
+    # (then chat_metal's line carries cached_tokens); either way no draft counts.
+    assert re.search(rb',"finish_reason":"length"(,"cached_tokens":\d+)?,"id":2}\n$', two["_line"]) and "drafted_tokens" not in two
     pool.send({"op": "status"})
     row = pool.wait_ev("status")["models"][0]
     assert (row["drafted_tokens"], row["accepted_tokens"]) == (one["drafted_tokens"], one["accepted_tokens"])

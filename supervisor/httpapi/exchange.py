@@ -19,34 +19,13 @@ from collections.abc import Callable
 
 import msgspec
 
-from ipc.events import INTERNAL, PREFIX
+from ipc.events import INTERNAL
+from ipc.worker_events import TOKEN, Done, Error, read_line, token_json, token_text
 from supervisor.httpapi.reasoning import ThinkSplitter
 from supervisor.httpapi.shapes import HttpError, Reply, usage
 from supervisor.httpapi.tools import ToolReader, call_objects
 
-
-class _Token(msgspec.Struct, tag_field="ev", tag="gen_token"):
-    token: str = ""
-    done: bool = False
-    prompt_tokens: int = 0
-    gen_tokens: int = 0
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-
-
-class _Error(msgspec.Struct, tag_field="ev", tag="error"):
-    msg: str = ""
-    code: str | None = None
-
-
 log = logging.getLogger("lattice.http")
-_line = msgspec.json.Decoder(_Token | _Error)
-_SKIP = len(PREFIX)
-# A non-final token line is PREFIX + this + the token as a JSON string +
-# _TOKEN_TAIL + (the id) + "}"; inside the string every quote is escaped,
-# so the last _TOKEN_TAIL is the field.
-_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token","token":'
-_TOKEN_TAIL = b',"done":false'
 
 
 class Exchange:
@@ -105,28 +84,36 @@ class Exchange:
             self.changed.set()
 
     def _write(self, data: bytes) -> None:
-        for line in data.splitlines():
+        # Each line read once, by ipc's reader, as the slot reads it.
+        for line in data.splitlines(keepends=True):
             if self.ended or self.overflowed:
                 break
-            if self.stream and self.started and line.startswith(_TOKEN_HEAD):
-                end = line.rfind(_TOKEN_TAIL)
-                if end > 0 and self._raw_piece(line[len(_TOKEN_HEAD) : end]):
-                    continue
-            try:
-                event = _line.decode(line[_SKIP:])
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            event = read_line(line)
+            if isinstance(event, Error):
+                self._end_error(HttpError.from_pool(event.code, event.msg))
+            elif isinstance(event, Done):
+                self._end_done(event)
+            elif event is not TOKEN or not self._token(line):
                 # The slot reads every terminal line before it gets here; a
                 # sink must not raise into the slot whatever it is given.
                 log.error("http: unreadable line for request %s: %r", self.reply.request_id, line[:200])
                 self._end_error(HttpError(500, "internal error: the model's answer could not be read", "server_error", INTERNAL))
                 break
-            if isinstance(event, _Error):
-                self._end_error(HttpError.from_pool(event.code, event.msg))
-            elif event.done:
-                self._end_done(event)
-            else:
-                self._text_piece(event.token)
         self.changed.set()
+
+    def _token(self, line: bytes) -> bool:
+        """A non-final token line; False when its token is no JSON string."""
+        token = token_json(line)
+        if token is None:
+            return False
+        if self.stream and self.started and self._raw_piece(token):
+            return True
+        try:
+            text = token_text(token)
+        except msgspec.DecodeError:
+            return False
+        self._text_piece(text)
+        return True
 
     def _text_piece(self, text: str) -> None:
         if not self.started:
@@ -170,7 +157,7 @@ class Exchange:
             self.overflowed = True
             self._overflow()
 
-    def _end_done(self, event: _Token) -> None:
+    def _end_done(self, event: Done) -> None:
         if self.splitter is not None:
             self._pieces(self.splitter.flush())
         if self.tools is not None and event.finish_reason != "cancelled":

@@ -158,9 +158,9 @@ class _Api:
                 body_["tools"] = data["tools"]
         _common(data, body_)
         if raw:
-            msg, opts = completion_request(_encode(body_), request_id, model_name)
+            msg, opts = completion_request(body_, request_id, model_name)
         else:
-            msg, opts = chat_request(_encode(body_), request_id, model_name, template)
+            msg, opts = chat_request(body_, request_id, model_name, template)
         opts.include_usage = True
         opts.extra = {"keep_alive": keep, "raw": raw}
         return msg, opts

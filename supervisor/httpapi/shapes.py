@@ -1,9 +1,9 @@
 """OpenAI's JSON shapes, to and from the pool's own.
 
 A request body becomes the same ClientLine a stdin line becomes: its pool
-fields are copied into a stdin-style line and run through
-supervisor.requests.parse_line, so both surfaces share one validation and
-one set of limits. What only HTTP has (stream, stream_options,
+fields, as the body's JSON decoded them, go through
+supervisor.requests.from_fields, so both surfaces share one validation and
+one set of limits, and the body is decoded once. What only HTTP has (stream, stream_options,
 max_completion_tokens, content parts) is read here. Answers are built as
 bytes; the per-token stream chunks from a prefix and suffix made once per
 request.
@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from ipc import sampling
 from ipc.events import (
     ADAPTER_ERROR,
     BAD_REQUEST,
@@ -31,23 +32,10 @@ from ipc.events import (
     WORKER_CRASHED,
 )
 from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, forced_format, hermes_messages, history_calls, read_tools
-from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
+from supervisor.requests import BadRequest, ClientLine, from_fields
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
-POOL_FIELDS = (
-    "lora",
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "response_format",
-    "reasoning_budget",
-    "allow_special_tokens",
-    "speculative",
-)
+POOL_FIELDS = (*sampling.NAMES, "lora", "stop", "response_format", "allow_special_tokens", "speculative")
 
 # The pool's error codes as HTTP statuses and OpenAI error types.
 STATUS = {
@@ -109,7 +97,7 @@ class HttpFields(msgspec.Struct):
 
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: sampling.MaxTokens | None = None
     n: int | None = None
     logprobs: Any = None
     echo: bool | None = None
@@ -164,8 +152,7 @@ def json_object(body: bytes) -> dict:
     return data
 
 
-def _decode(body: bytes) -> tuple[dict, HttpFields]:
-    data = json_object(body)
+def _http_fields(data: dict) -> HttpFields:
     fields = _convert(data, HttpFields, "")
     if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
         raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
@@ -173,7 +160,7 @@ def _decode(body: bytes) -> tuple[dict, HttpFields]:
         raise bad("logprobs are not supported", "logprobs")
     if fields.echo:
         raise bad("echo is not supported", "echo")
-    return data, fields
+    return fields
 
 
 # Choices one request may ask for (`n`): each is a row of its own in the
@@ -208,7 +195,7 @@ def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str, cons
 
 def _client_line(line: dict) -> ClientLine:
     try:
-        return parse_line(_encode(line))
+        return from_fields(line)
     except BadRequest as exc:
         msg = exc.msg.removeprefix("malformed request: ")
         # OpenAI names the offending field in `param`.
@@ -250,12 +237,12 @@ def _flatten(message: ChatMessage) -> dict:
 
 
 def chat_request(
-    body: bytes, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
+    data: dict, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
 ) -> tuple[ClientLine, Options]:
-    """A /v1/chat/completions body as the pool's request. model_name(value)
-    gives the name the body's `model` means (or raises); template(name)
-    what the model's chat template does with tools."""
-    data, fields = _decode(body)
+    """A /v1/chat/completions body (decoded: json_object) as the pool's
+    request. model_name(value) gives the name the body's `model` means (or
+    raises); template(name) what the model's chat template does with tools."""
+    fields = _http_fields(data)
     model = model_name(data.get("model"))
     if data.get("messages") is None:
         raise bad('missing "messages" field', "messages")
@@ -285,9 +272,9 @@ def chat_request(
     return _client_line(line), options
 
 
-def completion_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
-    """A /v1/completions body: its prompt is used verbatim, like a stdin `prompt`."""
-    data, fields = _decode(body)
+def completion_request(data: dict, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
+    """A /v1/completions body (decoded): its prompt is used verbatim, like a stdin `prompt`."""
+    fields = _http_fields(data)
     model = model_name(data.get("model"))
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -12,32 +12,19 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ipc.messages import Generate
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    seed: int | None
-
-    @classmethod
-    def of(cls, req: Generate) -> SamplingParams:
-        return cls(req.temperature, req.top_k, req.top_p, req.repetition_penalty, req.seed)
+from ipc.sampling import Sampling
 
 
 class RowSampling:
-    """One row's settings, normalised, and its starting state."""
+    """One row's settings (a request's: a Generate is a Sampling), normalised,
+    and its starting state."""
 
     __slots__ = ("greedy", "inv_temp", "top_k", "top_p", "penalty", "seen", "key")
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt: list[int]):
+    def __init__(self, params: Sampling, vocab_size: int, prompt: list[int]):
         self.greedy = params.temperature <= 0.0
         self.inv_temp = 0.0 if self.greedy else 1.0 / params.temperature
         self.top_k = params.top_k if 0 < params.top_k < vocab_size else 0
