@@ -29,7 +29,10 @@ Figures: aggregate tok/s (generated tokens / time from sending to the last
 final line), TTFT p50 and p99 over the N requests (client side, from the
 send), and the slowest TTFT over a lone request's; for our sides also the
 decode rate each request saw inside the worker (tokens after the first /
-time after the first, from its final line); medians over rounds, ratios
+time after the first, from its final line), the first token's time
+from the request's arrival in the worker, and what the pipes and the relay
+add to it (client's first token less the worker's, per request); medians
+over rounds, ratios
 per round then their median; the results file is written after every
 round, so a run stopped at a time limit keeps what it finished. Prefix
 caches are off: the same prompts repeat. Goals (issue 13): at N = 8 aggregate
@@ -160,6 +163,11 @@ def summary(runs: list[dict]) -> dict:
     }
     if all("worker_ttft_total_tokens" in r for r in runs):
         out["worker_decode_tok_s"] = round(median([worker_decode(r) for r in runs]), 1)
+        # From the request's arrival in the worker: the client's figure less
+        # this is what the pipes and the pool's relay add.
+        out["worker_ttft_p50_ms"] = round(median([percentile(sorted(t[0] for t in r["worker_ttft_total_tokens"]), 50) for r in runs]), 1)
+        # Paired per request, then the median over requests and rounds.
+        out["relay_ttft_ms"] = round(median([median([c - w[0] for c, w in zip(r["ttft_ms"], r["worker_ttft_total_tokens"])]) for r in runs]), 2)
     if all(r.get("decode_s") for r in runs):
         out["decode_tok_s"] = round(median([(r["tokens"] - 1) / r["decode_s"] for r in runs]), 1)
     return out
@@ -190,15 +198,19 @@ def tabulate(result: dict, sides: dict, colds: dict, names: list[str], sizes: li
                 # Per round (the sides ran close in time), then the median.
                 per_round = [agg(a) / agg(b) for a, b in zip(sides["batched"][n], sides[name][n])]
                 r[f"aggregate_vs_{name}"] = round(median(per_round), 3)
+                r[f"aggregate_vs_{name}_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
         if lone:
             r["slowest_ttft_vs_lone"] = round(table["batched"][n]["ttft_max_ms"] / lone, 2)
         ratios[n] = r
     if 1 in sizes and 1 in sides.get("mlx_lm_stream_generate", {}):
         ours_ttft = [r["ttft_ms"][0] for r in sides["batched"][1]]
         theirs = [r["ttft_ms"][0] for r in sides["mlx_lm_stream_generate"][1]]
-        ratios[1]["ttft_vs_stream_generate"] = round(median([a / b for a, b in zip(ours_ttft, theirs)]), 3)
+        ttft = [a / b for a, b in zip(ours_ttft, theirs)]
+        ratios[1]["ttft_vs_stream_generate"] = round(median(ttft), 3)
+        ratios[1]["ttft_vs_stream_generate_range"] = [round(min(ttft), 3), round(max(ttft), 3)]
         decode = [worker_decode(a) / ((b["tokens"] - 1) / b["decode_s"]) for a, b in zip(sides["batched"][1], sides["mlx_lm_stream_generate"][1])]
         ratios[1]["decode_vs_stream_generate"] = round(median(decode), 3)
+        ratios[1]["decode_vs_stream_generate_range"] = [round(min(decode), 3), round(max(decode), 3)]
     result["ratios"] = ratios
     result["bandwidth_fraction_n1"] = bandwidth_fraction(result, table, result["weights_bytes"], result["bandwidth_bytes_s"])
 
@@ -270,7 +282,9 @@ def main() -> int:
         write_result(tagged(file_name, args.tag), result)
     table, ratios = result["sides"], result["ratios"]
 
-    print(f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}{'in worker':>11}{'cold agg':>10}{'cold max':>10}")
+    print(
+        f"{'N':>3} {'side':24}{'agg tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TTFT max':>10}{'in worker':>11}{'wk TTFT':>9}{'cold agg':>10}{'cold max':>10}"
+    )
     for n in sizes:
         for name in table:
             if n in table[name]:
@@ -278,7 +292,7 @@ def main() -> int:
                 c = result["cold"].get(name, {}).get(n, {})
                 print(
                     f"{n:>3} {name:24}{s['aggregate_tok_s']:>11}{s['ttft_p50_ms']:>10}{s['ttft_p99_ms']:>10}{s['ttft_max_ms']:>10}"
-                    f"{s.get('worker_decode_tok_s', ''):>11}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}"
+                    f"{s.get('worker_decode_tok_s', ''):>11}{s.get('worker_ttft_p50_ms', ''):>9}{c.get('aggregate_tok_s', ''):>10}{c.get('ttft_max_ms', ''):>10}"
                 )
         print(f"    ratios: {ratios[n]}")
     print(f"fraction of the memory-bandwidth limit at N = 1: {result['bandwidth_fraction_n1'] or 'no bandwidth figure (--bandwidth)'}")

@@ -11,7 +11,7 @@ For each of `--runs` alternated runs, one request (greedy, 4 tokens):
   worker that has handed MLX's buffers back;
 - `mlx_lm`: `stream_generate`'s first yield.
 
-    python -m bench.first_token [--size small|0.8b] [--runs 5] [--prompt-index 0]
+    python -m bench.first_token [--size small|0.8b | --model DIR] [--runs 5] [--prompt-index 0]
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
+    p.add_argument("--model", type=Path, help="a model dir instead of a demo model (e.g. `lattice-pool demo-model --size 4b --layers 3 DIR`)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt-index", type=int, default=0, help="which of bench.batch's prompts")
     p.add_argument("--tag", default="")
@@ -31,7 +33,8 @@ def main() -> int:
 
     from bench.common import backend, load_average, load_model, machine, median, tagged, write_result
 
-    path, loaded, codec = load_model(args.size)
+    path, loaded, codec = load_model(args.model or args.size)
+    size = path.name if args.model else args.size
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -91,7 +94,7 @@ def main() -> int:
     steps = {"warm": ours(False, True)[1], "cleared": ours(True, True)[1]}
     ttft = {name: round(median(v), 2) for name, v in runs.items()}
     result = {
-        "size": args.size,
+        "size": size,
         "prompt_tokens": len(ids),
         "runs": args.runs,
         "ttft_ms": ttft,
@@ -102,7 +105,7 @@ def main() -> int:
         "machine": machine(),
         "load_average": {"before": load_before, "after": load_average()},
     }
-    write_result(tagged(f"first-token-{backend()}-{args.size}", args.tag), result)
+    write_result(tagged(f"first-token-{backend()}-{size}", args.tag), result)
     for name, value in ttft.items():
         print(f"{name:14}{value:9.2f} ms to the first token")
     print(f"steps (synced), warm: {result['synced_step_ms']['warm']}")

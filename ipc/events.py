@@ -94,6 +94,15 @@ def encode_token(token: str, id_json: str | None = None) -> bytes:
     return TOKEN_HEAD + _utf8(json_str(token)) + tail
 
 
+def encode_token_logprobs(token: str, logprobs: list, id_json: str | None = None) -> bytes:
+    """A non-final gen_token line of a request that asked for log-probabilities:
+    `logprobs` (an entry per token whose text the line holds or held back
+    before it) goes between the token and "done", so a plain line is
+    chat_metal's, byte for byte, and the id still ends the line."""
+    tail = b',"done":false}\n' if id_json is None else b',"done":false,"id":' + id_json.encode() + b"}\n"
+    return b'@@lattice {"ev":"gen_token","token":' + _utf8(json_str(token)) + b',"logprobs":' + _utf8(json_value(logprobs)) + tail
+
+
 def encode_done(
     *,
     tok_s: float,

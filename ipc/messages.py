@@ -6,7 +6,7 @@ holds every typed message that crosses the pipe in the other direction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -32,6 +32,10 @@ MAX_WAITING = 1024
 # adapter file above this size before it is read.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_ADAPTER_BYTES = 1 << 30
+
+# The most alternatives a request may ask for with each token's
+# log-probability (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 
 
 def utf8_len(text: str, limit: int) -> int:
@@ -72,12 +76,8 @@ class Generate(Sampling, tag="generate", frozen=True):
     # compiles it.
     response_format: ResponseFormat | None = None
     # The adapter this request runs with (SPEC §10): its path as the
-    # supervisor resolved it, or None for the base model. Left out (UNSET),
-    # the worker's default adapter: the one it was started with (`--lora`)
-    # or last given by SetAdapter, else the base model. So a pool that keeps
-    # one worker per (model, adapter) pair sends nothing and gets what it
-    # always got.
-    lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # supervisor resolved it, or None for the base model.
+    lora: str | None = None
     # Special-token text (`<|im_start|>`) in `messages` contents is read as
     # the token only when this is set; otherwise as the characters it is.
     allow_special_tokens: bool = False
@@ -88,6 +88,10 @@ class Generate(Sampling, tag="generate", frozen=True):
     # defaults): where the prompt leaves less room in the model's context,
     # the worker lowers it to that room instead of refusing the request.
     clip_max_tokens: bool = False
+    # None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated
+    # token's log-probability and its k likeliest alternatives ride on the
+    # token lines (docs/protocol.md); computed only for rows that ask.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
@@ -208,14 +212,6 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
     path: str
 
 
-class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True):
-    """Reads the adapter at `path` again and makes it the worker's default
-    (what a Generate without `lora` runs with); None makes the base model
-    the default. A bad file leaves the default as it was."""
-
-    path: str | None
-
-
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     pass
 
@@ -224,4 +220,4 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | SetAdapter | Stats | Shutdown
+ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Stats | Shutdown

@@ -21,7 +21,7 @@ import psutil
 from ipc.events import FINAL, ID_TAIL, LINE_END, NOT_FINAL, PREFIX, TOKEN_HEAD
 
 # The worker's exit status when restarting cannot help: a bad model dir, a
-# bad adapter with no good copy, a resource limit (sysexits.h's EX_CONFIG).
+# resource limit (sysexits.h's EX_CONFIG).
 # Its one-line cause is the last line it wrote on stderr.
 EX_CONFIG = 78
 
@@ -79,7 +79,6 @@ class AdapterFigures(msgspec.Struct):
     config_sha256: str | None = None
     bytes: int = 0  # its own factors, in the model's dtype (no padding)
     rows: int = 0  # batch rows running with it
-    default: bool = False
 
 
 class RankFigures(msgspec.Struct):

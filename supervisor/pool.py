@@ -43,7 +43,7 @@ from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.names import Name
 from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
-from supervisor.requests import ClientLine, prompt_bytes, stop_list
+from supervisor.requests import ClientLine, logprobs_count, prompt_bytes, stop_list
 from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -309,6 +309,7 @@ class Pool:
             allow_special_tokens=bool(special),
             speculative=msg.speculative is not False,
             clip_max_tokens="max_tokens" not in fields,
+            logprobs=logprobs_count(msg),
             **fields,
         )
 

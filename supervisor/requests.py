@@ -18,7 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.events import json_str
-from ipc.messages import Message, ResponseFormat, decode_response_format, read_response_format, utf8_len
+from ipc.messages import MAX_TOP_LOGPROBS, Message, ResponseFormat, decode_response_format, read_response_format, utf8_len
 from ipc.sampling import SamplingFields
 
 log = logging.getLogger("lattice.requests")
@@ -54,6 +54,10 @@ class ClientLine(SamplingFields, dict=True):
     allow_special_tokens: bool | None = None
     # false: no speculative decoding for this request.
     speculative: bool | None = None
+    # OpenAI's chat fields: each token's log-probability on its token line,
+    # with the top_logprobs likeliest alternatives.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:
@@ -272,6 +276,8 @@ def _checked(msg: ClientLine) -> ClientLine:
         raise BadRequest('give either "prompt" or "messages", not both', id_json)
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
+    if msg.top_logprobs is not None and not msg.logprobs:
+        raise BadRequest('"top_logprobs" needs "logprobs": true', id_json)
     try:
         _ = msg.format  # read now, so that a malformed one is a bad line
     except ValueError as exc:
@@ -292,6 +298,11 @@ def prompt_bytes(msg: ClientLine, limit: int) -> int:
         if total > limit:
             break
     return total
+
+
+def logprobs_count(msg: ClientLine) -> int | None:
+    """Generate.logprobs for the line: None unless it asks for them."""
+    return (msg.top_logprobs or 0) if msg.logprobs else None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -381,3 +381,72 @@ def test_unbatchable_caches_run_one_request_at_a_time(dense_model):
     assert (s.figures["active_rows"], s.figures["waiting_rows"]) == (1, 2)
     s.drain()
     assert [v[0]["gen_tokens"] for _, v in sorted(ends_by_id(lines).items())] == [12, 12, 12]
+
+
+class Passes(Recorder):
+    """A model that keeps every call's logits and how many tokens each row read."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.lengths: list[int] = []
+
+    def __call__(self, inputs, cache=None):
+        self.lengths.append(inputs.shape[1])
+        return super().__call__(inputs, cache=cache)
+
+
+def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int) -> tuple[list[int], Passes]:
+    """A lone greedy row: its first `steps` tokens and the passes it took."""
+    rec = Passes(model)
+    gen = TokenGenerator(rec, vocab, PrefixCache(rec, 0), 64, marker)
+    row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
+    gen.start([row])
+    tokens: list[int] = []
+    while len(tokens) < steps:
+        tokens += [token for _, token in gen.step() if token is not None]
+    return tokens, rec
+
+
+def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
+    """An attention-only model reads a chat prompt but its last token in one
+    pass (no pass of its own for the assistant's opener after the last message
+    start, nor for a short piece past a chunk) and gives mlx-lm's greedy
+    tokens. A hybrid model still ends a chunk at each message start, where
+    its prefix-cache snapshots are taken."""
+    from mlx_lm.generate import generate_step
+
+    from worker.runtime.loader import load
+
+    marker = 7
+    rng = np.random.default_rng(5)
+    system, user = rng.integers(10, 200, size=30).tolist(), rng.integers(10, 200, size=36).tolist()
+    # <|im_start|>system..., <|im_start|>user..., <|im_start|>assistant\n
+    chat = [marker] + system + [marker] + user + [marker, 8, 9]
+    loaded = load(dense_model)
+    vocab = loaded.model.args.vocab_size
+    tokens, rec = read_chat_prompt(loaded.model, vocab, chat, marker, 8)
+    # 70 tokens with a 64-token step: the 5 past the step fold into the pass.
+    assert rec.lengths[:2] == [len(chat) - 1, 1]
+    theirs = [int(t) for t, _ in generate_step(mx.array(chat), loaded.model, max_tokens=8)]
+    assert tokens == theirs
+    hybrid, hybrid_vocab = qwen35
+    _, rec = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 1)
+    assert rec.lengths[:4] == [31, 37, 2, 1]
+
+
+def test_prompts_arriving_together_are_read_in_one_pass(dense_model):
+    """32 prompts of 53-80 tokens start together: each row's piece is 64
+    tokens, and the few left past it fold into the same pass, so every row
+    joins the decode batch after one forward."""
+    from worker.runtime.loader import load
+
+    loaded = load(dense_model)
+    vocab = loaded.model.args.vocab_size
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(10, 200, size=int(n)).tolist() for n in rng.integers(53, 81, size=32)]
+    rec = Passes(loaded.model)
+    gen = TokenGenerator(rec, vocab, PrefixCache(rec, 0), 512, None)
+    gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)])
+    gen.step()
+    assert rec.lengths == [max(len(p) for p in prompts) - 1]
+    assert not gen.prefilling and len(gen.decoding) == 32

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from worker.runtime.kernel_cache import ENV, keep_kernels, kernel_cache_dir
+from worker.runtime.kernel_cache import ENV, THRASHING_CHECK, keep_kernels, kernel_cache_dir, no_thrashing_abort
 
 
 def test_kernels_go_to_the_users_cache_dir_per_mlx_version_and_gpu(tmp_path):
@@ -40,3 +40,10 @@ def test_the_demo_model_and_the_kernels_share_one_cache_root(monkeypatch, tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     assert demo_dir() == Path.home() / ".cache" / "lattice-pool" / "demo-model"
     assert kernel_cache_dir(os.environ, "0.32.4", "gpu") == Path.home() / ".cache" / "lattice-pool" / "mlx-kernels" / "0.32.4" / "gpu"
+
+
+def test_the_cache_thrashing_check_is_off_unless_the_user_set_it():
+    env = {}
+    assert no_thrashing_abort(env) and env == {THRASHING_CHECK: "0"}
+    env = {THRASHING_CHECK: "1"}
+    assert not no_thrashing_abort(env) and env == {THRASHING_CHECK: "1"}

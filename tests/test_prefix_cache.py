@@ -22,17 +22,22 @@ QUESTIONS = [
     n=st.integers(1, 300),
     cuts=st.lists(st.integers(-5, 320), max_size=8),
     step=st.integers(1, 64),
+    fold=st.integers(0, 16),
     data=st.data(),
 )
 @settings(max_examples=200, deadline=None)
-def test_chunk_plan_after_a_cut_is_the_tail_of_the_full_plan(n, cuts, step, data):
-    full = chunk_ends(n, cuts, step, 0)
+def test_chunk_plan_after_a_cut_is_the_tail_of_the_full_plan(n, cuts, step, fold, data):
+    full = chunk_ends(n, cuts, step, 0, fold)
     assert full[-1] == n and full == sorted(set(full))
-    assert all(b - a <= step for a, b in zip([0] + full, full))
+    assert all(b - a <= step + fold for a, b in zip([0] + full, full))
     inside = [c for c in cuts if 0 < c < n]
     assert set(inside) <= set(full)
+    # No piece of `fold` tokens or fewer is left alone before a cut or the end,
+    # unless the cut before it made it so.
+    bounds = set(inside) | {0, n}
+    assert all(b - a > fold or a in bounds for a, b in zip([0] + full, full) if b in bounds)
     start = data.draw(st.sampled_from([0] + inside))
-    assert chunk_ends(n, cuts, step, start) == [e for e in full if e > start]
+    assert chunk_ends(n, cuts, step, start, fold) == [e for e in full if e > start]
 
 
 def test_message_starts_skip_position_zero():
@@ -252,30 +257,27 @@ def test_attention_only_model_trims_to_the_common_prefix(dense_model):
 
 
 def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_path):
-    from ipc.messages import SetAdapter
+    from ipc.messages import LoadAdapter
     from tests.lora_files import lora_pairs, targets_of, write_peft
 
-    adapter = write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0)
+    adapter = str(write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0))
     first = chatml([("user", QUESTIONS[0])], SYSTEM)
     second = chatml([("user", QUESTIONS[0]), ("assistant", "It bends twice."), ("user", QUESTIONS[1])], SYSTEM)
     cached = WorkerProc(tiny_model)
-    adapted = WorkerProc(tiny_model, "--lora", str(adapter), "--prefix-cache-bytes", "0")
+    adapted = WorkerProc(tiny_model, "--prefix-cache-bytes", "0")
     try:
         cached.wait_ready()
         adapted.wait_ready()
         ask(cached, prompt=first)
         base_text, done = ask(cached, prompt=second)
         assert done["cached_tokens"] > 0
-        cached.send(SetAdapter(path=str(adapter)))
-        assert cached.next_event()["ev"] == "adapter_loaded"
-        text, done = ask(cached, prompt=second)
+        assert cached.ask(LoadAdapter(path=adapter))["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=second, lora=adapter)
         assert "cached_tokens" not in done
-        assert text == ask(adapted, prompt=second)[0] != base_text
+        assert text == ask(adapted, prompt=second, lora=adapter)[0] != base_text
         third = second + text + "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
-        text, done = ask(cached, prompt=third)
-        assert done["cached_tokens"] > 0 and text == ask(adapted, prompt=third)[0]
-        cached.send(SetAdapter(path=None))
-        assert cached.next_event()["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=third, lora=adapter)
+        assert done["cached_tokens"] > 0 and text == ask(adapted, prompt=third, lora=adapter)[0]
         text, done = ask(cached, prompt=second)
         assert done["cached_tokens"] > 0 and text == base_text
     finally:

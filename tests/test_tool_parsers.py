@@ -171,6 +171,28 @@ def test_a_forced_call_always_parses(walker, fmt, parallel):
                 assert set(required) <= set(json.loads(call.arguments)), text
 
 
+@pytest.mark.parametrize("fmt", tool_parsers.FORMATS)
+def test_a_forced_reply_cut_inside_a_call_keeps_the_calls_before_it(walker, fmt):
+    """max_tokens may end a forced reply of several calls anywhere: what is
+    kept is always the first calls, whole; cut inside the last call's
+    name, every call before it."""
+    lark = grammar(fmt, TOOLS, True)
+    for seed in range(40):
+        text = random_sentence(walker, lark, seed)
+        full = parse(fmt, text, TOOLS)[1]
+        if len(full) >= 2:
+            break
+    else:
+        pytest.fail("no sentence of two calls")
+    for at in range(1, len(text), 7):
+        found = tool_parsers.complete_calls(fmt, text[:at], TOOLS)
+        kept = [] if found is None else found[1]
+        assert found is None or found[0] == ""
+        assert kept == full[: len(kept)], (text[:at], kept)
+    inside_last = text.rfind(full[-1].name) + 1
+    assert tool_parsers.complete_calls(fmt, text[:inside_last], TOOLS)[1] == full[:-1]
+
+
 # -- the HTTP side: streaming hold-back, templates without tools ------------------
 
 

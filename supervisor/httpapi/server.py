@@ -552,7 +552,7 @@ class App:
             reply = make_reply(request_id, created, opts, i)
             tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
             think = (lambda: self._opens_think(msg)) if chat else None
-            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))
+            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools, opts.logprobs is not None))
         exchange = parts[0] if opts.n == 1 else Choices(parts, reply)
         for row, part in zip(msgs, parts):
             self.pool.submit(row, part, surface="http")

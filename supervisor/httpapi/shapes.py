@@ -31,6 +31,8 @@ from ipc.events import (
     UNLOADED,
     WORKER_CRASHED,
 )
+from ipc.messages import MAX_TOP_LOGPROBS
+from supervisor.httpapi.logprobs import chat_logprobs, completion_logprobs
 from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, forced_format, hermes_messages, history_calls, read_tools
 from supervisor.requests import BadRequest, ClientLine, from_fields
 
@@ -100,6 +102,7 @@ class HttpFields(msgspec.Struct):
     max_completion_tokens: sampling.MaxTokens | None = None
     n: int | None = None
     logprobs: Any = None
+    top_logprobs: Any = None
     echo: bool | None = None
     reasoning_effort: str | None = None
 
@@ -127,6 +130,9 @@ class Options(msgspec.Struct):
     tools: ToolRequest | None = None
     tool_format: str | None = None
     n: int = 1
+    # Log-probabilities asked for: the number of alternatives per token
+    # (None: none asked).
+    logprobs: int | None = None
     extra: Any = None  # what another API's answer needs of its request (supervisor.httpapi.responses)
 
 
@@ -152,15 +158,36 @@ def json_object(body: bytes) -> dict:
     return data
 
 
-def _http_fields(data: dict) -> HttpFields:
+def _http_fields(data: dict, chat: bool = True) -> HttpFields:
     fields = _convert(data, HttpFields, "")
     if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
         raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
-    if fields.logprobs not in (None, False, 0):
-        raise bad("logprobs are not supported", "logprobs")
+    fields.logprobs = _logprobs(fields) if chat else _completion_logprobs(fields.logprobs)
     if fields.echo:
         raise bad("echo is not supported", "echo")
     return fields
+
+
+def _top(value: object, name: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}", name)
+    return value
+
+
+def _logprobs(fields: HttpFields) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` as the count of
+    alternatives per token, None when not asked for."""
+    if fields.logprobs is not None and type(fields.logprobs) is not bool:
+        raise bad("logprobs must be a boolean", "logprobs")
+    top = None if fields.top_logprobs is None else _top(fields.top_logprobs, "top_logprobs")
+    if top is not None and not fields.logprobs:
+        raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if fields.logprobs else None
+
+
+def _completion_logprobs(value: object) -> int | None:
+    """The legacy completions' `logprobs`: the count of alternatives."""
+    return None if value is None else _top(value, "logprobs")
 
 
 # Choices one request may ask for (`n`): each is a row of its own in the
@@ -188,6 +215,9 @@ def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str, cons
         # thinking model can spend all of max_tokens before it. Unless the
         # client asks for thinking, the block is closed at once.
         line["reasoning_budget"] = 0
+    if fields.logprobs is not None:
+        line["logprobs"] = True
+        line["top_logprobs"] = fields.logprobs
     line["model"] = model
     line["id"] = request_id
     return line
@@ -205,7 +235,7 @@ def _client_line(line: dict) -> ClientLine:
 
 def _options(fields: HttpFields, model: str) -> Options:
     usage = bool(fields.stream and fields.stream_options and fields.stream_options.include_usage)
-    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1)
+    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1, logprobs=fields.logprobs)
 
 
 def _flatten(message: ChatMessage) -> dict:
@@ -274,7 +304,7 @@ def chat_request(
 
 def completion_request(data: dict, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
     """A /v1/completions body (decoded): its prompt is used verbatim, like a stdin `prompt`."""
-    fields = _http_fields(data)
+    fields = _http_fields(data, chat=False)
     model = model_name(data.get("model"))
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -315,6 +345,7 @@ class Reply:
         # Whether last() ends the stream (usage, [DONE]); with n > 1 choices
         # the request does that once all have ended (supervisor.httpapi.choices).
         self.closing = closing
+        self._offset = 0  # characters of the answer so far (completions' text_offset)
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
         self._head = head
         null_usage = b',"usage":null' if include_usage else b""
@@ -354,18 +385,38 @@ class Reply:
         body = {**self._head, "choices": choices, **extra}
         return b"data: " + _encode(body) + b"\n\n"
 
+    def logprobs(self, entries: list[dict] | None) -> dict | None:
+        """A choice's `logprobs` for the tokens of `entries` (the worker's)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self._offset)
+        self._offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    def logprob_piece(self, text: str, reasoning: bool, entries: list[dict]) -> bytes:
+        """The SSE chunk of one piece of text with its tokens' log-probabilities."""
+        extra = {"usage": None} if self.include_usage else {}
+        if self.chat:
+            choice = {"index": self.index, "delta": {"reasoning_content" if reasoning else "content": text}}
+        else:
+            choice = {"index": self.index, "text": text}
+        return self._chunk([{**choice, "logprobs": self.logprobs(entries), "finish_reason": None}], **extra)
+
     def first(self) -> bytes:
         """The chat stream's first chunk: the assistant role, no text yet."""
         extra = {"usage": None} if self.include_usage else {}
         return self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
 
-    def last(self, finish_reason: str, figures: dict | None) -> bytes:
-        """The closing chunks: the finish reason, the usage when asked for, [DONE]."""
+    def last(self, finish_reason: str, figures: dict | None, logprobs: list[dict] | None = None) -> bytes:
+        """The closing chunks: the finish reason, the usage when asked for,
+        [DONE]; `logprobs`: entries of tokens no earlier chunk showed."""
         extra = {"usage": None} if self.include_usage else {}
         if self.chat:
-            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": {}, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         out = self._chunk([choice], **extra)
         if not self.closing:
             return out
@@ -381,8 +432,10 @@ class Reply:
         extra = {"usage": None} if self.include_usage else {}
         return self._chunk([{"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
 
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
-        """The non-streamed answer."""
+    def whole(
+        self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None
+    ) -> bytes:
+        """The non-streamed answer; `logprobs`: every token's entry, when asked for."""
         head = {**self._head, "object": "chat.completion" if self.chat else "text_completion"}
         if self.chat:
             message = {"role": "assistant", "content": text}
@@ -390,9 +443,9 @@ class Reply:
                 message = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return _encode({**head, "choices": [choice], "usage": figures})
 
 

@@ -57,19 +57,22 @@ def cut_points(ids: list[int], marker: int | None) -> list[int]:
     return sorted(set(message_starts(ids, marker)) | set(grid))
 
 
-def chunk_ends(n: int, cuts: list[int], step: int, start: int) -> list[int]:
+def chunk_ends(n: int, cuts: list[int], step: int, start: int, fold: int = 0) -> list[int]:
     """End positions of the prefill chunks over ids[start:n].
 
     Chunks end at every cut and every `step` tokens after the previous cut,
     so the chunks after a cut are the same whether the prompt ran from 0 or
     resumed from a snapshot there: the arithmetic, and so the greedy output,
-    does not depend on the cache.
+    does not depend on the cache. A piece of at most `fold` tokens left
+    before a cut (or the prompt's end) is read with the chunk before it: a
+    forward pass of a few tokens reads all the weights, as long on a GPU as
+    a decode step, for almost no work.
     """
     ends = []
     prev = 0
     for cut in sorted({c for c in cuts if 0 < c < n} | {n}):
         pos = prev + step
-        while pos < cut:
+        while pos < cut - fold:
             ends.append(pos)
             pos += step
         ends.append(cut)

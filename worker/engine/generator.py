@@ -8,13 +8,15 @@ ids come out; nothing here knows about text or events. Each `step()`:
    device computes step t+1 while the caller streams step t.
 2. one prefill chunk of the rows that are still reading their prompts (the
    "prefill group"): one batched forward, right-padded to the longest row's
-   piece, in which each of the B rows reads up to max(prefill_step / B, 64)
-   prompt tokens (a lone row: prefill_step). Decode rows therefore stall
-   for at most one such chunk, max(prefill_step, 64 B) tokens, per token.
-   Rows admitted while a group reads join it at its next chunk; whenever
-   rows join or leave, every reading row's remaining pieces are cut again
-   for the new B. A row whose prompt is read (all but its last token)
-   joins the decode batch; the last prompt token is its first decode
+   piece, in which each of the B rows reads up to S = max(prefill_step / B,
+   64) prompt tokens (a lone row: prefill_step), and S / 4 more when that
+   leaves no short piece before its prompt's end or a cut (a pass of a few
+   tokens reads all the weights for almost no work). Decode rows therefore
+   stall for at most one such chunk, about max(prefill_step, 64 B) tokens,
+   per token. Rows admitted while a group reads join it at its next chunk;
+   whenever rows join or leave, every reading row's remaining pieces are
+   cut again for the new B. A row whose prompt is read (all but its last
+   token) joins the decode batch; the last prompt token is its first decode
    input.
 
 The prefix cache is used per row: a row resumes from the longest stored
@@ -59,6 +61,7 @@ computes while the caller streams them.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -70,7 +73,7 @@ from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, messa
 from worker.engine.batch_cache import BatchCache, batchable
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
-from worker.engine.sampling import BatchSampler, RowSampling
+from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
 from worker.runtime.gated_delta import CHUNK
 
@@ -79,6 +82,11 @@ log = logging.getLogger("worker")
 # The smallest prompt piece a row reads per forward in a group: the chunked
 # gated-delta prefill's own chunk; smaller pieces gain no parallelism there.
 MIN_PIECE = CHUNK
+# A piece of at most 1/FOLD of a chunk left before a cut or the prompt's end
+# is read with the chunk before it (chunk_ends), not in a pass of its own:
+# 32 chat prompts of 53-80 tokens arriving together (64-token pieces each)
+# are read in one pass.
+FOLD = 4
 
 
 @dataclass(eq=False)
@@ -106,6 +114,12 @@ class Row:
     draft_limit: int = 1 << 30
     drafted: int = 0
     accepted: int = 0
+    # Rows that ask for log-probabilities (sampling.logprobs): the draw
+    # that gave its pending token (and the row's place in it), and one
+    # (token, logprob, top) entry per token read, in the order step()
+    # gives the tokens; the caller takes them as it streams each token.
+    pending_lp: tuple[StepLogprobs, int] | None = None
+    logprobs: deque = field(default_factory=deque)
 
 
 class BatchFailed(Exception):
@@ -196,10 +210,14 @@ class TokenGenerator:
         one that is reading, which they join at its next chunk."""
         caches = []
         for row in rows:
-            # Chunks end at message starts, with or without a prefix cache, so
-            # a prompt resumed from a snapshot there computes what a cold one
-            # does (greedy output is the same with and without the cache).
-            row.cuts = cut_points(row.ids, self.chat_marker)
+            # A hybrid model's chunks end at message starts, with or without a
+            # prefix cache, so a prompt resumed from a snapshot there computes
+            # what a cold one does (greedy output is the same with and without
+            # the cache). An attention-only model resumes at any common
+            # prefix, so such cuts would only add forward passes: a chat
+            # prompt's `<|im_start|>assistant\n` read in one of its own, on a
+            # GPU as long as a decode step.
+            row.cuts = cut_points(row.ids, None if self.prefix_cache.trimmable else self.chat_marker)
             if 0 < self.kv_start < len(row.ids) - 1:
                 row.cuts = sorted({*row.cuts, self.kv_start})
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
@@ -235,7 +253,7 @@ class TokenGenerator:
         readers = sum(1 for row in rows if row.pos < len(row.ids) - 1)
         step = max(min(MIN_PIECE, self.prefill_step), self.prefill_step // max(1, readers))
         for row in rows:
-            row.ends = chunk_ends(len(row.ids) - 1, row.cuts, step, row.pos)
+            row.ends = chunk_ends(len(row.ids) - 1, row.cuts, step, row.pos, fold=step // FOLD)
 
     def remove(self, rows: list[Row]) -> None:
         """Drops rows (finished, cancelled or failed) and frees their state."""
@@ -363,9 +381,13 @@ class TokenGenerator:
             logits = self._forward(inputs)
         if not constrained:
             self._next = self.sampler(logits, inputs)
-            mx.async_eval(self._next)
-            return inputs.tolist()
+            self._async_eval_next()
+            tokens = inputs.tolist()
+            self.take_logprobs(tokens)
+            self.stash_logprobs()
+            return tokens
         tokens, pending = self._start_masks(inputs)
+        self.take_logprobs(tokens)
         if logits is None:
             logits = self._forward(inputs)
         hand_over = not (ahead and self.hand_over_at_once)
@@ -377,7 +399,8 @@ class TokenGenerator:
         if hand_over and not self.on_gpu:
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
-        mx.async_eval(self._next)
+        self._async_eval_next()
+        self.stash_logprobs()
         # A batch that may speculate reads its pending tokens before each step.
         speculating = self.speculator is not None and self.speculator.wants(self.decoding)
         if self.run_ahead and not self.prefilling and not speculating and not any(row.may_force for row in self.decoding):
@@ -387,6 +410,35 @@ class TokenGenerator:
                 # waits for the draw alone, not for this pass too.
                 mx.async_eval(self._ahead)
         return tokens
+
+    def _async_eval_next(self) -> None:
+        step = self.sampler.logprobs
+        if step is None:
+            mx.async_eval(self._next)
+        else:
+            mx.async_eval(self._next, *step.arrays)
+
+    def take_logprobs(self, tokens: list[int]) -> None:
+        """Queues, for each decode row that asks, the log-probabilities of
+        its token just read (`tokens`, in the batch's order; a forced one
+        included); a fresh row's input is its prompt's, not a token."""
+        if not self.sampler.wants_logprobs:
+            return  # (a row that asked and left took its pending draw with it)
+        for row, token in zip(self.decoding, tokens):
+            if row.pending_lp is not None and not row.fresh:
+                step, i = row.pending_lp
+                row.logprobs.append(step.entry(i, token, row.sampling.logprobs))
+                row.pending_lp = None
+
+    def stash_logprobs(self) -> None:
+        """Marks the sampler's last draw as the source of each asking row's
+        pending token."""
+        step = self.sampler.logprobs
+        if step is None:
+            return
+        for i, row in enumerate(self.decoding):
+            if row.sampling.logprobs is not None:
+                row.pending_lp = (step, i)
 
     def _forward(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward pass on `inputs` (B,): (B, V) logits."""

@@ -34,7 +34,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import msgspec
 
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
@@ -425,7 +424,9 @@ class Scheduler:
         for w, version in start:
             stream = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
             # A reasoning budget may force </think> (_stream).
-            row = Row(w.req.rid, w.ids, RowSampling(w.req, self.vocab_size, w.ids), constraint=w.constraint, may_force=stream.think.budget is not None)
+            row = Row(
+                w.req.rid, w.ids, RowSampling(w.req, self.vocab_size, w.ids, w.req.logprobs), constraint=w.constraint, may_force=stream.think.budget is not None
+            )
             row.speculative = self.speculator is not None and w.req.speculative
             row.draft_limit = stream.draft_limit()
             if version is not None:
@@ -456,6 +457,8 @@ class Scheduler:
             raise row.broken
         if token is None:
             return None
+        if row.logprobs:
+            return self.streams[row].feed(token, row.logprobs.popleft())
         return self.streams[row].feed(token)
 
     def _read(self, out: list[tuple[Row, int | None]]) -> None:
@@ -559,13 +562,10 @@ class Scheduler:
         generator = self._generator(PrefixCache(self.loaded.model, 0), speculate=False)
         default = Sampling()
         greedy = Sampling(temperature=0.0)
-        # With the default adapter, as requests without a `lora` will run.
-        adapter = self.adapters.resolve(msgspec.UNSET, self.adapters.arrival())
-        slot = adapter.slot if isinstance(adapter, Version) else None
 
         def row(i: int, params: Sampling) -> Row:
             ids = self.codec.encode("<|im_start|>user\nwarm up" + " up" * i + "<|im_end|>\n") or [0]
-            return Row(0, ids, RowSampling(params, self.vocab_size, ids), slot=slot)
+            return Row(0, ids, RowSampling(params, self.vocab_size, ids))
 
         def run(rows: list[Row], steps: int) -> None:
             generator.start(rows)
@@ -582,6 +582,6 @@ class Scheduler:
         while rows:
             generator.step()
             generator.remove([rows.pop()])
-        self.adapters.route([slot])
+        self.adapters.route([None])
         self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
         mx.clear_cache()

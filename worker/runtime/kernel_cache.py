@@ -9,6 +9,9 @@ compiled decode steps) against 15-17 s with a full one (docs/performance.md).
 Workers keep them in the user's cache dir instead, one directory per mlx
 version and GPU (mlx's file names do not say which architecture a kernel
 was built for). A `MLX_PTX_CACHE_DIR` set by the user stands.
+
+The same goes for mlx's check on its CUDA caches of compiled graphs, which
+a long-lived worker would trip (no_thrashing_abort).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from ipc.paths import pool_cache_dir
@@ -24,6 +27,7 @@ from ipc.paths import pool_cache_dir
 log = logging.getLogger("worker")
 
 ENV = "MLX_PTX_CACHE_DIR"
+THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 
 
 def kernel_cache_dir(env: Mapping[str, str], mlx_version: str, gpu: str) -> Path | None:
@@ -56,3 +60,19 @@ def keep_kernels() -> Path | None:
         return None
     os.environ[ENV] = str(path)
     return path
+
+
+def no_thrashing_abort(env: MutableMapping[str, str]) -> bool:
+    """Turns off mlx's cache thrashing check on CUDA unless the user set it;
+    True when it did. mlx keeps a cuDNN attention graph per prefill shape and
+    a CUDA graph per captured op sequence in LRU caches, and counts their
+    misses over the process's whole life: past twice a cache's capacity
+    (512 for attention graphs) every further miss raises "Cache thrashing
+    is happening". Nearly every fresh prompt length is a new attention
+    shape, so a long-lived worker would start failing requests after some
+    hundreds of them; without the check the caches still evict as before.
+    Runs before anything imports mlx: the caches read it when they are made."""
+    if THRASHING_CHECK in env:
+        return False
+    env[THRASHING_CHECK] = "0"
+    return True
