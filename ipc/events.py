@@ -138,6 +138,15 @@ def encode_done(
     return line + LINE_END
 
 
+def encode_embedding(index: int, vector_b64: str, prompt_tokens: int, id_json: str | None = None) -> bytes:
+    """One input's vector of an embeddings request (base64 of its float32
+    values, little-endian, as OpenAI's `encoding_format: base64`): one line
+    per input, so a line is one vector long whatever the request."""
+    tail = "" if id_json is None else ',"id":' + id_json
+    body = '{"ev":"embedding","index":%d,"prompt_tokens":%d,"embedding":"%s"%s}\n' % (index, prompt_tokens, vector_b64, tail)
+    return PREFIX + body.encode()
+
+
 def tokens_per_second(gen_tokens: int, total_ms: int) -> float:
     """chat_metal's definition: gen_tokens / (total_ms / 1000), 0.0 for 0 ms."""
     return gen_tokens / (total_ms / 1000.0) if total_ms > 0 else 0.0

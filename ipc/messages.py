@@ -212,6 +212,30 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
     path: str
 
 
+# -- embeddings (models of kind "embedding"; docs/http.md) --------------------
+# Inputs one Embed carries (OpenAI's own bound on a request's inputs): the
+# supervisor refuses more before any worker sees them.
+MAX_EMBED_INPUTS = 2048
+
+
+class Embed(msgspec.Struct, tag="embed", frozen=True):
+    """Embeddings of several inputs, each a text or the model's token ids.
+    The worker answers with one `embedding` line per input, in any order,
+    each holding one vector (`index` says which input): so every line stays
+    one vector long however many inputs come; then one final `gen_token`
+    done line (prompt_tokens: every input's, gen_tokens 0), or one error.
+    An input longer than the model's context is cut to it when `truncate`
+    is set, else the request is refused."""
+
+    rid: int
+    inputs: list[str | list[int]]
+    # Keep the first `dimensions` values (then normalised again), as
+    # Matryoshka-trained models (Qwen3-Embedding) and OpenAI's API allow.
+    dimensions: int | None = None
+    truncate: bool = False
+    id_json: str | None = None
+
+
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     pass
 
@@ -220,4 +244,4 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Stats | Shutdown
+ToWorker = Generate | Embed | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Stats | Shutdown

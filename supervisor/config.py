@@ -63,6 +63,9 @@ MAX_WARM_TEXT = 64 * 1024
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
+    # What the name serves: "chat" (generation) or "embedding" (vectors:
+    # /v1/embeddings, Ollama's /api/embed, the `embed` op; docs/http.md).
+    kind: Literal["chat", "embedding"] = "chat"
     lora: str | None = None
     tokenizer_dir: str | None = None
     preload: bool = False

@@ -339,7 +339,7 @@ class ControlServer:
                     encode_error('a generation request on the control socket is an op: {"op":"generate", ...}; or send it on stdin', BAD_REQUEST, id_json)
                 )
                 return
-            if msg.op == "generate":
+            if msg.op in ("generate", "embed"):
                 self._generate(client, msg)
                 return
             task = self.pool.op(msg, client.write)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ipc.messages import Generate
+from ipc.messages import Embed, Generate
 from supervisor.spec import ModelSpec
 
 
@@ -23,7 +23,7 @@ class Job:
     once when its line was parsed; `key` is the same text as bytes, which is
     how the worker's lines name it (ipc.worker_events.line_id)."""
 
-    generate: Generate
+    generate: Generate | Embed  # what the worker is sent (an Embed for the `embed` op)
     spec: ModelSpec
     sink: Sink
     surface: str = "stdin"  # where it came from: "stdin" (also run/chat) or "http"

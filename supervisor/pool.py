@@ -34,12 +34,13 @@ from ipc.events import (
     encode_error,
     encode_event,
 )
-from ipc.messages import Generate
+from ipc.messages import Embed, Generate
 from ipc.sampling import given
 from ipc.worker_events import Done
 from supervisor.adapters import AdapterCopies, AdapterWatches
 from supervisor.child import worker_command
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
+from supervisor.embeddings import embed_inputs, inputs_size, wrong_kind
 from supervisor.job import Job, Sink
 from supervisor.names import Name
 from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
@@ -239,7 +240,17 @@ class Pool:
         if id_json is not None and id_json in self._active:
             refuse(BAD_REQUEST, f"duplicate id {id_json}: a request with this id is still running; this line is refused")
             return
-        if prompt_bytes(msg, self.max_prompt_bytes) > self.max_prompt_bytes:
+        embed = msg.op == "embed"
+        if embed:
+            try:
+                inputs = embed_inputs(msg.input)
+            except ValueError as exc:
+                refuse(BAD_REQUEST, str(exc))
+                return
+            if inputs_size(inputs, self.max_prompt_bytes) > self.max_prompt_bytes:
+                refuse(BAD_REQUEST, f"input is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes of text and token ids)")
+                return
+        elif prompt_bytes(msg, self.max_prompt_bytes) > self.max_prompt_bytes:
             refuse(BAD_REQUEST, f"prompt is longer than max_prompt_bytes ({self.max_prompt_bytes} bytes)")
             return
         try:
@@ -251,10 +262,18 @@ class Pool:
         except UnknownModel as exc:
             refuse(BAD_REQUEST if msg.model is None else UNKNOWN_MODEL, str(exc))
             return
+        if (wrong := wrong_kind(spec, embed)) is not None:
+            refuse(BAD_REQUEST, wrong)
+            return
         if id_json is not None and (full := self._full(spec)):
             refuse(OVERLOADED, full)
             return
-        job = Job(self._generate(msg, spec, next(self._rids)), spec, sink, surface)
+        rid = next(self._rids)
+        if embed:
+            request = Embed(rid=rid, inputs=inputs, dimensions=msg.dimensions, truncate=bool(msg.truncate), id_json=id_json)
+        else:
+            request = self._generate(msg, spec, rid)
+        job = Job(request, spec, sink, surface)
         self._live_jobs += 1
         self.live_by_surface[surface] += 1
         self._all_idle.clear()
@@ -498,7 +517,7 @@ class Pool:
         stdin; lifecycle events (loading, ready, unloaded...) always go to
         stdout. Returns the task that will still write a reply, if any."""
         id_json = msg.id_json
-        if msg.op == "generate":
+        if msg.op in ("generate", "embed"):
             self.submit(msg, None if answer is None else _Answering(answer))
             return None
         if msg.op == "status":

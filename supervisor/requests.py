@@ -25,7 +25,9 @@ log = logging.getLogger("lattice.requests")
 
 # `generate` is a generation request sent on the control socket, where a
 # line without op is refused (its lines go back to that connection alone).
-OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate"})
+# `embed`: embeddings of `input` (supervisor.embeddings), for a model of
+# kind "embedding"; its lines are one `embedding` line per input, then done.
+OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate", "embed"})
 
 StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
@@ -58,6 +60,12 @@ class ClientLine(SamplingFields, dict=True):
     # with the top_logprobs likeliest alternatives.
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # The `embed` op's: a text, a list of texts, token ids or lists of them
+    # (checked by supervisor.embeddings.embed_inputs), the vectors' length,
+    # and whether an input over the model's context is cut (else refused).
+    input: Any = None
+    dimensions: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    truncate: bool | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:
@@ -266,6 +274,8 @@ def _checked(msg: ClientLine) -> ClientLine:
             raise BadRequest(f'op {msg.op!r} needs a "model" field', id_json)
         if msg.op == "cancel" and msg.id is None:
             raise BadRequest('op "cancel" needs the "id" of the request to cancel')
+        if msg.op == "embed" and msg.id is None:
+            raise BadRequest('op "embed" needs an "id": its lines carry it')
         if msg.op != "generate":
             return msg
         if msg.id is None:

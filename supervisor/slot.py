@@ -44,6 +44,7 @@ from ipc.worker_events import (
     Heartbeat,
     Loading,
     Malformed,
+    Other,
     Ready,
     WorkerStats,
     holds,
@@ -440,6 +441,16 @@ class WorkerSlot:
             case AdapterUnloaded(lora=lora, resident=resident):
                 # The pool has answered the unload with `unloaded` already.
                 log.info("%s: adapter %s unloaded (was resident: %s)", self._describe(), lora, resident)
+            case Other(ev="embedding"):
+                # One vector of an embeddings request: relayed as a token line is.
+                job = self.in_flight.get(line_id(line))
+                if job is None:
+                    log.warning("%s: embedding line of no request in flight dropped", self._describe())
+                    return
+                if not job.emitted:
+                    self._emitted(job)
+                self._idle_since = None
+                job.sink.write(line)
             case Malformed(why=why, terminal=terminal):
                 if terminal and self.in_flight:
                     # Which request it meant to end cannot be read: the

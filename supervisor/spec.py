@@ -47,6 +47,10 @@ class ModelSpec:
     # ("text", TEXT) or ("file", PATH) per warm prompt.
     warm_prompts: tuple[tuple[str, str], ...] = ()
     kv: tuple[int, int, int] | None = None  # (kv_bits, kv_group_size, quantized_kv_start); None: the model's dtype
+    # "chat" or "embedding": which requests the name takes. Not part of the
+    # worker's key: a worker computes both, so a chat name and an embedding
+    # name of one model share it.
+    kind: str = "chat"
 
     @property
     def key(self) -> tuple:

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import openai
 import psutil
@@ -296,6 +297,9 @@ def test_api_key_and_connection_limit(tiny_model, tmp_path, spawn_pool):
         assert exc.value.body["code"] == "invalid_api_key"
     status_code, body = post(pool, "/chat/completions", json.dumps({"messages": HI}).encode())
     assert status_code == 401 and body["error"]["code"] == "missing_api_key"
+    # The embeddings routes too, OpenAI's and Ollama's.
+    assert post(pool, "/embeddings", json.dumps({"input": "Hi"}).encode())[0] == 401
+    assert post(SimpleNamespace(url=pool.url.removesuffix("/v1")), "/api/embed", json.dumps({"input": "Hi"}).encode())[0] == 401
     with client(pool, api_key="s3cret") as c:
         assert [(m.id, m.loaded) for m in c.models.list().data] == [("tiny", False)]
     # With a key, the pool may sit behind any name (a browser cannot send the key on a page's behalf).

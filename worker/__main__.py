@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
         scheduler = build_scheduler(args, loaded, codec, server, group, prefix_disk)
         warm(args, scheduler, prefix_disk)
+        start_embedder(args, loaded, codec, server, group, scheduler)
     except StartError as exc:
         return fatal(str(exc), exc.code)
     say_ready(args, t0, loaded, codec, server, group, scheduler)
@@ -446,6 +447,30 @@ def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
         if recent:
             log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
     release_free_memory()
+
+
+def start_embedder(args: argparse.Namespace, loaded, codec, server, group, scheduler) -> None:
+    """Embed requests' engine (worker.engine.embed), warmed up; a model it
+    cannot serve, or a group, refuses them instead."""
+    from worker.engine.embed import Embedder, EmbedError
+
+    if group is not None:
+        server.embed_refusal = "a model split over several processes (ranks > 1) computes no embeddings"
+        return
+    try:
+        server.embedder = Embedder(
+            loaded.model,
+            loaded.config,
+            codec,
+            server.channel.write,
+            max_context=scheduler.prompts.max_context,
+            chunk=scheduler.prefill_step,
+            max_prompt_bytes=args.max_prompt_bytes,
+            route=scheduler.adapters.route,
+        )
+        server.embedder.warm_up()
+    except EmbedError as exc:
+        server.embed_refusal = f"this model cannot compute embeddings: {exc}"
 
 
 def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group, scheduler) -> None:

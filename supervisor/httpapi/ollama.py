@@ -335,7 +335,7 @@ async def info(app, path: str, body: bytes) -> bytes:
             "template": "",
             "details": _details(name, pool),
             "model_info": {},
-            "capabilities": ["completion", "tools", "thinking"],
+            "capabilities": ["embedding"] if entry is not None and entry.kind == "embedding" else ["completion", "tools", "thinking"],
             "modified_at": _now(),
             "license": "",
             "lora": entry.lora if entry is not None else None,

@@ -41,7 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
-from supervisor.httpapi import anthropic, ollama, responses
+from supervisor.httpapi import anthropic, embeddings, ollama, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
@@ -433,6 +433,9 @@ class App:
             "/api/ps": ("GET", self._ollama_info),
             "/api/version": ("GET", self._ollama_info),
             "/api/show": ("POST", self._ollama_info),
+            "/v1/embeddings": ("POST", self._embeddings),
+            "/api/embed": ("POST", self._embeddings),
+            "/api/embeddings": ("POST", self._embeddings),
         }
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", self._model)
@@ -509,6 +512,43 @@ class App:
             answer = await ollama.info(self, scope["path"], body)
         except HttpError as exc:
             raise ollama.error(exc) from None
+        await _send_json(send, 200, answer)
+
+    async def _embeddings(self, scope, receive, send) -> None:
+        """/v1/embeddings, and Ollama's /api/embed and /api/embeddings (their
+        errors in Ollama's shape): one `embed` request to the pool."""
+        path = scope["path"]
+        try:
+            self._json_body(scope)
+            body = await _read_body(scope, receive, self.max_body, self.request_timeout)
+            request_id = "embd-" + secrets.token_hex(12)
+            if path == "/v1/embeddings":
+                msg, request = embeddings.openai_request(body, request_id, self._model_name)
+            else:
+                msg, request = embeddings.ollama_request(body, request_id, self._model_name, legacy=path == "/api/embeddings")
+            vectors = embeddings.Vectors(request_id, request.count)
+            self.pool.submit(msg, vectors, surface="http")
+            scope[_POOL_ANSWERS] = True
+            gone = asyncio.ensure_future(_disconnected(receive))
+            gone.add_done_callback(lambda _: vectors.changed.set())
+            try:
+                while not vectors.ended and not gone.done():
+                    vectors.changed.clear()
+                    await vectors.changed.wait()
+            finally:
+                gone.cancel()
+                if not vectors.ended:
+                    self.pool.cancel(msg.id_json, _ignore)  # the client left
+            if request.keep_alive is not False:
+                with contextlib.suppress(UnknownModel):  # its path broke meanwhile
+                    self.pool.keep_alive(self.pool.resolve(msg.model), request.keep_alive)
+            if not vectors.ended:
+                return
+            if vectors.error is not None:
+                raise vectors.error
+            answer = embeddings.answer(request, vectors)
+        except HttpError as exc:
+            raise (exc if path == "/v1/embeddings" else ollama.error(exc)) from None
         await _send_json(send, 200, answer)
 
     async def _generate(self, scope: dict, receive, send, prefix: str, parse, make_reply) -> None:

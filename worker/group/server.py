@@ -34,7 +34,7 @@ from worker.group.plan import GroupPlan, plan
 from worker.runtime.loader import LazyModel, LoadedModel
 from worker.runtime.memory import memory_figures
 from worker.shell.channel import EventChannel
-from worker.shell.inbox import Arrived, IdleRelease, Item, Wake
+from worker.shell.inbox import Arrived, EmbedArrived, IdleRelease, Item, Wake
 from worker.shell.server import WorkerServer
 
 log = logging.getLogger("worker")
@@ -92,6 +92,9 @@ class LeaderServer(WorkerServer):
         for item in items:
             match item:
                 case Wake():
+                    continue
+                case EmbedArrived():
+                    kept.append(item)  # refused here (WorkerServer._embed): a group computes no embeddings
                     continue
                 case Arrived(req=req) if req.lora is not None:
                     self.channel.write(encode_error(NO_ADAPTERS, ADAPTER_ERROR, req.id_json))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Shutdown, UnloadAdapter
+from ipc.messages import Cancel, Embed, Generate, LoadAdapter, ReloadAdapter, Shutdown, UnloadAdapter
 
 
 class Arrived(msgspec.Struct, frozen=True):
@@ -19,6 +19,13 @@ class Arrived(msgspec.Struct, frozen=True):
     time to first token counts from then."""
 
     req: Generate
+    at: float
+
+
+class EmbedArrived(msgspec.Struct, frozen=True):
+    """An embeddings request (worker.engine.embed), and when its frame was read."""
+
+    req: Embed
     at: float
 
 
@@ -34,4 +41,4 @@ class IdleRelease(msgspec.Struct, tag="idle_release", frozen=True):
     own)."""
 
 
-Item = Arrived | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Shutdown | IdleRelease | Wake
+Item = Arrived | EmbedArrived | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Shutdown | IdleRelease | Wake

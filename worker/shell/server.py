@@ -21,12 +21,13 @@ import time
 
 from ipc.events import BAD_REQUEST, encode_error, encode_event
 from ipc.framing import read_messages
-from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Shutdown, Stats, UnloadAdapter
+from ipc.messages import Cancel, Embed, Generate, LoadAdapter, ReloadAdapter, Shutdown, Stats, UnloadAdapter
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
+from worker.engine.embed import Embedder
 from worker.engine.scheduler import Scheduler
 from worker.runtime.memory import memory_figures
 from worker.shell.channel import EventChannel
-from worker.shell.inbox import Arrived, IdleRelease, Item, Wake
+from worker.shell.inbox import Arrived, EmbedArrived, IdleRelease, Item, Wake
 
 log = logging.getLogger("worker")
 
@@ -37,6 +38,10 @@ class WorkerServer:
         self.channel = channel
         self.request_fd = request_fd
         self.scheduler: Scheduler | None = None
+        # Embed requests (worker.engine.embed); None where the model cannot
+        # embed (or is split over processes): they are refused.
+        self.embedder: Embedder | None = None
+        self.embed_refusal = "this worker does not compute embeddings"
         self.format = "unknown"
         self.weights_bytes = 0
         self.processor: str | None = None  # set once the model is loaded
@@ -62,6 +67,7 @@ class WorkerServer:
             while True:
                 time.sleep(interval_s)
                 busy = self.scheduler is not None and self.scheduler.busy
+                busy = busy or (self.embedder is not None and (self.embedder.has_work or self.embedder.running))
                 self.channel.write(encode_event(HEARTBEAT, busy=busy))
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
@@ -73,6 +79,8 @@ class WorkerServer:
                 match msg:
                     case Generate():
                         items.append(Arrived(msg, time.perf_counter()))
+                    case Embed():
+                        items.append(EmbedArrived(msg, time.perf_counter()))
                     case Stats():
                         self.channel.write(self.stats_event())
                     case _:
@@ -112,13 +120,20 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         scheduler = self.scheduler
+        embedder = self.embedder
         stopping = False
         while True:
-            block = not scheduler.has_work
+            block = not scheduler.has_work and not (embedder is not None and embedder.has_work)
             if stopping and block and not scheduler.busy and not scheduler.adapters.reading:
                 log.info("shutdown requested; exiting")
                 return
             stopping = self._apply(self._take(block)) or stopping
+            if embedder is not None and embedder.has_work:
+                embedder.step()
+                if not embedder.has_work and not scheduler.busy:
+                    # MLX's buffers of the last forward go back after
+                    # idle_release_s, as after a batch of generations.
+                    scheduler.idle_since = time.monotonic()
             scheduler.step()
 
     def _take(self, block: bool) -> list[Item]:
@@ -147,8 +162,11 @@ class WorkerServer:
             match item:
                 case Arrived(req=req, at=at):
                     scheduler.submit(req, at)
+                case EmbedArrived(req=req, at=at):
+                    self._embed(req, at)
                 case Cancel(rid=rid):
-                    scheduler.cancel(rid)
+                    if self.embedder is None or not self.embedder.cancel(rid):
+                        scheduler.cancel(rid)
                 case LoadAdapter() | ReloadAdapter() | UnloadAdapter():
                     scheduler.adapter_message(item)
                 case IdleRelease():
@@ -160,3 +178,9 @@ class WorkerServer:
                 case Wake():
                     pass  # the step after it settles the read
         return stopping
+
+    def _embed(self, msg: Embed, arrived: float) -> None:
+        if self.embedder is None:
+            self.channel.write(encode_error(self.embed_refusal, BAD_REQUEST, msg.id_json))
+        else:
+            self.embedder.submit(msg, arrived)
