@@ -12,15 +12,18 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
 - `kv`: one process per setting (the model's dtype, 8 and 4 bits) prefills
   `--kv-tokens` tokens in the worker's chunks; the attention caches' bytes
   and MLX's peak memory, as ratios to the model's dtype in the same round.
+  `--kv-dtype bfloat16` computes in bf16 on the CPU too (a CPU worker
+  computes in float32), so that the ratios are those to a bf16 cache.
 - `decode`: tokens per second of N = 1 and N = 8 rows at a
-  `--decode-context`-token prompt, 8-bit KV against the model's dtype
-  (with the compiled decode step, the default, and op by op, as the
-  quantized step runs), alternated in one process.
+  `--decode-context`-token prompt, 8-bit KV against the model's dtype,
+  both with the compiled decode step (the default), and the model's dtype
+  op by op too, alternated in one process.
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
 
     python -m bench.long_context [--size tiny] [--tokens 26000] [--rounds 5] [--parts restart,kv,decode,quality]
+    python -m bench.long_context --size 8b --rounds 3 --kv-rounds 3   # a GPU: Qwen3-8B's shape (or --model DIR)
 """
 
 from __future__ import annotations
@@ -119,15 +122,24 @@ def part_restart(args, path: Path, system: str, record) -> None:
 # -- kv: bytes and peak memory, one process per setting ----------------------------
 
 
-def kv_child(path: Path, bits: int, tokens: int) -> dict:
+def prefill_step() -> int:
+    """The worker's prefill chunk on this machine."""
+    import mlx.core as mx
+
+    from worker.runtime.defaults import PREFILL_STEP_CPU, PREFILL_STEP_GPU
+
+    return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
+
+
+def kv_child(path: Path, bits: int, tokens: int, dtype: str) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     from worker.engine import kv_quant
-    from worker.runtime.defaults import PREFILL_STEP_CPU
     from worker.runtime.loader import load
 
-    loaded = load(path)
+    step = prefill_step()
+    loaded = load(path, cpu_float32=dtype == "float32")
     if bits:
         kv_quant.install(loaded.model, bits, args_group(loaded))
     ids = mx.random.randint(3, 600, (tokens,), key=mx.random.key(0)).astype(mx.uint32)
@@ -137,12 +149,20 @@ def kv_child(path: Path, bits: int, tokens: int) -> dict:
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     t0 = time.perf_counter()
-    for at in range(0, tokens, PREFILL_STEP_CPU):
-        loaded.model(ids[None, at : at + PREFILL_STEP_CPU], cache=cache)
+    for at in range(0, tokens, step):
+        loaded.model(ids[None, at : at + step], cache=cache)
         mx.eval([c.state for c in cache])
     seconds = time.perf_counter() - t0
     kv = sum(c.nbytes for c in cache if isinstance(c, (KVCache, QuantizedKVCache)))
-    return {"bits": bits, "kv_bytes": kv, "peak_bytes": mx.get_peak_memory() - base, "weights_bytes": loaded.weights_bytes, "prefill_s": round(seconds, 2)}
+    dtype = next(c.keys.dtype if isinstance(c.keys, mx.array) else c.keys[1].dtype for c in cache if isinstance(c, (KVCache, QuantizedKVCache)))
+    return {
+        "bits": bits,
+        "kv_bytes": kv,
+        "peak_bytes": mx.get_peak_memory() - base,
+        "weights_bytes": loaded.weights_bytes,
+        "prefill_s": round(seconds, 2),
+        "dtype": str(dtype),
+    }
 
 
 def args_group(loaded) -> int:
@@ -158,7 +178,8 @@ def part_kv(args, path: Path, record) -> None:
         order = (0, 8, 4) if r % 2 == 0 else (4, 8, 0)
         for bits in order:
             out = subprocess.run(
-                [sys.executable, "-m", "bench.long_context", "--kv-child", str(bits), "--model", str(path), "--kv-tokens", str(args.kv_tokens)],
+                [sys.executable, "-m", "bench.long_context", "--kv-child", str(bits), "--model", str(path), "--kv-tokens", str(args.kv_tokens)]
+                + ["--kv-dtype", args.kv_dtype],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -188,13 +209,13 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.runtime.loader import load
 
     # "0": the model's dtype, decode step compiled (the default); "0e": the
-    # same, op by op, as the quantized step runs ("8": 8 bits).
+    # same, op by op; "8": 8 bits, compiled.
     engines = {}
     for key in ("0", "0e", "8"):
         loaded = load(path)
         if key == "8":
             kv_quant.install(loaded.model, 8, args_group(loaded))
-        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key == "0")
+        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key != "0e")
         s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
@@ -248,9 +269,9 @@ def part_quality(args, path: Path, codec, record) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from worker.engine import kv_quant
-    from worker.runtime.defaults import PREFILL_STEP_CPU
     from worker.runtime.loader import load
 
+    step = prefill_step()
     models = {}
     for bits in (0, 8, 4):
         loaded = load(path)
@@ -262,8 +283,8 @@ def part_quality(args, path: Path, codec, record) -> None:
     def mean_logprob(model) -> float:
         cache = make_prompt_cache(model)
         total, count = 0.0, 0
-        for at in range(0, len(ids) - 1, PREFILL_STEP_CPU):
-            piece = ids[at : at + PREFILL_STEP_CPU + 1]
+        for at in range(0, len(ids) - 1, step):
+            piece = ids[at : at + step + 1]
             logits = model(mx.array(piece[:-1])[None], cache=cache)[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             total += mx.take_along_axis(lp, mx.array(piece[1:])[:, None], axis=-1).sum().item()
@@ -272,8 +293,8 @@ def part_quality(args, path: Path, codec, record) -> None:
 
     def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
         cache = make_prompt_cache(model)
-        for at in range(0, len(prompt_ids) - 1, PREFILL_STEP_CPU):
-            model(mx.array(prompt_ids[at : min(at + PREFILL_STEP_CPU, len(prompt_ids) - 1)])[None], cache=cache)
+        for at in range(0, len(prompt_ids) - 1, step):
+            model(mx.array(prompt_ids[at : min(at + step, len(prompt_ids) - 1)])[None], cache=cache)
         token = prompt_ids[-1]
         out = []
         for _ in range(n):
@@ -311,6 +332,9 @@ def main() -> int:
     p.add_argument("--parts", default="restart,kv,decode,quality")
     p.add_argument("--kv-tokens", type=int, default=32768)
     p.add_argument("--kv-rounds", type=int, default=5)
+    p.add_argument(
+        "--kv-dtype", choices=("float32", "bfloat16"), default="float32", help="the kv part's compute dtype on the CPU (a GPU computes in the model's)"
+    )
     p.add_argument("--decode-context", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--quality-tokens", type=int, default=4096)
@@ -325,7 +349,7 @@ def main() -> int:
 
     path = args.model or demo_model(args.size)
     if args.kv_child is not None:
-        print(json.dumps(kv_child(path, args.kv_child, args.kv_tokens)))
+        print(json.dumps(kv_child(path, args.kv_child, args.kv_tokens, args.kv_dtype)))
         return 0
     from worker.text.tokenizer import TextCodec
 

@@ -91,6 +91,8 @@ def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None)
             args += ["--prefix-disk-bytes", str(disk_bytes)]
     if spec.kv is not None:
         args += ["--kv-bits", str(spec.kv[0]), "--kv-group-size", str(spec.kv[1])]
+        if spec.kv[2]:
+            args += ["--quantized-kv-start", str(spec.kv[2])]
     for kind, value in spec.warm_prompts:
         # One argument with "=": a prompt that starts with "-" stays a value.
         args.append(f"--warm-prompt={value}" if kind == "text" else f"--warm-prompt-file={value}")

@@ -102,11 +102,16 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # groups of kv_group_size values (a divisor of the head dimension).
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] = 64
+    # A row's attention cache stays in the model's dtype until it holds this
+    # many tokens (0: quantized from the first; docs/context.md says why).
+    quantized_kv_start: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: speculative decoding (draft) does not run on a model split over ranks")
         parse_size(self.prefix_cache_disk_bytes)
+        if self.quantized_kv_start and self.kv_bits is None:
+            raise ValueError(f"model {self.name!r}: quantized_kv_start is set without kv_bits")
         if (self.kv_bits is not None or self.warm_prompts) and self.ranks > 1:
             raise ValueError(f"model {self.name!r}: kv_bits and warm_prompts are for a model in one process (ranks = 1)")
         for text in self.warm_prompts:

@@ -87,7 +87,7 @@ class Resolver:
             **draft_of(entry),
             max_context=entry.max_context,
             prefix_disk_bytes=parse_size(entry.prefix_cache_disk_bytes),
-            kv=(entry.kv_bits, entry.kv_group_size) if entry.kv_bits is not None else None,
+            kv=(entry.kv_bits, entry.kv_group_size, entry.quantized_kv_start) if entry.kv_bits is not None else None,
             warm_prompts=tuple(("text", w) if isinstance(w, str) else ("file", str(expand(w.file))) for w in entry.warm_prompts),
             kind=entry.kind,
         )

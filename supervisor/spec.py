@@ -46,7 +46,7 @@ class ModelSpec:
     prefix_disk_bytes: int | None = None  # None: the pool's prefix_cache_disk_bytes
     # ("text", TEXT) or ("file", PATH) per warm prompt.
     warm_prompts: tuple[tuple[str, str], ...] = ()
-    kv: tuple[int, int] | None = None  # (kv_bits, kv_group_size); None: the model's dtype
+    kv: tuple[int, int, int] | None = None  # (kv_bits, kv_group_size, quantized_kv_start); None: the model's dtype
     # "chat" or "embedding": which requests the name takes. Not part of the
     # worker's key: a worker computes both, so a chat name and an embedding
     # name of one model share it.

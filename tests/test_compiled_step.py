@@ -66,19 +66,30 @@ def twin_steps(model, vocab: int, prompts: list[list[int]], steps: int, leave_at
         fast = compiled.forward(inputs, fast_cache.layers)
         # Buffers stay at multiples of 256 columns, whatever rows leaving or
         # joining left, so traces are shared.
-        assert all(c.keys.shape[2] % 256 == 0 for c in fast_cache.layers if hasattr(c, "keys"))
+        assert all(_first(c.keys).shape[2] % 256 == 0 for c in fast_cache.layers if hasattr(c, "keys"))
         worst = max(worst, float(mx.max(mx.abs(eager - fast)).item()))
         inputs = mx.argmax(eager, axis=-1).astype(mx.uint32)
     # The caches the two sides left are the same (the compiled side's only
     # reach the columns it filled).
     for e, f in zip(eager_cache.layers, fast_cache.layers):
         if hasattr(e, "keys"):
-            n = e.keys_and_values()[0].shape[2]
-            assert np.allclose(np.array(e.keys_and_values()[0]), np.array(f.keys[..., :n, :]), atol=LOGIT_TOLERANCE)
+            keys = e.keys_and_values()[0]
+            n = _first(keys).shape[2]
+            for x, y in zip(_parts(keys), _parts(f.keys)):
+                assert np.allclose(np.array(x), np.array(y[..., :n, :]), atol=LOGIT_TOLERANCE)
             assert np.array_equal(np.array(e.offset), np.array(f.offset))
         else:
             assert np.allclose(np.array(e[1]), np.array(f[1]), atol=LOGIT_TOLERANCE)
     return worst
+
+
+def _parts(keys) -> tuple:
+    """A cache's key arrays: one, or a quantized cache's packed values, scales and biases."""
+    return keys if isinstance(keys, tuple) else (keys,)
+
+
+def _first(keys):
+    return _parts(keys)[0]
 
 
 def prompts_of(vocab: int, lengths) -> list[list[int]]:
@@ -108,6 +119,16 @@ def test_a_left_padded_batch_steps_as_the_model_does_while_rows_leave_and_join(h
 def test_an_attention_only_model_steps_as_it_does_alone(dense_model):
     model, vocab = load_model(dense_model)
     assert twin_steps(model, vocab, prompts_of(vocab, [60, 9, 255]), steps=6, leave_at=3) <= LOGIT_TOLERANCE
+
+
+def test_quantized_caches_step_as_the_model_does(tiny_model):
+    from worker.engine import kv_quant
+
+    model, vocab = load_model(tiny_model)
+    kv_quant.install(model, 8, 32)
+    # The longest row crosses into a second 256-column buffer; rows leave and join.
+    prompts = prompts_of(vocab, [252, 130, 1, 70])
+    assert twin_steps(model, vocab, prompts, steps=6, leave_at=2, join=prompts_of(vocab, [40])[0]) <= LOGIT_TOLERANCE
 
 
 class Spy(CompiledDecode):

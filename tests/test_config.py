@@ -126,3 +126,17 @@ def test_a_bad_idle_release_is_refused(tmp_path):
     path.write_text('idle_release = "soonish"\n')
     with pytest.raises(ConfigError, match="not a duration"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ("quantized_kv_start = 4096\n", "quantized_kv_start is set without kv_bits"),
+        ("kv_bits = 8\nquantized_kv_start = -1\n", r"quantized_kv_start`: Expected `int` >= 0"),
+    ],
+)
+def test_quantized_kv_start_goes_with_kv_bits(tmp_path, extra, why):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[[models]]\nname = "a"\npath = "/m"\n{extra}')
+    with pytest.raises(ConfigError, match=why):
+        load_config(path)

@@ -6,6 +6,7 @@ import pytest
 from harness.engine import run
 from harness.prompts import chatml
 from ipc.messages import Generate
+from tests.conftest import LOGIT_TOLERANCE
 
 PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k + "<|im_end|>\n<|im_start|>assistant\n" for k in (1, 3, 6, 12)]
 
@@ -122,7 +123,7 @@ def test_a_pool_serves_quantized_and_plain_models_side_by_side(tiny_model, tmp_p
     config = tmp_path / "pool.toml"
     config.write_text(
         f"prefix_cache_disk_bytes = 0\n"
-        f'[[models]]\nname = "q8"\npath = "{tiny_model}"\nkv_bits = 8\nkv_group_size = 32\npreload = true\n'
+        f'[[models]]\nname = "q8"\npath = "{tiny_model}"\nkv_bits = 8\nkv_group_size = 32\nquantized_kv_start = 40\npreload = true\n'
         f'[[models]]\nname = "plain"\npath = "{tiny_model}"\npreload = true\n'
     )
     pool = spawn_pool("--config", str(config))
@@ -142,5 +143,179 @@ def test_a_pool_serves_quantized_and_plain_models_side_by_side(tiny_model, tmp_p
     # Two workers; the quantized one batches (a worker that cannot reports max_batch 1).
     assert rows["q8"]["pid"] != rows["plain"]["pid"]
     assert rows["q8"]["max_batch"] == rows["plain"]["max_batch"] == 8
-    assert b"attention caches quantized: 8 bits, groups of 32" in pool.stderr
+    # quantized_kv_start = 40: the prompts (30 to 195 tokens) batch on both sides of it.
+    assert b"attention caches quantized: 8 bits, groups of 32, from 40 tokens on" in pool.stderr
     assert pool.close() == 0
+
+
+# -- quantized_kv_start: plain caches until a row holds START tokens --------------
+
+START = 40
+
+
+def lazy(model_dir, start: int = START):
+    from worker.engine import kv_quant
+    from worker.runtime.loader import load
+
+    loaded = load(model_dir)
+    kv_quant.install(loaded.model, 8, 32, start)
+    return loaded
+
+
+def lone_logits(model, ids: list[int], inputs: list[int]):
+    """Logits after `ids`, then after each of `inputs` fed one by one; and
+    whether the attention caches were quantized before each of those steps."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array(ids)[None], cache=cache)[0, -1]]
+    forms = []
+    for t in inputs:
+        out.append(model(mx.array([[t]]), cache=cache)[0, -1])
+        forms.append(cache[-1].quantized)
+    return out, forms
+
+
+def test_quantized_kv_start_is_plain_before_it_and_near_8_bits_after(tiny_model, plain):
+    """Teacher-forced on one path: the same logits as the model's dtype while
+    the row holds fewer than START tokens, then those of an 8-bit cache
+    within its tolerance."""
+    import mlx.core as mx
+
+    from worker.text.tokenizer import TextCodec
+
+    codec = TextCodec(tiny_model, plain.config)
+    q8, lz = quantized(tiny_model, 8), lazy(tiny_model)
+    ids = codec.encode(PROMPTS[0])
+    assert len(ids) < START - 4
+    ref, path = forced_logits(plain.model, ids, None, 24)
+    eight, _ = forced_logits(q8.model, ids, path, 24)
+    got, forms = lone_logits(lz.model, ids, path)
+    # Before step k the row holds len(ids) + k tokens; it is quantized once
+    # it holds START (mlx-lm's rule: before the forward that would pass it).
+    assert forms == [len(ids) + k >= START for k in range(24)]
+    for k, (a, b, c) in enumerate(zip(ref, eight, got)):
+        if len(ids) + k < START:
+            assert mx.abs(a - c).max().item() <= LOGIT_TOLERANCE
+        else:
+            assert mx.abs(b - c).max().item() < 0.15
+
+
+def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(tiny_model):
+    """Rows below, across and above START in one batch, rows leaving and
+    joining, a right-padded chunk in which one row crosses START: each row's
+    logits are those it gets alone."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker.engine.batch_cache import BatchCache
+    from worker.engine.kv_quant import BatchLazyKV
+
+    model = lazy(tiny_model).model
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(5, 500, size=n).tolist() for n in (8, 36, 60, 38, 36)]
+    joiner, steps, chunk_at = len(prompts) - 1, 10, 6
+
+    def length(r: int, k: int) -> int:
+        # At the chunk the joiner (39 tokens) reads 4 and crosses START.
+        return 1 if k != chunk_at else 4 if r == joiner else 1 + r % 3
+
+    pieces = [[rng.integers(5, 500, size=length(r, k)).tolist() for k in range(steps)] for r in range(len(prompts))]
+
+    def prefilled(ids):
+        cache = make_prompt_cache(model)
+        model(mx.array(ids)[None], cache=cache)
+        return cache
+
+    def first_step(r: int) -> int:
+        return 3 if r == joiner else 0
+
+    alone = []
+    for r, ids in enumerate(prompts):
+        cache = prefilled(ids)
+        alone.append([model(mx.array(piece)[None], cache=cache)[0, -1] for piece in pieces[r][: steps - first_step(r)]])
+    batch = BatchCache.of_rows([prefilled(ids) for ids in prompts[:joiner]])
+    rows = list(range(joiner))
+    kinds = set()
+    for k in range(steps):
+        if k == 3:  # the first row leaves, a row joins
+            batch.filter(list(range(1, len(rows))))
+            rows = rows[1:]
+            batch = batch.extend(BatchCache.of_rows([prefilled(prompts[joiner])]))
+            rows.append(joiner)
+        feed = [pieces[r][k - first_step(r)] for r in rows]
+        lengths = [len(f) for f in feed]
+        width = max(lengths)
+        if width * len(rows) > sum(lengths):
+            batch.pad(lengths, width)
+        logits = model(mx.array([f + [0] * (width - len(f)) for f in feed], dtype=mx.uint32), cache=batch.layers)
+        batch.unpad()
+        layer = batch.layers[-1]
+        assert isinstance(layer, BatchLazyKV)
+        kinds.add((layer.plain is not None, layer.quant is not None))
+        for i, r in enumerate(rows):
+            # A mixed batch's quantized rows attend over their values
+            # dequantized, with the plain rows' kernel: float rounding apart,
+            # what mlx-lm's quantized attention gives (0 on the CPU here).
+            gap = mx.abs(logits[i, lengths[i] - 1] - alone[r][k - first_step(r)]).max().item()
+            assert gap < 1e-3, (k, r, gap)
+    # Mixed until the joiner is quantized, then one kind again.
+    assert kinds == {(True, True), (False, True)}
+    held = [len(prompts[r]) + sum(len(p) for p in pieces[r][: steps - first_step(r)]) for r in rows]
+    assert layer.lens == layer.offset.tolist() == held
+
+
+def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_model, plain):
+    """Through the scheduler: rows on both sides of START decode together and
+    each gives its text alone; the memory guard counts a row as quantized
+    tokens plus START tokens' difference; a prefix resumed from a snapshot
+    (stored in the form it had) and a speculating engine give the same text."""
+    from worker.engine.batch_cache import row_bytes
+    from worker.engine.kv_quant import BatchLazyKV
+    from worker.engine.scheduler import Scheduler
+    from worker.text.tokenizer import TextCodec
+
+    def engine(loaded, **kw):
+        lines: list[bytes] = []
+        s = Scheduler(loaded, TextCodec(tiny_model, loaded.config), lines.append, batch_memory=1 << 30, prefill_step=16, **kw)
+        s.lines = lines
+        return s
+
+    start = 64
+    lz, q8 = engine(lazy(tiny_model, start)), engine(quantized(tiny_model, 8))
+    assert lz.row_token_bytes == q8.row_token_bytes
+    assert lz.row_fixed_bytes - q8.row_fixed_bytes == start * (row_bytes(plain.model)[1] - q8.row_token_bytes) > 0
+    seen = []
+    original = lz.generator._join
+
+    def spy(rows, cache):
+        seen.extend(type(c) for c in cache.layers)
+        return original(rows, cache)
+
+    lz.generator._join = spy
+    for i, prompt in enumerate(PROMPTS[:3]):  # 30, 60 and 105 tokens: below, across and above 64
+        lz.submit(Generate(rid=i, prompt=prompt, temperature=0.0, max_tokens=12, id_json=str(i)), 0.0)
+    together = lz.drain()
+    assert BatchLazyKV in seen
+    for i, prompt in enumerate(PROMPTS[:3]):
+        lz.submit(Generate(rid=100 + i, prompt=prompt, temperature=0.0, max_tokens=12), 0.0)
+        assert lz.drain()[100 + i] == together[i]
+
+    second = chatml(
+        [("user", "Where does the river bend? " * 6), ("assistant", "ok"), ("user", "More.")], "A long system prompt about the mill and the bridge."
+    )
+    first = second[: second.index("<|im_start|>assistant")]
+    run(lz, prompt=first + "<|im_start|>assistant\n")
+    forms = {isinstance(layer[0], tuple) for e in lz.prefix_cache._entries.values() for layer in e.layers if isinstance(layer, tuple)}
+    ids, done = run(lz, prompt=second)
+    assert done["cached_tokens"] > 0
+    fresh = engine(lazy(tiny_model, start))
+    fresh.prefix_cache.budget = 0
+    assert run(fresh, prompt=second)[0] == ids
+    assert forms  # snapshots were stored
+    speculating = engine(lazy(tiny_model, start), draft="ngram")
+    assert speculating.speculator is not None
+    assert run(speculating, prompt=second)[0] == ids
+    assert speculating.speculator.drafted > 0

@@ -152,6 +152,13 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
         choices=(32, 64, 128),
         help="values sharing one scale and bias in a quantized cache; must divide the head dimension (default %(default)s)",
     )
+    p.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --kv-bits: a request's attention cache stays in the model's dtype until it holds N tokens (default %(default)s: quantized from the first)",
+    )
 
 
 def _compute_args(p: argparse.ArgumentParser) -> None:
@@ -228,6 +235,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--draft-tokens must be from 1 to 32, not {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
         p.error(f"--max-context must be at least 2 tokens, not {args.max_context}")
+    if args.quantized_kv_start and args.kv_bits is None or args.quantized_kv_start < 0:
+        p.error("--quantized-kv-start is a count of tokens (>= 0) for --kv-bits")
     if args.ranks > 1 and (args.kv_bits or args.warm_prompt or args.warm_prompt_file):
         p.error("--kv-bits and warm prompts are for a model in one process (--ranks 1)")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
@@ -352,10 +361,11 @@ def load_model(args: argparse.Namespace, server, group):
         from worker.engine import kv_quant
 
         try:
-            kv_quant.install(loaded.model, args.kv_bits, args.kv_group_size)
+            kv_quant.install(loaded.model, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         except ValueError as exc:
             raise StartError(str(exc)) from exc
-        log.info("attention caches quantized: %d bits, groups of %d", args.kv_bits, args.kv_group_size)
+        start = f", from {args.quantized_kv_start} tokens on" if args.quantized_kv_start else ""
+        log.info("attention caches quantized: %d bits, groups of %d%s", args.kv_bits, args.kv_group_size, start)
     return loaded, codec
 
 
@@ -369,6 +379,10 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
     budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
     try:
         kv = f"kv{args.kv_bits}g{args.kv_group_size}" if args.kv_bits else "kv"
+        if args.quantized_kv_start:
+            # Snapshots hold what this setting computes: the start decides
+            # which tokens were computed over a quantized cache.
+            kv += f"s{args.quantized_kv_start}"
         prefix_disk = PrefixDisk(root, model_key(args.model, f"{loaded.format} {kv}", loaded.model), budget, wake=wake)
     except OSError as exc:
         # A read-only or full disk costs the disk tier, not the worker.

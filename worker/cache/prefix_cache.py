@@ -154,7 +154,10 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
         kinds = {type(c) for c in make_prompt_cache(model)}
-        self.trimmable = all(issubclass(k, _KV) for k in kinds)
+        # A snapshot cut back below quantized_kv_start would resume quantized
+        # what a fresh prompt holds plain: such a model's snapshots serve
+        # only their whole length, as a hybrid model's do.
+        self.trimmable = all(issubclass(k, _KV) for k in kinds) and not getattr(model, "quantized_kv_start", 0)
         self.supported = all(issubclass(k, (*_KV, ArraysCache)) for k in kinds)
         if not self.supported:
             log.info("prefix cache off: cache types %s", sorted(k.__name__ for k in kinds))

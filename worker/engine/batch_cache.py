@@ -141,7 +141,17 @@ def row_bytes(model) -> tuple[int, int]:
         if isinstance(keys, tuple):  # quantized (worker.engine.kv_quant): packed values, scales, biases
             keys = keys[0]
         if isinstance(keys, mx.array):
-            per_token += -(-c.nbytes // keys.shape[2])
+            token = -(-c.nbytes // keys.shape[2])
+            start = getattr(c, "start", 0) if hasattr(c, "quantize") else 0
+            if start:
+                # Plain until `start` tokens, quantized from then on: a row of n
+                # tokens takes at most n quantized tokens plus start tokens'
+                # difference.
+                c.quantize()
+                quantized = -(-c.nbytes // c.keys[0].shape[2])
+                fixed += start * (token - quantized)
+                token = quantized
+            per_token += token
         else:
             fixed += c.nbytes
     return fixed, per_token

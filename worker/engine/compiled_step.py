@@ -24,10 +24,16 @@ before the call, outside the trace. Afterwards the new buffers and states go
 back into mlx-lm's own cache objects, which every other path (joining,
 leaving, prefix snapshots, prefill) keeps using unchanged.
 
+Quantized attention caches (`kv_bits`, worker.engine.kv_quant) step the
+same way (`_TracedQuantKV`): the new key and value are quantized inside the
+trace and written at `col` into each of the three arrays (packed values,
+scales, biases), and the model's attention takes mlx-lm's quantized path
+over the whole buffer under the same mask.
+
 Only rows without a LoRA adapter step this way (an adapter's routing is
 Python state a trace would freeze), and only over the cache types above:
-anything else (rotating or quantized caches, padding still pending) takes
-the model's own forward.
+anything else (rotating caches, padding still pending, a batch holding both
+plain and quantized rows) takes the model's own forward.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import logging
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from worker.engine.kv_quant import BatchLazyKV, BatchQuantKV, LazyKV, QuantKV
 
 log = logging.getLogger("worker")
 
@@ -61,11 +69,34 @@ class _TracedKV:
         self.values = mx.slice_update(self.values, values, self.col, axes=(2,))
         return self.keys, self.values
 
+    def _capacity(self) -> int:
+        return self.keys.shape[2]
+
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        columns = mx.arange(self.keys.shape[2])
+        columns = mx.arange(self._capacity())
         first = self.col - self.offset  # each row's left padding
         filled = (columns[None, :] >= first[:, None]) & (columns[None, :] <= self.col)
         return filled[:, None, None, :]
+
+
+class _TracedQuantKV(_TracedKV):
+    """A quantized attention cache inside the trace: `keys` and `values` are
+    (packed, scales, biases); `bits` sends the model's attention down
+    mlx-lm's quantized path."""
+
+    def __init__(self, keys: tuple, values: tuple, col: mx.array, offset: mx.array, group_size: int, bits: int):
+        self.keys, self.values, self.col, self.offset = keys, values, col, offset
+        self.group_size, self.bits = group_size, bits
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        self.keys = tuple(mx.slice_update(b, x, self.col, axes=(2,)) for b, x in zip(self.keys, qk))
+        self.values = tuple(mx.slice_update(b, x, self.col, axes=(2,)) for b, x in zip(self.values, qv))
+        return self.keys, self.values
+
+    def _capacity(self) -> int:
+        return self.keys[0].shape[2]
 
 
 class _TracedArrays:
@@ -90,7 +121,13 @@ class _TracedArrays:
 
 
 def _attention(c) -> bool:
-    return type(c) in (KVCache, BatchKVCache)
+    return type(c) in (KVCache, BatchKVCache, QuantKV, BatchQuantKV, LazyKV)
+
+
+def _inner(c):
+    """The cache the step writes: a batch under quantized_kv_start steps
+    only while it holds rows of one kind, through that kind's batch cache."""
+    return c.pure if type(c) is BatchLazyKV else c
 
 
 def _steppable(c) -> bool:
@@ -102,7 +139,7 @@ def _steppable(c) -> bool:
 
 
 def _column(c) -> int:
-    return c.offset if type(c) is KVCache else c._idx
+    return c._idx if isinstance(c, BatchKVCache) else c.offset
 
 
 def _grow(c, col: int) -> None:
@@ -110,15 +147,21 @@ def _grow(c, col: int) -> None:
     is a multiple of KVCache.step, so that traces are shared across many
     positions (rows leaving a batch, a resumed snapshot or a merge leave
     other capacities)."""
-    capacity = c.keys.shape[2]
+    quantized = isinstance(c.keys, tuple)
+    capacity = (c.keys[0] if quantized else c.keys).shape[2]
     if col < capacity and capacity % KVCache.step == 0:
         return
     step = KVCache.step
     wanted = -(-(col + 1) // step) * step
-    B, H, _, dk = c.keys.shape
-    dv = c.values.shape[3]
-    c.keys = mx.concatenate([c.keys[..., :col, :], mx.zeros((B, H, wanted - col, dk), c.keys.dtype)], axis=2)
-    c.values = mx.concatenate([c.values[..., :col, :], mx.zeros((B, H, wanted - col, dv), c.values.dtype)], axis=2)
+
+    def grown(x: mx.array) -> mx.array:
+        B, H, _, d = x.shape
+        return mx.concatenate([x[..., :col, :], mx.zeros((B, H, wanted - col, d), x.dtype)], axis=2)
+
+    if quantized:
+        c.keys, c.values = tuple(grown(x) for x in c.keys), tuple(grown(x) for x in c.values)
+    else:
+        c.keys, c.values = grown(c.keys), grown(c.values)
 
 
 class CompiledDecode:
@@ -132,18 +175,28 @@ class CompiledDecode:
         self._shapes: set[tuple] = set()
         self.max_traces = MAX_TRACES
         self.failed: str | None = None  # why the model could not be traced
+        self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
 
     def keep_for(self, max_batch: int) -> None:
         """Keeps enough traces for batches of up to max_batch rows."""
         self.max_traces = max(MAX_TRACES, CAPACITIES_KEPT * max_batch)
 
     def steppable(self, layers: list) -> bool:
-        return self.failed is None and bool(layers) and all(_steppable(c) for c in layers)
+        for c in layers:
+            if type(c) in (LazyKV, BatchLazyKV):
+                # Conversions due before this step first: they decide the forms it runs with.
+                c.settle()
+        return self.failed is None and bool(layers) and all(_steppable(_inner(c)) for c in layers)
 
     def _step(self, inputs: mx.array, states: list) -> tuple[mx.array, list]:
         layers = []
         for s in states:
-            layers.append(_TracedKV(*s) if len(s) == 4 else _TracedArrays(*s))
+            if len(s) == 2:
+                layers.append(_TracedArrays(*s))
+            elif isinstance(s[0], tuple):
+                layers.append(_TracedQuantKV(*s, *self._quant))
+            else:
+                layers.append(_TracedKV(*s))
         logits = self.model(inputs[:, None], cache=layers)[:, -1, :]
         out = []
         for c in layers:
@@ -153,17 +206,20 @@ class CompiledDecode:
     def forward(self, inputs: mx.array, layers: list) -> mx.array:
         states = []
         columns: dict[int, mx.array] = {}
-        for c in layers:
+        for c in map(_inner, layers):
             if _attention(c):
                 col = _column(c)
                 _grow(c, col)
                 if col not in columns:
                     columns[col] = mx.array([col], dtype=mx.int32)
-                offset = mx.array([c.offset], dtype=mx.int32) if type(c) is KVCache else c.offset
+                offset = c.offset if isinstance(c, BatchKVCache) else mx.array([c.offset], dtype=mx.int32)
+                if isinstance(c.keys, tuple):
+                    # One setting per model: the trace keeps it as a constant.
+                    self._quant = (c.group_size, c.bits)
                 states.append((c.keys, c.values, columns[col], offset))
             else:
                 states.append((c[0], c[1]))
-        shape = (inputs.shape[0], tuple(s[0].shape[2] for s in states if len(s) == 4))
+        shape = (inputs.shape[0], tuple(s[0].shape[2] if not isinstance(s[0], tuple) else (s[0][0].shape[2], "quantized") for s in states if len(s) == 4))
         if shape in self._shapes:
             logits, out = self._fn(inputs, states)
         else:
@@ -183,10 +239,13 @@ class CompiledDecode:
         # The old buffers must not be referenced past this call, so that the
         # compiled slice updates write in place instead of copying them.
         del states
-        for c, new in zip(layers, out):
+        for lazy, new in zip(layers, out):
+            c = _inner(lazy)
+            if c is not lazy:
+                lazy.advanced(1)
             if _attention(c):
                 c.keys, c.values = new
-                if type(c) is KVCache:
+                if not isinstance(c, BatchKVCache):
                     c.offset += 1
                 else:
                     c._idx += 1

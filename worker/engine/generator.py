@@ -166,6 +166,10 @@ class TokenGenerator:
         self.prefill_step = prefill_step
         self.chat_marker = chat_marker
         self.can_batch = batchable(make_prompt_cache(model))
+        # kv_bits with quantized_kv_start (worker.engine.kv_quant): prefill
+        # chunks end there, so a row converts at exactly that many tokens
+        # whatever batch reads it.
+        self.kv_start = getattr(model, "quantized_kv_start", 0)
         self.sampler = BatchSampler(vocab_size)
         self.masks = masks
         self.on_gpu = mx.default_device() == mx.gpu
@@ -214,6 +218,8 @@ class TokenGenerator:
             # prompt's `<|im_start|>assistant\n` read in one of its own, on a
             # GPU as long as a decode step.
             row.cuts = cut_points(row.ids, None if self.prefix_cache.trimmable else self.chat_marker)
+            if 0 < self.kv_start < len(row.ids) - 1:
+                row.cuts = sorted({*row.cuts, self.kv_start})
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
             row.pos = row.cached
             row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), message_starts(row.ids, self.chat_marker))

@@ -12,12 +12,25 @@ the head dimension, so every token's entry stands alone and the cache can
 be cut, padded and rolled along the token axis like a plain one. mlx-lm's
 attention sees `bits` on the cache and takes its quantized path.
 
+`quantized_kv_start = N` (as mlx-lm's): a row's cache stays in the model's
+dtype until it holds N tokens, and is quantized before the next forward
+(`LazyKV` alone; a batch's `BatchLazyKV` converts each row on its own).
+Rows of one batch may be on either side: a `BatchLazyKV` holds its plain
+rows in a `BatchKVCache` and its quantized ones in a `BatchQuantKV`, both
+right-aligned at the same column, and, while it holds both kinds, gives the
+model's attention the quantized rows dequantized beside the plain ones (so
+a plain row computes what it does in a plain batch, and a quantized one
+what mlx-lm's quantized attention computes, up to float rounding). The
+prefill cuts a prompt's chunks at N, so a row converts at exactly N tokens
+whatever batch it reads in.
+
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
 
 
 def _map(f, *trees):
@@ -48,8 +61,9 @@ class QuantKV(QuantizedKVCache):
         """A plain cache's tokens, quantized."""
         q = cls(group_size, bits)
         if plain.keys is not None and plain.offset:
-            q.keys = mx.quantize(plain.keys[..., : plain.offset, :], group_size=group_size, bits=bits)
-            q.values = mx.quantize(plain.values[..., : plain.offset, :], group_size=group_size, bits=bits)
+            # Tuples, as QuantizedKVCache keeps them (mx.quantize gives lists).
+            q.keys = tuple(mx.quantize(plain.keys[..., : plain.offset, :], group_size=group_size, bits=bits))
+            q.values = tuple(mx.quantize(plain.values[..., : plain.offset, :], group_size=group_size, bits=bits))
             q.offset = plain.offset
         return q
 
@@ -193,10 +207,333 @@ class BatchQuantKV(BatchKVCache):
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
 
-def install(model, bits: int, group_size: int) -> None:
+class LazyKV(QuantKV):
+    """One row's cache under quantized_kv_start: a plain cache (keys and
+    values arrays) until it holds `start` tokens, then a QuantKV (keys and
+    values tuples). `bits` exists only once quantized: mlx-lm's attention
+    takes its quantized path by `hasattr(cache, "bits")`."""
+
+    def __init__(self, group_size: int, bits: int, start: int):
+        super().__init__(group_size, bits)
+        self.start = start
+
+    @property
+    def bits(self) -> int:
+        if not self.quantized:
+            raise AttributeError("bits")
+        return self._bits
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self._bits = value
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.keys, tuple)
+
+    def quantize(self) -> None:
+        q = QuantKV.of(self, self.group_size, self._bits)
+        self.keys, self.values = q.keys, q.values
+
+    def due(self) -> bool:
+        return not self.quantized and self.offset >= self.start
+
+    def settle(self) -> None:
+        """Quantizes the cache if it holds `start` tokens or more."""
+        if self.due():
+            self.quantize()
+
+    def update_and_fetch(self, keys, values):
+        self.settle()
+        if self.quantized:
+            return super().update_and_fetch(keys, values)
+        return KVCache.update_and_fetch(self, keys, values)
+
+    def keys_and_values(self):
+        return super().keys_and_values() if self.quantized else KVCache.keys_and_values(self)
+
+    @property
+    def state(self):
+        return (self.keys, self.values, self.offset, self.group_size, self._bits) if self.quantized else (self.keys, self.values, self.offset)
+
+    @classmethod
+    def like(cls, c, group_size: int, bits: int, start: int) -> LazyKV:
+        """A lone cache (plain or quantized) as a LazyKV, sharing its arrays."""
+        lazy = cls(group_size, bits, start)
+        lazy.keys, lazy.values, lazy.offset = c.keys, c.values, c.offset
+        return lazy
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchLazyKV:
+        return BatchLazyKV.merge(caches)
+
+
+def _pad_left(sub, width: int, like) -> None:
+    """Left-pads a batch cache (plain or quantized) so that its rows end at
+    column `width`, as mlx-lm's extend right-aligns two batches; `like` is
+    the other batch, whose shapes an empty one borrows."""
+    d = width - sub._idx
+    if d <= 0:
+        return
+    quantized = isinstance(sub, BatchQuantKV)
+    if sub.keys is None:
+        rows = sub.offset.shape[0]
+        if quantized:
+            H, dtype = like.keys.shape[1], like.keys.dtype
+            sub.keys = _zeros((rows, H, d), like.keys.shape[3], dtype, sub.group_size, sub.bits)
+            sub.values = _zeros((rows, H, d), like.values.shape[3], dtype, sub.group_size, sub.bits)
+        else:
+            H, dtype = like.keys[0].shape[1], like.keys[1].dtype
+            sub.keys = mx.zeros((rows, H, d, _dims(like.keys, like.bits)), dtype=dtype)
+            sub.values = mx.zeros((rows, H, d, _dims(like.values, like.bits)), dtype=dtype)
+    else:
+        widths = [(0, 0), (0, 0), (d, 0), (0, 0)]
+        if quantized:
+            sub.keys = _map(lambda x: mx.pad(x, widths), sub.keys)
+            sub.values = _map(lambda x: mx.pad(x, widths), sub.values)
+        else:
+            sub.keys, sub.values = mx.pad(sub.keys, widths), mx.pad(sub.values, widths)
+    sub.left_padding = sub.left_padding + d
+    sub._idx = width
+
+
+def _reorder(sub, order: list[int]) -> None:
+    """Puts a batch cache's rows in `order`, moving no column (mlx-lm's
+    filter also drops common left padding, which would move them)."""
+    index = mx.array(order)
+    if sub.keys is not None:
+        take = (lambda x: _map(lambda a: a[index], x)) if isinstance(sub.keys, tuple) else (lambda x: x[index])
+        sub.keys, sub.values = take(sub.keys), take(sub.values)
+    sub.offset = sub.offset[index]
+    sub.left_padding = sub.left_padding[index]
+
+
+class BatchLazyKV(_BaseCache):
+    """The rows of a batch under quantized_kv_start: `plain` (a BatchKVCache)
+    holds the rows still in the model's dtype and `quant` (a BatchQuantKV)
+    the others, `plain_rows` and `quant_rows` saying which batch row each
+    of their rows is. Both end at the same column (`_idx`); a batch of one
+    kind keeps its rows in batch order, so it is that kind's batch cache
+    with its own attention path (and the compiled decode step's). `lens`
+    (host ints) is what each row holds, so that conversions are found
+    without reading the device."""
+
+    def __init__(self, group_size: int, bits: int, start: int):
+        self.group_size, self._bits, self.start = group_size, bits, start
+        self.plain: BatchKVCache | None = None
+        self.quant: BatchQuantKV | None = None
+        self.plain_rows: list[int] = []
+        self.quant_rows: list[int] = []
+        self.lens: list[int] = []
+        self._right: list[int] | None = None  # right padding of the chunk being read
+        self._index: tuple | None = None  # (plain rows, quantized rows, inverse) as arrays
+
+    # -- what the model sees ------------------------------------------------
+
+    @property
+    def bits(self) -> int:
+        if self.plain is not None or self.quant is None:
+            raise AttributeError("bits")
+        return self._bits
+
+    def _subs(self) -> list:
+        return [c for c in (self.plain, self.quant) if c is not None]
+
+    @property
+    def pure(self):
+        """The batch cache of the one kind this batch holds, else None."""
+        subs = self._subs()
+        return subs[0] if len(subs) == 1 else None
+
+    @property
+    def _idx(self) -> int:
+        return self._subs()[0]._idx
+
+    def _indices(self) -> tuple:
+        if self._index is None:
+            order = self.plain_rows + self.quant_rows
+            inverse = [0] * len(order)
+            for at, r in enumerate(order):
+                inverse[r] = at
+            self._index = (mx.array(self.plain_rows), mx.array(self.quant_rows), mx.array(inverse))
+        return self._index
+
+    def _joined(self, a: mx.array, b: mx.array) -> mx.array:
+        return mx.concatenate([a, b])[self._indices()[2]]
+
+    @property
+    def offset(self) -> mx.array:
+        pure = self.pure
+        return pure.offset if pure is not None else self._joined(self.plain.offset, self.quant.offset)
+
+    @property
+    def left_padding(self) -> mx.array:
+        pure = self.pure
+        return pure.left_padding if pure is not None else self._joined(self.plain.left_padding, self.quant.left_padding)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def update_and_fetch(self, keys, values):
+        self.settle()
+        n = keys.shape[2]
+        self.lens = [x + n for x in self.lens]
+        pure = self.pure
+        if pure is not None:
+            return pure.update_and_fetch(keys, values)
+        p, q, _ = self._indices()
+        pk, pv = self.plain.update_and_fetch(keys[p], values[p])
+        qk, qv = self.quant.update_and_fetch(keys[q], values[q])
+        g, b = self.group_size, self._bits
+        dk = mx.dequantize(*qk, group_size=g, bits=b).astype(pk.dtype)
+        dv = mx.dequantize(*qv, group_size=g, bits=b).astype(pv.dtype)
+        return self._joined(pk, dk), self._joined(pv, dv)
+
+    # -- conversion ---------------------------------------------------------
+
+    def settle(self) -> None:
+        """Quantizes the plain rows that hold `start` tokens or more."""
+        due = [s for s, r in enumerate(self.plain_rows) if self.lens[r] >= self.start]
+        if not due:
+            return
+        width = self._idx
+        moved = BatchQuantKV.merge([QuantKV.of(self.plain.extract(s), self.group_size, self._bits) for s in due])
+        rows = [self.plain_rows[s] for s in due]
+        keep = [s for s in range(len(self.plain_rows)) if s not in due]
+        if keep:
+            self.plain.filter(keep)
+        else:
+            self.plain = None
+        self.plain_rows = [self.plain_rows[s] for s in keep]
+        if self.quant is None:
+            self.quant = moved
+        else:
+            self.quant.extend(moved)
+        self.quant_rows = self.quant_rows + rows
+        self._normal(width)
+
+    def _normal(self, width: int = 0) -> None:
+        """Restores the invariants after rows moved, joined or left: both
+        kinds end at one column (at least `width`), a batch of one kind is
+        in batch order, and pending right padding sits on the right rows."""
+        self._index = None
+        subs = self._subs()
+        width = max([width] + [c._idx for c in subs])
+        for c in subs:
+            _pad_left(c, width, next(o for o in subs if o is not c) if len(subs) == 2 else None)
+        if self.plain is not None and self.quant is None and self.plain_rows != sorted(self.plain_rows):
+            _reorder(self.plain, sorted(range(len(self.plain_rows)), key=self.plain_rows.__getitem__))
+            self.plain_rows = sorted(self.plain_rows)
+        if self.quant is not None and self.plain is None and self.quant_rows != sorted(self.quant_rows):
+            _reorder(self.quant, sorted(range(len(self.quant_rows)), key=self.quant_rows.__getitem__))
+            self.quant_rows = sorted(self.quant_rows)
+        self._push_right()
+
+    def _push_right(self) -> None:
+        for c, rows in ((self.plain, self.plain_rows), (self.quant, self.quant_rows)):
+            if c is not None:
+                pad = [self._right[r] for r in rows] if self._right else []
+                c._right_padding = mx.array(pad) if any(pad) else None
+
+    # -- batch bookkeeping (mlx-lm's batch cache interface) ----------------------
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            raise ValueError("BatchLazyKV takes no left padding")
+        self._right = list(right_padding) if right_padding is not None and max(right_padding) > 0 else None
+        self._push_right()
+
+    def finalize(self):
+        for c in self._subs():
+            c.finalize()
+        if self._right is not None:
+            self.lens = [x - p for x, p in zip(self.lens, self._right)]
+            self._right = None
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        for c in self._subs():
+            c.trim(n)
+        self.lens = [x - n for x in self.lens]
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def filter(self, batch_indices):
+        where = {r: k for k, r in enumerate(batch_indices)}
+        for kind in ("plain", "quant"):
+            c, rows = getattr(self, kind), getattr(self, kind + "_rows")
+            keep = [s for s, r in enumerate(rows) if r in where]
+            if c is not None:
+                if keep:
+                    c.filter(keep)
+                else:
+                    c = None
+            setattr(self, kind, c)
+            setattr(self, kind + "_rows", [where[rows[s]] for s in keep])
+        self.lens = [self.lens[i] for i in batch_indices]
+        self._normal()
+
+    def extend(self, other: BatchLazyKV):
+        n = len(self.lens)
+        for kind in ("plain", "quant"):
+            mine, theirs = getattr(self, kind), getattr(other, kind)
+            if theirs is not None:
+                if mine is None:
+                    setattr(self, kind, theirs)
+                else:
+                    mine.extend(theirs)
+            setattr(self, kind + "_rows", getattr(self, kind + "_rows") + [n + r for r in getattr(other, kind + "_rows")])
+        self.lens = self.lens + other.lens
+        self._normal()
+
+    def extract(self, idx: int) -> LazyKV:
+        if idx in self.plain_rows:
+            c = self.plain.extract(self.plain_rows.index(idx))
+        else:
+            c = self.quant.extract(self.quant_rows.index(idx))
+        return LazyKV.like(c, self.group_size, self._bits, self.start)
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchLazyKV:
+        first = caches[0]
+        cache = cls(first.group_size, first._bits, first.start)
+        plain = [i for i, c in enumerate(caches) if not c.quantized]
+        quant = [i for i, c in enumerate(caches) if c.quantized]
+        if plain:
+            cache.plain = BatchKVCache.merge([caches[i] for i in plain])
+        if quant:
+            cache.quant = BatchQuantKV.merge([caches[i] for i in quant])
+        cache.plain_rows, cache.quant_rows = plain, quant
+        cache.lens = [c.offset for c in caches]
+        cache._normal()
+        return cache
+
+    def advanced(self, n: int) -> None:
+        """The compiled decode step wrote n tokens into this batch's one kind."""
+        self.lens = [x + n for x in self.lens]
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return all(c.keys is None for c in self._subs())
+
+    @property
+    def state(self):
+        return [c.state for c in self._subs()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._subs())
+
+
+def install(model, bits: int, group_size: int, start: int = 0) -> None:
     """Makes the model's caches quantized: every plain attention cache that
-    `make_prompt_cache(model)` hands out becomes a QuantKV (ValueError when
-    the model's head dimension is not a multiple of group_size)."""
+    `make_prompt_cache(model)` hands out becomes a QuantKV, or with `start`
+    a LazyKV quantized from `start` tokens on (ValueError when the model's
+    head dimension is not a multiple of group_size)."""
     if bits not in (4, 8):
         raise ValueError(f"kv_bits must be 8 or 4, not {bits}")
     from mlx_lm.models.cache import make_prompt_cache
@@ -212,9 +549,12 @@ def install(model, bits: int, group_size: int) -> None:
 
     def make_cache():
         caches = made() if made is not None else [KVCache() for _ in model.layers]
-        return [QuantKV(group_size, bits) if type(c) is KVCache else c for c in caches]
+        return [(LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)) if type(c) is KVCache else c for c in caches]
 
     model.make_cache = make_cache
+    # Where a prompt's prefill chunks end, so that a row converts at exactly
+    # this many tokens (worker.engine.generator).
+    model.quantized_kv_start = start
 
 
 def _probe(model, caches: list) -> list:

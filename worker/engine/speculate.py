@@ -25,7 +25,8 @@ Why the result is what plain decoding gives:
 
 Rolling back what was not kept, per row:
 
-- Attention caches (KVCache, BatchKVCache): the rejected columns are
+- Attention caches (plain or quantized, worker.engine.kv_quant): the
+  rejected columns are
   trimmed; in a batch, rows that rejected more than the least are turned
   into left padding by mlx-lm's own right-padding roll (`prepare` /
   `finalize`, the prefill path's), so their positions stay exact.
@@ -60,6 +61,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from worker.engine.constrain import RowConstraint
+from worker.engine.kv_quant import BatchLazyKV, BatchQuantKV, LazyKV, QuantKV
 
 log = logging.getLogger("worker")
 
@@ -84,7 +86,7 @@ EMA = 0.2
 
 def supported(layers: list) -> bool:
     """Whether rows with these caches can be rolled back after a draft."""
-    return bool(layers) and all(type(c) in (KVCache, BatchKVCache, ArraysCache) for c in layers)
+    return bool(layers) and all(type(c) in (KVCache, BatchKVCache, QuantKV, BatchQuantKV, LazyKV, BatchLazyKV, ArraysCache) for c in layers)
 
 
 @dataclass(eq=False)
