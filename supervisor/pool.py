@@ -180,7 +180,7 @@ class Pool:
         for observer in self.observers:
             for spec in specs:
                 observer.adapter_event(spec, loaded)
-        if loaded and lora is not None and self.slots.get(slot.spec.key) is slot and slot.uses(lora):
+        if loaded and lora is not None and self.slots.get(slot.spec.key) is slot and slot.roster.uses(lora):
             # Watched from the moment its worker holds it, not before: a
             # request naming a file that never loads costs no watch.
             self.watches.watch(slot, lora)
@@ -263,13 +263,13 @@ class Pool:
             self._pump_idless()
         else:
             self._active[id_json] = job
-            self.slot_for(spec).submit(job)
+            self.slot_for(spec).traffic.submit(job)
 
     def _full(self, spec: ModelSpec) -> str | None:
         """Why a request for `spec` cannot wait for its turn, if it cannot."""
         slot = self.slots.get(spec.key)
-        if slot is not None and len(slot.queue) >= self.config.max_queued:
-            return f"model {spec.name!r} has {len(slot.queue)} requests waiting (max_queued); try again later"
+        if slot is not None and len(slot.traffic.queue) >= self.config.max_queued:
+            return f"model {spec.name!r} has {len(slot.traffic.queue)} requests waiting (max_queued); try again later"
         if self._live_jobs >= self.config.max_queued_total:
             return f"the pool holds {self._live_jobs} requests (max_queued_total); try again later"
         return None
@@ -324,7 +324,7 @@ class Pool:
                 sink.write(line)
                 continue
             self._idless_running = job
-            self.slot_for(job.spec).submit(job)
+            self.slot_for(job.spec).traffic.submit(job)
 
     def _quiet(self) -> bool:
         return not self._active and not self._idless and self._idless_running is None
@@ -355,7 +355,7 @@ class Pool:
         slot = self.slots.get(spec.key)
         if slot is None:
             return ModelState(None, State.UNLOADED.value, False, False, None, None)
-        keep = slot.keep_alive
+        keep = slot.roster.keep_alive
         left = None if keep is None else max(0.0, keep - (time.monotonic() - slot.last_used))
         return ModelState(slot.name, slot.state.value, slot.state in (State.READY, State.BUSY), slot.opens_think, slot.max_context, left)
 
@@ -364,7 +364,7 @@ class Pool:
         seconds (None: for ever) of the worker of `spec` from now on."""
         slot = self.slots.get(spec.key)
         if slot is not None:
-            slot.keep_alive_request = seconds
+            slot.roster.keep_alive_request = seconds
             slot.touch()
 
     # -- workers -------------------------------------------------------------------
@@ -378,10 +378,10 @@ class Pool:
             slot = WorkerSlot(spec, self, self.output, command, self.restart_policy, self.rng, next(self._numbers))
             slot.pause_reading(self.output.paused)
             self.slots[spec.key] = slot
-            slot.join(spec)
+            slot.roster.join(spec)
             self.spawn(self._admit(slot))
         elif spec.name_key not in slot.names:
-            slot.join(spec)
+            slot.roster.join(spec)
             self._trim_names(slot, spec)
         return slot
 
@@ -393,7 +393,7 @@ class Pool:
         excess = len(slot.names) - limit
         if excess <= 0:
             return
-        idle = [n for n in slot.names.values() if n.spec.name_key != joined.name_key and slot.waiting(n.spec) == (0, 0)]
+        idle = [n for n in slot.names.values() if n.spec.name_key != joined.name_key and slot.traffic.waiting(n.spec) == (0, 0)]
         for name in sorted(idle, key=lambda n: n.last_used)[:excess]:
             log.info("model=%s lora=%s: leaves worker %d, which serves max_names (%d) names", name.name, name.lora, slot.number, limit)
             self.unload(name.spec, f"left its worker, which serves max_names ({limit}) names, as the least recently used one")
@@ -413,7 +413,7 @@ class Pool:
         return [
             Resident(
                 key=s.spec.key,
-                idle=s.idle,
+                idle=s.traffic.idle,
                 last_used=s.last_used,
                 memory_bytes=(s.stats.rss_bytes if s.stats else 0) or self._estimate_bytes(s.spec),
             )
@@ -449,9 +449,9 @@ class Pool:
                 decision = make_room(residents, need_bytes=need, max_loaded=max_loaded, memory_budget=self.memory_budget)
                 if isinstance(decision, NoFit):
                     self.slots.pop(slot.spec.key, None)
-                    if not slot.queue:  # a load op: nobody else would hear of it
+                    if not slot.traffic.queue:  # a load op: nobody else would hear of it
                         self.reject(INSUFFICIENT_MEMORY, f"model {slot.name!r} cannot fit: {decision.reason}", None)
-                    slot.fail_queued(INSUFFICIENT_MEMORY, lambda model: f"model {model!r} cannot fit: {decision.reason}")
+                    slot.traffic.fail_queued(INSUFFICIENT_MEMORY, lambda model: f"model {model!r} cannot fit: {decision.reason}")
                     return
                 if isinstance(decision, Evict):
                     for key in decision.victims:
@@ -472,8 +472,8 @@ class Pool:
             (answer or self.output.write)(encode_event("unloaded", model=spec.name, lora=str(spec.lora) if spec.lora else None, reason="not loaded"))
             return
         if len(slot.names) > 1:
-            slot.remove_name(spec, reason)
-            if spec.lora is not None and not slot.uses(str(spec.lora)):
+            slot.roster.remove_name(spec, reason)
+            if spec.lora is not None and not slot.roster.uses(str(spec.lora)):
                 self.watches.unwatch(slot.spec.key, str(spec.lora))
             return
         del self.slots[spec.key]
@@ -583,7 +583,7 @@ class Pool:
             if name.lora is not None:
                 # Read again if the worker dropped it, or if it failed before
                 # (its name then comes up now).
-                slot.load_adapter(name.lora)
+                slot.roster.load_adapter(name.lora)
 
     def reload(self, spec: ModelSpec, id_json: str | None, answer: Answer | None = None) -> None:
         slot = self.slots.get(spec.key)
@@ -591,14 +591,14 @@ class Pool:
             self._refuse(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json, answer)
         elif spec.lora is None:
             self._refuse(BAD_REQUEST, f"model {spec.name!r} has no adapter; nothing to reload", id_json, answer)
-        elif not slot.reload_adapter(str(spec.lora)):
+        elif not slot.roster.reload_adapter(str(spec.lora)):
             self._refuse(BAD_REQUEST, f"model {spec.name!r} is not running; nothing to reload", id_json, answer)
 
     def cancel(self, id_json: str, answer: Answer | None = None) -> None:
         job = self._active.get(id_json)
         if job is not None:
             slot = self.slots.get(job.spec.key)
-            if slot is not None and slot.cancel(id_json):
+            if slot is not None and slot.traffic.cancel(id_json):
                 return
         (answer or self.output.write)(encode_error(f"cancel: no queued or running request has id {id_json}", BAD_REQUEST))
 
@@ -633,8 +633,8 @@ class Pool:
             try:
                 for slot in list(self.slots.values()):
                     slot.check_stall(now, self.config.stall_timeout)
-                    keep = slot.keep_alive
-                    if keep is not None and slot.idle and now - slot.last_used > keep:
+                    keep = slot.roster.keep_alive
+                    if keep is not None and slot.traffic.idle and now - slot.last_used > keep:
                         self.slots.pop(slot.spec.key, None)
                         self.spawn(self._stop(slot, f"idle for {now - slot.last_used:.0f}s (keep_alive {keep:g}s)"))
                 self._drop_failed_rows(now)

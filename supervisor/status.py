@@ -110,7 +110,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         s = WorkerStats(format=s.format, processor=s.processor)
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
-    queued, in_flight = slot.waiting(name.spec)
+    queued, in_flight = slot.traffic.waiting(name.spec)
     failed = name.adapter_error is not None and state in (State.READY, State.BUSY)
     return StatusRow(
         model=name.name,
@@ -152,7 +152,7 @@ def expires_in(slot: WorkerSlot) -> float | None:
     keep = slot.spec.keep_alive
     if keep is None:
         return None
-    if not slot.idle:
+    if not slot.traffic.idle:
         return keep
     return round(max(0.0, keep - (time.monotonic() - slot.last_used)), 1)
 
