@@ -17,18 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ipc.events import ADAPTER_ERROR, encode_event
-from ipc.messages import LoadAdapter, ReloadAdapter, UnloadAdapter
+from ipc.messages import LoadAdapter, ReloadAdapter, ToWorker, UnloadAdapter
 from ipc.worker_events import parse_event
 from supervisor.job import Sink
 from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
-
-if TYPE_CHECKING:
-    from supervisor.slot import SlotEvents
-    from supervisor.traffic import Traffic
 
 log = logging.getLogger("lattice.worker")
 
@@ -73,21 +69,42 @@ def renamed(line: bytes, name: str, worker_name: str) -> bytes:
     return encode_event(ev, **fields)
 
 
+class RequestsSide(Protocol):
+    """The slot's requests as its names use them (supervisor.traffic.Traffic)."""
+
+    def send(self, msg: ToWorker) -> bool: ...
+
+    def send_soon(self, msg: ToWorker) -> None: ...
+
+    def drop_name(self, name_key: tuple, reason: str) -> None: ...
+
+    def quiet(self) -> None: ...
+
+
 class NamesSide(Protocol):
     """What the names read of their slot."""
 
     name: str  # the worker's own name
     ready: dict  # the fields of the running worker's ready line
     ready_at: float  # when it came (time.monotonic)
-    traffic: Traffic  # the requests, and the way to the worker
+    traffic: RequestsSide  # the requests, and the way to the worker
 
     def describe(self) -> str: ...
+
+
+class NamesTold(Protocol):
+    """What the names tell the pool (a part of supervisor.slot.SlotEvents)."""
+
+    def adapter_event(self, slot: NamesSide, lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
+        """adapter_loaded (True) or adapter_error (False) from the worker
+        about `lora`, to be written for the names of `specs`; True holds
+        the line back (a failed reload that will be tried again)."""
 
 
 class Roster:
     """The names one worker serves, by `ModelSpec.name_key`."""
 
-    def __init__(self, owner: NamesSide, events: SlotEvents, sm: StateMachine, lines: Sink):
+    def __init__(self, owner: NamesSide, events: NamesTold, sm: StateMachine, lines: Sink):
         self.owner = owner
         self.events = events  # the pool's: told about the owner slot
         self.sm = sm

@@ -12,18 +12,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, SHUTTING_DOWN, UNKNOWN_MODEL, encode_error
-from supervisor.job import Sink
+from supervisor.job import Job, Sink
 from supervisor.requests import ClientLine
-from supervisor.resolve import AdapterRefused, UnknownModel
+from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
+from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
 from supervisor.states import State
-from supervisor.status import status_event
-
-if TYPE_CHECKING:
-    from supervisor.pool import Pool
+from supervisor.status import Status, status_event
+from supervisor.stdout import Output
+from supervisor.workers import Workers
 
 log = logging.getLogger("lattice.pool")
 
@@ -37,8 +37,32 @@ class _Answering:
         self.write = answer
 
 
+class Door(Protocol):
+    """What the ops use of the pool (supervisor.pool.Pool): its front door."""
+
+    output: Output
+    resolver: Resolver
+    workers: Workers
+    slots: dict[tuple, WorkerSlot]
+    active: dict[str, Job]
+    accepting: bool
+    shutdown_requested: asyncio.Event
+
+    def spawn(self, coro) -> asyncio.Task: ...
+
+    def submit(self, msg: ClientLine, sink: Sink | None = None, surface: str = "stdin") -> None: ...
+
+    def reject(self, code: str, msg: str, id_json: str | None) -> None: ...
+
+    def cancel(self, id_json: str, answer: Answer | None = None) -> None: ...
+
+    def unload(self, spec: ModelSpec, reason: str, answer: Answer | None = None) -> None: ...
+
+    async def status(self) -> Status: ...
+
+
 class Ops:
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Door):
         self.pool = pool
 
     def op(self, msg: ClientLine, answer: Answer | None = None) -> asyncio.Task | None:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from ipc.events import (
     BAD_REQUEST,
@@ -35,7 +34,6 @@ from ipc.events import (
     encode_event,
 )
 from ipc.messages import Generate
-from ipc.worker_events import Done
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.ops import Answer, Ops
@@ -46,25 +44,9 @@ from supervisor.spec import ModelSpec
 from supervisor.states import State
 from supervisor.status import Status, SurfaceRequests, status
 from supervisor.stdout import Output
-from supervisor.workers import Workers
+from supervisor.workers import PoolObserver, Workers
 
 log = logging.getLogger("lattice.pool")
-
-
-class PoolObserver(Protocol):
-    """Told of what the pool counts (supervisor.metrics is one), labelled by
-    the worker's spec (None: no model was resolved) and the surface the
-    request came through (SURFACES); every call comes from the event loop
-    thread."""
-
-    def request_done(self, spec: ModelSpec, done: Done, surface: str) -> None: ...
-
-    def error(self, spec: ModelSpec | None, code: str, surface: str) -> None: ...
-
-    def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
-        """An adapter_loaded (True) or adapter_error line written for the name `spec`."""
-
-    def restarted(self, spec: ModelSpec) -> None: ...
 
 
 # Where requests come from: stdin (and the terminal front ends), or HTTP.

@@ -36,15 +36,15 @@ from typing import Protocol
 from ipc.context import read_context_limit
 from ipc.events import LOAD_FAILED, MODEL_FAILED, UNLOADED
 from ipc.messages import DEFAULT_MAX_BATCH, Cancel, Stats
-from ipc.worker_events import AdapterError, AdapterLoaded, AdapterUnloaded, Done, Loading, Ready, WorkerStats, parse_event
+from ipc.worker_events import AdapterError, AdapterLoaded, AdapterUnloaded, Loading, Ready, WorkerStats, parse_event
 from supervisor.child import MAX_WORKER_LINE, RESOURCE_ERRNOS, ChildProcess
-from supervisor.job import Job, Sink
-from supervisor.names import Roster
+from supervisor.job import Sink
+from supervisor.names import NamesTold, Roster
 from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
 from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
 from supervisor.stderr import LastMessage
-from supervisor.traffic import Traffic
+from supervisor.traffic import RequestsTold, Traffic
 
 log = logging.getLogger("lattice.worker")
 
@@ -53,27 +53,12 @@ log = logging.getLogger("lattice.worker")
 CANCEL_GRACE = 5.0
 
 
-class SlotEvents(Protocol):
-    """What a slot tells its owner; every call comes from the event loop."""
-
-    def request_ended(self, slot: WorkerSlot, job: Job) -> None:
-        """The job's one terminal line has gone to its sink."""
-
-    def request_done(self, slot: WorkerSlot, job: Job, done: Done) -> None:
-        """The worker finished a request of the name `job.spec` (its done line, for the counters)."""
-
-    def error_counted(self, slot: WorkerSlot, job: Job, code: str | None) -> None:
-        """An error line ended a request (the worker's or the slot's)."""
-
-    def adapter_event(self, slot: WorkerSlot, lora: str | None, specs: list[ModelSpec], loaded: bool) -> bool:
-        """adapter_loaded (True) or adapter_error (False) from the worker
-        about `lora`, to be written for the names of `specs`; True holds
-        the line back (a failed reload that will be tried again)."""
+class SlotEvents(RequestsTold, NamesTold, Protocol):
+    """What a slot tells its owner; every call comes from the event loop.
+    The requests' part (request ended, done, error counted, idle) and the
+    names' part (adapter events) are declared with their rooms."""
 
     def restarted(self, slot: WorkerSlot) -> None: ...
-
-    def idle(self, slot: WorkerSlot) -> None:
-        """Nothing in flight or queued (or the model failed): room for others."""
 
     def worker_stderr(self, data: bytes) -> None: ...
 

@@ -19,18 +19,15 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ipc.events import MODEL_FAILED, UNLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import Cancel, Generate, ToWorker
 from ipc.worker_events import TOKEN, Done, Error, Heartbeat, Malformed, holds, line_id, read_line, token_block
 from supervisor.child import ChildProcess
 from supervisor.job import Job, Sink
+from supervisor.names import Name
 from supervisor.states import State, StateMachine
-
-if TYPE_CHECKING:
-    from supervisor.names import Name
-    from supervisor.slot import SlotEvents
 
 log = logging.getLogger("lattice.worker")
 
@@ -54,8 +51,24 @@ class WorkerSide(Protocol):
     def kill(self, reason: str) -> None: ...
 
 
+class RequestsTold(Protocol):
+    """What the requests tell the pool (a part of supervisor.slot.SlotEvents)."""
+
+    def request_ended(self, slot: WorkerSide, job: Job) -> None:
+        """The job's one terminal line has gone to its sink."""
+
+    def request_done(self, slot: WorkerSide, job: Job, done: Done) -> None:
+        """The worker finished a request of the name `job.spec` (its done line, for the counters)."""
+
+    def error_counted(self, slot: WorkerSide, job: Job, code: str | None) -> None:
+        """An error line ended a request (the worker's or the slot's)."""
+
+    def idle(self, slot: WorkerSide) -> None:
+        """Nothing in flight or queued (or the model failed): room for others."""
+
+
 class Traffic:
-    def __init__(self, owner: WorkerSide, events: SlotEvents, sm: StateMachine, lines: Sink):
+    def __init__(self, owner: WorkerSide, events: RequestsTold, sm: StateMachine, lines: Sink):
         self.owner = owner
         self.events = events  # the pool's: told about the owner slot
         self.sm = sm

@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 
@@ -26,18 +26,17 @@ from ipc.events import INSUFFICIENT_MEMORY, INTERNAL, UNLOADED
 from ipc.worker_events import Done
 from supervisor.adapters import AdapterCopies, AdapterWatches
 from supervisor.child import worker_command
-from supervisor.config import parse_size
+from supervisor.config import Config, parse_size
 from supervisor.job import Job
 from supervisor.names import Name
 from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
+from supervisor.resolve import Resolver
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State
 from supervisor.status import StatusRow, stats_event, status_row
 from supervisor.stderr import relay_worker_stderr
-
-if TYPE_CHECKING:
-    from supervisor.pool import Pool
+from supervisor.stdout import Output
 
 log = logging.getLogger("lattice.pool")
 
@@ -48,8 +47,49 @@ HOUSEKEEPING_INTERVAL = 0.25
 STATS_REFRESH_INTERVAL = 5.0
 
 
+class PoolObserver(Protocol):
+    """Told of what the pool counts (supervisor.metrics is one), labelled by
+    the worker's spec (None: no model was resolved) and the surface the
+    request came through (supervisor.pool.SURFACES); every call comes from
+    the event loop thread."""
+
+    def request_done(self, spec: ModelSpec, done: Done, surface: str) -> None: ...
+
+    def error(self, spec: ModelSpec | None, code: str, surface: str) -> None: ...
+
+    def adapter_event(self, spec: ModelSpec, loaded: bool) -> None:
+        """An adapter_loaded (True) or adapter_error line written for the name `spec`."""
+
+    def restarted(self, spec: ModelSpec) -> None: ...
+
+
+class PoolSide(Protocol):
+    """What the workers read of the pool (supervisor.pool.Pool), and tell it."""
+
+    config: Config
+    output: Output
+    resolver: Resolver
+    observers: list[PoolObserver]
+    stats_interval: float | None
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task: ...
+
+    def reject(self, code: str, msg: str, id_json: str | None) -> None: ...
+
+    def note_error(self, spec: ModelSpec | None, code: str | None, surface: str = "stdin") -> None: ...
+
+    def unload(self, spec: ModelSpec, reason: str) -> None: ...
+
+    def request_ended(self, job: Job) -> None: ...
+
+    def check_quiet(self) -> None:
+        """A worker has room now: the pool checks whether nothing is left."""
+
+    def idless_waiting(self, spec: ModelSpec) -> int: ...
+
+
 class Workers:
-    def __init__(self, pool: Pool, rng: random.Random):
+    def __init__(self, pool: PoolSide, rng: random.Random):
         self.pool = pool
         config = pool.config
         self.restart_policy = RestartPolicy()
