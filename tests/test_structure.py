@@ -36,6 +36,17 @@ def test_no_class_has_30_or_more_methods():
     assert not too_big, f"classes with more than {MAX_METHODS} methods; split them along their sections: {too_big}"
 
 
+def test_a_status_row_carries_every_memory_figure():
+    """The memory figures are declared once (ipc.worker_events.MemoryFigures);
+    a status row lists them for its key order and copies them all."""
+    from ipc.worker_events import MemoryFigures, RankFigures, WorkerStats
+    from supervisor.status import StatusRow
+
+    fields = set(MemoryFigures.__struct_fields__)
+    assert fields <= set(StatusRow.__struct_fields__)
+    assert issubclass(RankFigures, MemoryFigures) and issubclass(WorkerStats, MemoryFigures)
+
+
 def test_every_exception_is_still_needed():
     counts = method_counts()
     stale = [name for name in EXCEPTIONS if counts.get(name, 0) <= MAX_METHODS]
