@@ -2,7 +2,8 @@
 in one run, at the worker level (worker processes driven over their pipes).
 
 1. Memory: a worker with no adapter; one worker with `--adapters` adapters
-   loaded; and today's layout, one worker per adapter (`--lora`); each
+   loaded; and the old layout, one worker per adapter (each loads its
+   one adapter for the batch's requests, which name it); each
    after the same batch of one row per adapter (mixed in the one worker). RSS and MLX active
    memory from each worker's own `worker_stats`. Goal: the one worker
    <= (the base alone + the adapters' bytes) x 1.10.
@@ -71,7 +72,7 @@ def measure_memory(model: Path, adapters: list[str], prompts: list[str]) -> tupl
         base.close()
     separate = []
     for path in adapters:
-        one = worker(model, "--lora", path)
+        one = worker(model)
         try:
             one.generate_many(requests(rows, [path] * len(rows), 16))
             separate.append(memory_of(one))

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from bench.common import MODELS, demo_model, load_average, machine, summary, tagged, write_result
+from ipc.messages import ResponseFormat, read_response_format
 from tests.schemas import PET, PET_VALUE
 
 # The prompt of every decode measurement here.
@@ -63,8 +64,8 @@ FREE = {**LONG, "properties": {"notes": {**LONG["properties"]["notes"], "items":
 SCHEMAS = {"bounded": LONG, "free": FREE}
 
 
-def schema_format(schema: dict, name: str = "bench") -> str:
-    return json.dumps({"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+def schema_format(schema: dict, name: str = "bench") -> ResponseFormat:
+    return read_response_format({"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
 
 
 def real_vocab_tokenizer() -> Path:
@@ -138,7 +139,7 @@ def mask_costs(tokenizer_json: str, vocab: int, eos: set[int], encode, rounds: i
 
     cases = {
         "json_schema": (schema_format(PET_NOTES), json.dumps(PET_NOTES_VALUE, separators=(",", ":"))),
-        "json_object": ('{"type":"json_object"}', json.dumps(OBJECT_VALUE, separators=(",", ":"))),
+        "json_object": (read_response_format({"type": "json_object"}), json.dumps(OBJECT_VALUE, separators=(",", ":"))),
     }
     logits = mx.zeros((1, vocab), dtype=mx.float32)
     for name, (text, reply) in cases.items():

@@ -39,7 +39,8 @@ def main() -> int:
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     from ipc.messages import Generate
-    from worker.engine.sampling import BatchSampler, RowSampling, SamplingParams
+    from ipc.sampling import Sampling
+    from worker.engine.sampling import BatchSampler, RowSampling
     from worker.engine.scheduler import Scheduler
 
     model = loaded.model
@@ -62,7 +63,7 @@ def main() -> int:
         return (time.perf_counter() - t0) / n * 1000
 
     ours = BatchSampler(vocab)
-    ours.extend([RowSampling(SamplingParams(0.7, 50, 0.9, 1.1, 1), vocab, prompt.tolist())])
+    ours.extend([RowSampling(Sampling(seed=1), vocab, prompt.tolist())])
     sampler = make_sampler(temp=0.7, top_p=0.9, top_k=50)
     processors = make_logits_processors(repetition_penalty=1.1)
 

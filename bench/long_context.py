@@ -180,10 +180,10 @@ def part_kv(args, path: Path, record) -> None:
 def part_decode(args, path: Path, codec, record) -> None:
     import mlx.core as mx
 
-    from ipc.messages import Generate
+    from ipc.sampling import Sampling
     from worker.engine import kv_quant
     from worker.engine.generator import Row
-    from worker.engine.sampling import RowSampling, SamplingParams
+    from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
 
@@ -198,7 +198,7 @@ def part_decode(args, path: Path, codec, record) -> None:
         s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
-    greedy = SamplingParams.of(Generate(rid=0, temperature=0.0))
+    greedy = Sampling(temperature=0.0)
 
     def steps_per_s(s, n: int) -> float:
         gen = s._generator(s.prefix_cache)

@@ -1,4 +1,4 @@
-"""LoRA cost in a real worker: swap time, and decode speed with a rank-16
+"""LoRA cost in a real worker: load time, and decode speed with a rank-16
 adapter on every linear layer of the decoder vs no adapter, in one run.
 
     python -m bench.lora [--size small] [--rounds 5] [--tokens 128]
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.procs import build_demo_model  # noqa: E402
 from harness.worker import WorkerProc  # noqa: E402
-from ipc.messages import Generate, SetAdapter, Stats  # noqa: E402
+from ipc.messages import Generate, LoadAdapter, Stats, UnloadAdapter  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -56,22 +56,31 @@ def write_adapter(targets: dict[str, tuple[int, int]], out: Path, rank: int, see
     return len(targets)
 
 
-def decode_rate(w: WorkerProc, tokens: int, seed: int) -> float:
+def decode_rate(w: WorkerProc, tokens: int, seed: int, lora: str | None = None) -> float:
     """Decode tok/s of one request: tokens after the first over the time after it."""
-    w.send(Generate(rid=seed, prompt=PROMPT, max_tokens=tokens, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=seed))
+    w.send(Generate(rid=seed, prompt=PROMPT, max_tokens=tokens, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=seed, lora=lora))
     done = w.collect()[-1]
     assert done["ev"] == "gen_token", done
     decode_ms = done["total_ms"] - done["ttft_ms"]
     return (done["gen_tokens"] - 1) / (decode_ms / 1000.0)
 
 
-def swap(w: WorkerProc, path: str | None) -> tuple[float, int]:
-    """(wall ms from SetAdapter to adapter_loaded, the worker's own ms)."""
+def load(w: WorkerProc, path: str) -> tuple[float, int]:
+    """(wall ms from LoadAdapter to adapter_loaded, the worker's own ms)."""
     t0 = time.perf_counter()
-    w.send(SetAdapter(path=path))
+    w.send(LoadAdapter(path=path))
     event = w.next_event(timeout=300)
     assert event["ev"] == "adapter_loaded", event
     return (time.perf_counter() - t0) * 1000.0, event["ms"]
+
+
+def unload(w: WorkerProc, path: str) -> float:
+    """Wall ms from UnloadAdapter to adapter_unloaded."""
+    t0 = time.perf_counter()
+    w.send(UnloadAdapter(path=path))
+    event = w.next_event(timeout=300)
+    assert event["ev"] == "adapter_unloaded" and event["resident"], event
+    return (time.perf_counter() - t0) * 1000.0
 
 
 def summary(values: list[float]) -> dict:
@@ -95,17 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             w.wait_ready()
             decode_rate(w, 16, 0)  # first-request effects stay out of the figures
-            base, lora, swap_wall, swap_worker, clear_wall = [], [], [], [], []
+            base, lora, load_wall, load_worker, unload_wall = [], [], [], [], []
             for i in range(args.rounds):
                 base.append(decode_rate(w, args.tokens, i + 1))
-                wall, own = swap(w, str(adapter))
-                swap_wall.append(wall)
-                swap_worker.append(own)
+                wall, own = load(w, str(adapter))
+                load_wall.append(wall)
+                load_worker.append(own)
                 if i == 0:
                     w.send(Stats())
                     adapter_bytes = w.next_event()["adapter_bytes"]
-                lora.append(decode_rate(w, args.tokens, i + 1))
-                clear_wall.append(swap(w, None)[0])
+                lora.append(decode_rate(w, args.tokens, i + 1, str(adapter)))
+                # Unloaded, so that the next round's LoadAdapter reads the file again.
+                unload_wall.append(unload(w, str(adapter)))
         finally:
             w.close()
 
@@ -125,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ratio_adapter_over_none": round(statistics.median(lora) / statistics.median(base), 3),
         # Each adapter run over the no-adapter run just before it: less exposed to load drift.
         "decode_ratio_paired_median": round(statistics.median(x / y for x, y in zip(lora, base)), 3),
-        "swap_ms": {
-            "set_adapter_to_adapter_loaded": summary(swap_wall),
-            "worker_reported_ms": summary(swap_worker),
-            "clear_to_adapter_loaded": summary(clear_wall),
+        "load_ms": {
+            "load_adapter_to_adapter_loaded": summary(load_wall),
+            "worker_reported_ms": summary(load_worker),
+            "unload_to_adapter_unloaded": summary(unload_wall),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"decode tok/s  no adapter {d['no_adapter']['median']}  adapter {d['adapter']['median']}  ratio {result['decode_ratio_adapter_over_none']} (paired {result['decode_ratio_paired_median']})"
     )
-    s = result["swap_ms"]
+    s = result["load_ms"]
     print(
-        f"swap ms  SetAdapter->adapter_loaded {s['set_adapter_to_adapter_loaded']['median']} (worker: {s['worker_reported_ms']['median']})  clear {s['clear_to_adapter_loaded']['median']}"
+        f"load ms  LoadAdapter->adapter_loaded {s['load_adapter_to_adapter_loaded']['median']} (worker: {s['worker_reported_ms']['median']})  unload {s['unload_to_adapter_unloaded']['median']}"
     )
     print(f"written to {args.out}")
     return 0

@@ -27,7 +27,14 @@ def build_demo_model(path: Path, *args: str) -> Path:
 
 
 def install_tag() -> str:
-    tag = os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+    """The tag this test process gives every child (and finds leaks by).
+    Under pytest-xdist each worker process adds its own name to the tag it
+    inherited, so one worker's leak check never counts another's children."""
+    tag = os.environ.get(TAG_VAR) or uuid.uuid4().hex
+    xdist_worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if xdist_worker and not tag.endswith(f"-{xdist_worker}"):
+        tag = f"{tag}-{xdist_worker}"
+    os.environ[TAG_VAR] = tag
     return tag
 
 

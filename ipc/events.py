@@ -15,6 +15,21 @@ import re
 
 PREFIX = b"@@lattice "
 
+# A token line's layout, the one place it is written: TOKEN_HEAD, the token
+# as a JSON string, NOT_FINAL (or, on the request's last line, FINAL and its
+# figures), then for a request with an id ID_TAIL and the id, and LINE_END.
+# Inside the JSON string every quote is escaped, so the last NOT_FINAL and
+# the last ID_TAIL of a line are those fields: ipc.worker_events reads them
+# back by these bytes, without decoding JSON.
+TOKEN_HEAD = PREFIX + b'{"ev":"gen_token","token":'
+NOT_FINAL = b',"done":false'
+FINAL = b',"done":true'
+ID_TAIL = b',"id":'
+LINE_END = b"}\n"
+_TOKEN_END = NOT_FINAL + LINE_END
+_TOKEN_ID = NOT_FINAL + ID_TAIL
+_DONE_HEAD = TOKEN_HEAD + b'""' + FINAL
+
 _ESCAPES = {i: f"\\u{i:04x}" for i in range(0x20)}
 _ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
@@ -75,8 +90,17 @@ def encode_event(ev: str, **fields: object) -> bytes:
 
 def encode_token(token: str, id_json: str | None = None) -> bytes:
     """A non-final gen_token line; the hot path of the whole pool."""
+    tail = _TOKEN_END if id_json is None else _TOKEN_ID + id_json.encode() + LINE_END
+    return TOKEN_HEAD + _utf8(json_str(token)) + tail
+
+
+def encode_token_logprobs(token: str, logprobs: list, id_json: str | None = None) -> bytes:
+    """A non-final gen_token line of a request that asked for log-probabilities:
+    `logprobs` (an entry per token whose text the line holds or held back
+    before it) goes between the token and "done", so a plain line is
+    chat_metal's, byte for byte, and the id still ends the line."""
     tail = b',"done":false}\n' if id_json is None else b',"done":false,"id":' + id_json.encode() + b"}\n"
-    return b'@@lattice {"ev":"gen_token","token":' + _utf8(json_str(token)) + tail
+    return b'@@lattice {"ev":"gen_token","token":' + _utf8(json_str(token)) + b',"logprobs":' + _utf8(json_value(logprobs)) + tail
 
 
 def encode_done(
@@ -93,7 +117,7 @@ def encode_done(
     id_json: str | None = None,
 ) -> bytes:
     """The final gen_token line: chat_metal's fields, then the additive ones."""
-    body = '{"ev":"gen_token","token":"","done":true,"tok_s":%s,"ttft_ms":%s,"prompt_tokens":%d,"gen_tokens":%d,"total_ms":%d' % (
+    body = ',"tok_s":%s,"ttft_ms":%s,"prompt_tokens":%d,"gen_tokens":%d,"total_ms":%d' % (
         fixed1(tok_s),
         fixed1(ttft_ms),
         prompt_tokens,
@@ -108,9 +132,10 @@ def encode_done(
     # a plain request's line is chat_metal's, byte for byte.
     if drafted_tokens is not None:
         body += ',"drafted_tokens":%d,"accepted_tokens":%d' % (drafted_tokens, accepted_tokens or 0)
+    line = _DONE_HEAD + _utf8(body)
     if id_json is not None:
-        body += ',"id":' + id_json
-    return PREFIX + _utf8(body) + b"}\n"
+        line += ID_TAIL + _utf8(id_json)
+    return line + LINE_END
 
 
 def tokens_per_second(gen_tokens: int, total_ms: int) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -98,3 +99,29 @@ class FrameReader:
             pos += HEADER.size + size
         del buf[:pos]
         return out
+
+
+def read_messages(fd: int, malformed: Callable[[Exception], None]) -> Iterator[list[ToWorker]]:
+    """The messages of each read of `fd` (FrameReader.batch), decoded, until
+    the writer closes it or a read fails. A frame that is too large or does
+    not decode goes to `malformed` and the stream goes on: a hostile frame
+    costs only itself."""
+    reader = FrameReader(fd)
+    while True:
+        try:
+            batch = reader.batch()
+        except OSError:
+            return
+        if batch is None:
+            return
+        messages = []
+        for payload in batch:
+            if isinstance(payload, FrameTooLarge):
+                malformed(payload)
+                continue
+            try:
+                messages.append(decode_payload(payload))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                malformed(exc)
+        if messages:
+            yield messages

@@ -6,17 +6,11 @@ holds every typed message that crosses the pipe in the other direction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-# chat_metal's generation defaults (SPEC §3); the supervisor's config may
-# override them per pool, the request per call.
-DEFAULT_MAX_TOKENS = 512
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_K = 50
-DEFAULT_TOP_P = 0.9
-DEFAULT_REPETITION_PENALTY = 1.1
+from ipc.sampling import Sampling
 
 # Requests a worker decodes together (its --max-batch; the pool's max_batch),
 # measured on a 2-core CPU: docs/performance.md, "Continuous batching".
@@ -39,6 +33,10 @@ MAX_WAITING = 1024
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_ADAPTER_BYTES = 1 << 30
 
+# The most alternatives a request may ask for with each token's
+# log-probability (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
+
 
 def utf8_len(text: str, limit: int) -> int:
     """UTF-8 bytes of `text`, exact up to `limit`; above it, some number
@@ -59,9 +57,11 @@ class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str | None = None
 
 
-class Generate(msgspec.Struct, tag="generate", frozen=True):
+class Generate(Sampling, tag="generate", frozen=True):
     """One generation request. `rid` is the supervisor's own number for it;
-    `id_json` is the client's id, already encoded, echoed on every line."""
+    `id_json` is the client's id, already encoded, echoed on every line.
+    Its sampling fields (ipc.sampling) hold values: the request's, else the
+    pool's defaults, else chat_metal's."""
 
     rid: int
     prompt: str | None = None
@@ -69,25 +69,15 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # Function tools in OpenAI's shape ({"type":"function","function":{...}}),
     # rendered by the chat template (its `tools` variable) with `messages`.
     tools: list[dict[str, Any]] | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_k: int = DEFAULT_TOP_K
-    top_p: float = DEFAULT_TOP_P
-    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
-    seed: int | None = None
-    reasoning_budget: int | None = None
     stop: list[str] = []
     id_json: str | None = None
-    # The client's response_format object as JSON text (its shape already
-    # checked by decode_response_format); the worker compiles it.
-    response_format: str | None = None
+    # The client's response_format, read once by the supervisor (which
+    # refuses a malformed one before any worker is touched); the worker
+    # compiles it.
+    response_format: ResponseFormat | None = None
     # The adapter this request runs with (SPEC §10): its path as the
-    # supervisor resolved it, or None for the base model. Left out (UNSET),
-    # the worker's default adapter: the one it was started with (`--lora`)
-    # or last given by SetAdapter, else the base model. So a pool that keeps
-    # one worker per (model, adapter) pair sends nothing and gets what it
-    # always got.
-    lora: str | None | msgspec.UnsetType = msgspec.UNSET
+    # supervisor resolved it, or None for the base model.
+    lora: str | None = None
     # Special-token text (`<|im_start|>`) in `messages` contents is read as
     # the token only when this is set; otherwise as the characters it is.
     allow_special_tokens: bool = False
@@ -98,12 +88,15 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # defaults): where the prompt leaves less room in the model's context,
     # the worker lowers it to that room instead of refusing the request.
     clip_max_tokens: bool = False
+    # None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated
+    # token's log-probability and its k likeliest alternatives ride on the
+    # token lines (docs/protocol.md); computed only for rows that ask.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
-# Both sides decode it with the same Structs: the supervisor to reject a
-# malformed one before any worker is touched, the worker to compile it.
-# Unknown fields inside are ignored, as OpenAI adds some over time.
+# The supervisor reads a client's into these Structs, once; the worker gets
+# it typed inside Generate. Unknown fields inside are ignored, as OpenAI adds some over time.
 
 MAX_RESPONSE_FORMAT_BYTES = 256 * 1024
 
@@ -137,31 +130,49 @@ class GrammarFormat(msgspec.Struct, tag_field="type", tag="grammar", frozen=True
 ResponseFormat = JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat
 RESPONSE_FORMAT_TYPES = ("json_object", "json_schema", "regex", "grammar")
 
-
-class _FormatType(msgspec.Struct):
-    type: Any = None
-
-
-_format_decoder = msgspec.json.Decoder(ResponseFormat)
-_format_type = msgspec.json.Decoder(_FormatType)
+_json_value = msgspec.json.Decoder()
+_json_size = msgspec.json.Encoder()
 
 
-def decode_response_format(text: bytes | str) -> ResponseFormat:
-    """Raises ValueError with a message fit for a bad_request event."""
+def decode_response_format(text: bytes | str) -> ResponseFormat | None:
+    """A response_format given as JSON text (a stdin line's): None for none
+    (empty, null, or OpenAI's {"type": "text"}). Raises ValueError with a
+    message fit for a bad_request event."""
     if len(text) > MAX_RESPONSE_FORMAT_BYTES:
         raise ValueError(f"response_format is {len(text)} bytes; the limit is {MAX_RESPONSE_FORMAT_BYTES}")
+    if not text:
+        return None
     try:
-        kind = _format_type.decode(text).type
-    except msgspec.ValidationError as exc:
-        raise ValueError('response_format must be an object with a "type"') from exc
+        value = _json_value.decode(text)
     except msgspec.DecodeError as exc:
         raise ValueError(f"response_format is not valid JSON: {exc}") from exc
+    return _read_format(value)
+
+
+def read_response_format(value: object) -> ResponseFormat | None:
+    """The same for one given as values (an HTTP body's, already decoded);
+    the bound is on JSON bytes, so it is measured as JSON."""
+    if value is not None and len(text := _json_size.encode(value)) > MAX_RESPONSE_FORMAT_BYTES:
+        raise ValueError(f"response_format is {len(text)} bytes; the limit is {MAX_RESPONSE_FORMAT_BYTES}")
+    return _read_format(value)
+
+
+def _read_format(value: object) -> ResponseFormat | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError('response_format must be an object with a "type"')
+    kind = value.get("type")
+    if kind == "text":
+        # OpenAI's default, sent by clients that set it explicitly: plain
+        # text, no constraint, as if absent.
+        return None
     if kind is None:
         raise ValueError(f'response_format needs a "type": one of {", ".join(RESPONSE_FORMAT_TYPES)}')
     if kind not in RESPONSE_FORMAT_TYPES:
         raise ValueError(f"unknown response_format type {kind!r}; expected one of {', '.join(RESPONSE_FORMAT_TYPES)}")
     try:
-        return _format_decoder.decode(text)
+        return msgspec.convert(value, ResponseFormat)
     except msgspec.ValidationError as exc:
         what, _, where = str(exc).partition(" - at `$")
         where = where.rstrip("`")
@@ -201,14 +212,6 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
     path: str
 
 
-class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True):
-    """Reads the adapter at `path` again and makes it the worker's default
-    (what a Generate without `lora` runs with); None makes the base model
-    the default. A bad file leaves the default as it was."""
-
-    path: str | None
-
-
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     pass
 
@@ -217,4 +220,4 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | SetAdapter | Stats | Shutdown
+ToWorker = Generate | Cancel | LoadAdapter | ReloadAdapter | UnloadAdapter | Stats | Shutdown

@@ -18,10 +18,10 @@ from __future__ import annotations
 import msgspec
 import psutil
 
-from ipc.events import PREFIX
+from ipc.events import FINAL, ID_TAIL, LINE_END, NOT_FINAL, PREFIX, TOKEN_HEAD
 
 # The worker's exit status when restarting cannot help: a bad model dir, a
-# bad adapter with no good copy, a resource limit (sysexits.h's EX_CONFIG).
+# resource limit (sysexits.h's EX_CONFIG).
 # Its one-line cause is the last line it wrote on stderr.
 EX_CONFIG = 78
 
@@ -36,7 +36,9 @@ LIFECYCLE = frozenset({"loading", "ready", "unloaded", "restarting", "failed", "
 class Done(msgspec.Struct, tag_field="ev", tag="gen_token"):
     """The final line of a request (`"done":true`)."""
 
+    prompt_tokens: int = 0
     gen_tokens: int = 0
+    cached_tokens: int = 0
     ttft_ms: float = 0.0
     tok_s: float = 0.0
     total_ms: float = 0.0
@@ -77,7 +79,6 @@ class AdapterFigures(msgspec.Struct):
     config_sha256: str | None = None
     bytes: int = 0  # its own factors, in the model's dtype (no padding)
     rows: int = 0  # batch rows running with it
-    default: bool = False
 
 
 class MemoryFigures(msgspec.Struct, kw_only=True):
@@ -168,11 +169,9 @@ _decoder = msgspec.json.Decoder(WorkerEvent)
 _KNOWN = frozenset(t.__struct_config__.tag for t in WorkerEvent.__args__)
 _TERMINAL = frozenset({"gen_token", "error"})
 _object = msgspec.json.Decoder(dict)
+_string = msgspec.json.Decoder(str)
 _EVENT_HEAD = PREFIX + b'{"ev":"'
-_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token",'
-_FINAL = b'"done":true'
-_TOKEN_LINE_START = b"\n" + _TOKEN_HEAD
-ID_TAIL = b',"id":'
+_TOKEN_LINE_START = b"\n" + TOKEN_HEAD
 
 
 def event_name(line: bytes) -> str:
@@ -187,7 +186,7 @@ def event_name(line: bytes) -> str:
 def is_token(line: bytes) -> bool:
     """A non-final gen_token line. Inside the escaped token text every quote
     is written as \\", so the bytes `"done":true` can only be the field."""
-    return line.startswith(_TOKEN_HEAD) and _FINAL not in line
+    return line.startswith(TOKEN_HEAD) and FINAL not in line
 
 
 def token_block(block: bytes) -> int:
@@ -206,7 +205,7 @@ def holds(block: bytes, key: bytes | None, lines: int) -> bool:
     request without an id (a line has no id)."""
     if key is None:
         return block.count(ID_TAIL) < lines
-    return ID_TAIL + key + b"}\n" in block
+    return ID_TAIL + key + LINE_END in block
 
 
 def read_line(line: bytes) -> _Token | WorkerEvent | Other | Malformed:
@@ -214,7 +213,7 @@ def read_line(line: bytes) -> _Token | WorkerEvent | Other | Malformed:
     name = event_name(line)
     if not name or not line.endswith(b"}\n"):
         return Malformed("not an event line")
-    if name == "gen_token" and _FINAL not in line:
+    if name == "gen_token" and FINAL not in line:
         return TOKEN
     body = line[len(PREFIX) :]
     if name in _KNOWN:
@@ -233,7 +232,21 @@ def line_id(line: bytes) -> bytes | None:
     """The id of a request's line as the JSON text it carries, or None for a
     line without one."""
     at = line.rfind(ID_TAIL)
-    return None if at < 0 else line[at + len(ID_TAIL) : -2]
+    return None if at < 0 else line[at + len(ID_TAIL) : -len(LINE_END)]
+
+
+def token_json(line: bytes) -> bytes | None:
+    """The token of a non-final token line (read_line: TOKEN) as the JSON
+    string the worker wrote, undecoded; None for a line not laid out as
+    ipc.events writes them."""
+    end = line.rfind(NOT_FINAL)
+    return line[len(TOKEN_HEAD) : end] if end > 0 and line.startswith(TOKEN_HEAD) else None
+
+
+def token_text(token: bytes) -> str:
+    """token_json's JSON string decoded. Raises msgspec.DecodeError when it
+    is none."""
+    return _string.decode(token)
 
 
 def event_body(line: bytes) -> bytes:

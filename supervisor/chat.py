@@ -25,20 +25,20 @@ from pathlib import Path
 
 import msgspec
 
+from ipc import sampling
 from ipc.messages import Message
 from supervisor import stderr
 from supervisor.attach import PoolLink, RemoteLink
 from supervisor.config import Config
 from supervisor.lifecycle import RunningPool, first_set
-from supervisor.requests import BadRequest, ClientLine, parse_line
+from supervisor.requests import ClientLine
 from supervisor.resolve import UnknownModel
 from supervisor.screen import Screen
 from supervisor.terminal import THINK_MODES, EventSink, LoadProgress, ReplyText, cause, error_line, stats_line
 
-# Sampling settings `/set` changes, as request fields (the same validation).
-KNOBS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "seed", "reasoning_budget")
-# chat_metal's defaults (SPEC §3), shown by `/set` for a knob left unset.
-DEFAULTS = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512, "seed": None, "reasoning_budget": None}
+# Sampling settings `/set` changes: a request's fields, with their bounds
+# and defaults (shown by `/set` for a knob left unset).
+KNOBS = sampling.NAMES
 HISTORY_LIMIT = 1000
 MULTILINE = '"""'
 
@@ -392,7 +392,7 @@ class Chat:
         if not knob:
             shown = []
             for k in KNOBS:
-                value = self.knobs[k] if self.knobs[k] is not None else DEFAULTS[k]
+                value = self.knobs[k] if self.knobs[k] is not None else sampling.DEFAULTS[k]
                 shown.append(f"  {k} {'none' if value is None else value}" + (" (default)" if self.knobs[k] is None else ""))
             system = f"  system {self.system!r}" if self.system else "  system (none)"
             self.screen.note("\n".join(shown + [system, f"  think {self.think}"]))
@@ -413,10 +413,12 @@ class Chat:
         else:
             try:
                 number = msgspec.json.decode(value)
-                # A request's own validation, so the limits are the pool's.
-                parse_line(msgspec.json.encode({"prompt": "", knob: number}))
-            except (msgspec.DecodeError, BadRequest) as exc:
-                self.screen.note(f"{knob} {value}: {getattr(exc, 'msg', None) or 'not a number'}")
+                sampling.check(knob, number)
+            except msgspec.DecodeError:
+                self.screen.note(f"{knob} {value}: not a number")
+                return
+            except ValueError as exc:
+                self.screen.note(f"{knob} {value}: {exc}")
                 return
             self.knobs[knob] = number
             self.screen.note(f"{knob} set to {number}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from ipc import sampling
 from ipc.messages import MAX_RESPONSE_FORMAT_BYTES
 from supervisor import local_models, preflight, ps, stderr
 from supervisor.adapter_policy import DEFAULT_ADAPTER_DIR
@@ -211,12 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--think shows the thinking of a templated reply: not with --no-think or --prompt")
     fields = {
         **prompt,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "repetition_penalty": args.repetition_penalty,
-        "seed": args.seed,
+        **{name: getattr(args, name) for name in sampling.NAMES},
         "reasoning_budget": 0 if args.no_think else args.reasoning_budget,
         "stop": args.stop,
         "response_format": json_schema_format(args.json_schema) if args.json_schema else None,
@@ -418,15 +414,44 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-dir", type=Path, help="directory holding tokenizer.json (default: the model dir)")
 
 
+# What each sampling flag does; its bounds and default are ipc.sampling's
+# (or the config's [defaults] table), and what a None default means is here.
+SAMPLING_HELP = {
+    "max_tokens": ("most tokens to generate", None),
+    "temperature": ("sampling temperature; 0 is greedy", None),
+    "top_k": ("sample from the K likeliest tokens; 0: all", None),
+    "top_p": ("sample from the likeliest tokens that make up P of the probability", None),
+    "repetition_penalty": ("penalty on tokens already in the text; 1 is none", None),
+    "seed": ("random seed: the same seed gives the same tokens", "none, a fresh draw each time"),
+    "reasoning_budget": ("tokens a thinking model may think before </think> is forced", "no limit"),
+}
+
+
+def sampling_value(name: str) -> Callable[[str], object]:
+    """argparse's type for the flag of sampling field `name`: a request's
+    value with a request's bounds, so a bad one is a usage error at once."""
+
+    def parse(text: str) -> object:
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        try:
+            return sampling.check(name, number)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    # The defaults are chat_metal's, or the config's [defaults] table.
-    p.add_argument("--max-tokens", type=int, help="most tokens to generate (default 512)")
-    p.add_argument("--temperature", type=float, help="sampling temperature; 0 is greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, help="sample from the K likeliest tokens; 0: all (default 50)")
-    p.add_argument("--top-p", type=float, help="sample from the likeliest tokens that make up P of the probability (default 0.9)")
-    p.add_argument("--repetition-penalty", type=float, help="penalty on tokens already in the text; 1 is none (default 1.1)")
-    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same tokens (default: none, a fresh draw each time)")
-    p.add_argument("--reasoning-budget", type=int, help="tokens a thinking model may think before </think> is forced (default: no limit)")
+    for name, (what, unset) in SAMPLING_HELP.items():
+        default = sampling.DEFAULTS[name]
+        shown = f"default {default}" if default is not None else f"default: {unset}"
+        p.add_argument("--" + name.replace("_", "-"), type=sampling_value(name), help=f"{what} ({shown})")
     p.add_argument("--stop", action="append", help="stop string, not printed; repeatable (default: none)")
 
 

@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from ipc.group import HostSpec
 from ipc.messages import AUTO_MAX_BATCH, DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_PROMPT_BYTES, MAX_ADAPTERS_LIMIT, MAX_WAITING
+from ipc.sampling import SamplingFields
 
 Duration = str | int | float
 Size = str | int
@@ -32,15 +33,11 @@ class ConfigError(Exception):
     pass
 
 
-class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
-    """Pool-wide defaults for fields a request leaves out (chat_metal's otherwise)."""
+class GenerationDefaults(SamplingFields, forbid_unknown_fields=True):
+    """Pool-wide defaults for fields a request leaves out (chat_metal's
+    otherwise): the sampling fields, bounded as a request's are, since a
+    default ends up in requests."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    reasoning_budget: Annotated[int, Meta(ge=0)] | None = None
     allow_special_tokens: bool | None = None
 
 

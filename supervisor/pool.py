@@ -34,10 +34,11 @@ from ipc.events import (
     encode_event,
 )
 from ipc.messages import Generate
+from ipc.sampling import given
 from supervisor.config import Config, ModelEntry, parse_duration, parse_size
 from supervisor.job import Job, Sink
 from supervisor.ops import Answer, Ops
-from supervisor.requests import ClientLine, prompt_bytes, response_format_text, stop_list
+from supervisor.requests import ClientLine, logprobs_count, prompt_bytes, stop_list
 from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -212,13 +213,9 @@ class Pool:
 
     def _generate(self, msg: ClientLine, spec: ModelSpec, rid: int) -> Generate:
         d = self.config.defaults
-        fields = {}
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "reasoning_budget", "allow_special_tokens"):
-            value = getattr(msg, name)
-            if value is None:
-                value = getattr(d, name)
-            if value is not None:
-                fields[name] = value
+        # Both validated with ipc.sampling's bounds, so either is fit to send.
+        fields = given(msg, d)
+        special = msg.allow_special_tokens if msg.allow_special_tokens is not None else d.allow_special_tokens
         # Every request names its adapter (None: the base model); workers
         # have no default adapter (SPEC §10).
         lora = str(spec.lora) if spec.lora else None
@@ -227,13 +224,14 @@ class Pool:
             prompt=msg.prompt,
             messages=msg.messages,
             tools=msg.tools,
-            seed=msg.seed,
             stop=stop_list(msg.stop),
             id_json=msg.id_json,
-            response_format=response_format_text(msg),
+            response_format=msg.format,
             lora=lora,
+            allow_special_tokens=bool(special),
             speculative=msg.speculative is not False,
             clip_max_tokens="max_tokens" not in fields,
+            logprobs=logprobs_count(msg),
             **fields,
         )
 

@@ -18,7 +18,8 @@ import msgspec
 from msgspec import Meta
 
 from ipc.events import json_str
-from ipc.messages import Message, decode_response_format, utf8_len
+from ipc.messages import MAX_TOP_LOGPROBS, Message, ResponseFormat, decode_response_format, read_response_format, utf8_len
+from ipc.sampling import SamplingFields
 
 log = logging.getLogger("lattice.requests")
 
@@ -26,17 +27,15 @@ log = logging.getLogger("lattice.requests")
 # line without op is refused (its lines go back to that connection alone).
 OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate"})
 
-PositiveInt = Annotated[int, Meta(ge=1, le=10_000_000)]
-NonNegInt = Annotated[int, Meta(ge=0, le=10_000_000)]
-Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
 
-class ClientLine(msgspec.Struct, dict=True):
+class ClientLine(SamplingFields, dict=True):
     """Every field a client line may carry (SPEC §3: chat_metal's fields, the
-    routing ones, `lora`, `response_format`). Unknown fields are ignored, so
-    newer clients keep working with this pool, and warned about once per
-    name on stderr, so a misspelt one (`max_tokns`) does not go unnoticed."""
+    routing ones, `lora`, `response_format`); the sampling fields and their
+    bounds are ipc.sampling's. Unknown fields are ignored, so newer clients
+    keep working with this pool, and warned about once per name on stderr,
+    so a misspelt one (`max_tokns`) does not go unnoticed."""
 
     op: str | None = None
     id: str | int | float | None = None
@@ -47,22 +46,18 @@ class ClientLine(msgspec.Struct, dict=True):
     # Function tools (OpenAI's shape) for the chat template; HTTP checks
     # their shape (supervisor.httpapi.tools), stdin hands them on as given.
     tools: list[dict[str, Any]] | None = None
-    max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
-    top_k: NonNegInt | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
-    seed: Seed | None = None
-    reasoning_budget: NonNegInt | None = None
     stop: StopString | Annotated[list[StopString], Meta(max_length=64)] | None = None
-    # Kept as the client's JSON text and forwarded as such; its shape is
-    # checked in parse_line, the grammar itself compiled by the worker.
+    # As the client wrote it (JSON text); `format` is it read into its type.
     response_format: msgspec.Raw = msgspec.Raw()
     # Special-token text in `messages` contents read as the tokens (default:
     # as text, so a message cannot open a turn of another role).
     allow_special_tokens: bool | None = None
     # false: no speculative decoding for this request.
     speculative: bool | None = None
+    # OpenAI's chat fields: each token's log-probability on its token line,
+    # with the top_logprobs likeliest alternatives.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @functools.cached_property
     def id_json(self) -> str | None:
@@ -71,13 +66,16 @@ class ClientLine(msgspec.Struct, dict=True):
         and carried as this one value from then on."""
         return encode_id(self.id)
 
+    @functools.cached_property
+    def format(self) -> ResponseFormat | None:
+        """response_format read into its type, once: parse_line reads it
+        first (so a malformed one is a bad line), and a request built from
+        values (from_fields) is given it. Goes to the worker inside Generate."""
+        return decode_response_format(bytes(self.response_format))
+
 
 class _IdProbe(msgspec.Struct):
     id: Any = None
-
-
-class _FormatKind(msgspec.Struct):
-    type: Any = None
 
 
 class BadRequest(Exception):
@@ -102,7 +100,6 @@ _decoder = msgspec.json.Decoder(ClientLine)
 _strict = msgspec.json.Decoder(_StrictLine)
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _probe = msgspec.json.Decoder(_IdProbe)
-_format_kind = msgspec.json.Decoder(_FormatKind)
 _float_encoder = msgspec.json.Encoder()
 
 
@@ -241,6 +238,26 @@ def parse_line(line: bytes) -> ClientLine:
         raise BadRequest(f"malformed request: {exc}", scan_id(line)) from exc
     except RecursionError:
         raise BadRequest("malformed request: JSON nested too deeply", scan_id(line)) from None
+    return _checked(msg)
+
+
+def from_fields(fields: dict[str, Any]) -> ClientLine:
+    """A request given as values already decoded (an HTTP body's), with a
+    line's validation and errors and no JSON between: `fields` are a line's,
+    response_format among them as its decoded JSON."""
+    try:
+        msg = msgspec.convert({k: v for k, v in fields.items() if k != "response_format"}, ClientLine)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"malformed request: {_friendly(exc)}") from exc
+    try:
+        msg.format = read_response_format(fields.get("response_format"))
+    except ValueError as exc:
+        raise BadRequest(str(exc), msg.id_json) from exc
+    return _checked(msg)
+
+
+def _checked(msg: ClientLine) -> ClientLine:
+    """What a line must be beyond its fields' types and bounds."""
     id_json = msg.id_json
     if msg.op is not None:
         if msg.op not in OPS:
@@ -259,26 +276,13 @@ def parse_line(line: bytes) -> ClientLine:
         raise BadRequest('give either "prompt" or "messages", not both', id_json)
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
-    text = response_format_text(msg)
-    if text is not None and _format_type(text) == "text":
-        # OpenAI's default, sent by clients that set it explicitly: plain
-        # text, no constraint, as if absent.
-        msg.response_format = msgspec.Raw()
-        text = None
-    if text is not None:
-        try:
-            decode_response_format(text)
-        except ValueError as exc:
-            raise BadRequest(str(exc), id_json) from exc
-    return msg
-
-
-def _format_type(text: str) -> object:
-    """response_format's "type"; None when it has none (decode_response_format says what is wrong)."""
+    if msg.top_logprobs is not None and not msg.logprobs:
+        raise BadRequest('"top_logprobs" needs "logprobs": true', id_json)
     try:
-        return _format_kind.decode(text).type
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        _ = msg.format  # read now, so that a malformed one is a bad line
+    except ValueError as exc:
+        raise BadRequest(str(exc), id_json) from exc
+    return msg
 
 
 def prompt_bytes(msg: ClientLine, limit: int) -> int:
@@ -296,10 +300,9 @@ def prompt_bytes(msg: ClientLine, limit: int) -> int:
     return total
 
 
-def response_format_text(msg: ClientLine) -> str | None:
-    """The request's response_format as JSON text for Generate; None when absent or null."""
-    raw = bytes(msg.response_format)
-    return None if raw in (b"", b"null") else raw.decode("utf-8")
+def logprobs_count(msg: ClientLine) -> int | None:
+    """Generate.logprobs for the line: None unless it asks for them."""
+    return (msg.top_logprobs or 0) if msg.logprobs else None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -56,9 +56,9 @@ import threading
 import time
 from pathlib import Path
 
-from ipc.events import encode_cancelled_done, encode_done, encode_event, encode_token
-from ipc.framing import FrameReader, decode_payload
-from ipc.messages import Cancel, Generate, Shutdown, Stats
+from ipc.events import BAD_REQUEST, encode_cancelled_done, encode_done, encode_error, encode_event, encode_token
+from ipc.framing import read_messages
+from ipc.messages import Cancel, Generate, Shutdown, Stats, ToWorker
 from worker.shell.lifeline import bind_to_parent
 
 _BLOCK = 64 * 1024
@@ -130,21 +130,16 @@ class FakeWorker:
             self.out.write(encode_event("heartbeat", busy=self.current is not None))
 
     def read_loop(self) -> None:
-        reader = FrameReader(0)
-        while True:
-            try:
-                batch = reader.batch()
-            except OSError:
-                batch = None
-            if batch is None:
-                if self.knobs.get("ignore_eof"):
-                    return
-                os._exit(0)
-            for payload in batch:
-                self.handle(payload)
+        for messages in read_messages(0, self.malformed):
+            for msg in messages:
+                self.handle(msg)
+        if not self.knobs.get("ignore_eof"):
+            os._exit(0)
 
-    def handle(self, payload: bytes) -> None:
-        msg = decode_payload(payload)
+    def malformed(self, problem: Exception) -> None:
+        self.out.write(encode_error(f"malformed frame: {problem}", BAD_REQUEST))
+
+    def handle(self, msg: ToWorker) -> None:
         if isinstance(msg, Cancel):
             with self.lock:
                 if self.current == msg.rid and not self.knobs.get("together"):

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from ipc.sampling import Sampling
 from tests.conftest import LOGIT_TOLERANCE
 from worker.cache.prefix_cache import PrefixCache
 from worker.engine import compiled_step
 from worker.engine.batch_cache import BatchCache
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.generator import Row, TokenGenerator
-from worker.engine.sampling import RowSampling, SamplingParams
+from worker.engine.sampling import RowSampling
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 tolerances of the CPU path")
 
-GREEDY = SamplingParams(0.0, 0, 1.0, 1.0, None)
+GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
 def load_model(path):

@@ -12,13 +12,13 @@ import pytest
 
 from harness.engine import allowed_ids
 from ipc.framing import decode_payload, encode_frame
-from ipc.messages import Generate
-from supervisor.requests import BadRequest, parse_line, response_format_text
+from ipc.messages import Generate, JsonSchemaFormat, JsonSchemaSpec, RegexFormat, decode_response_format, read_response_format
+from supervisor.requests import BadRequest, parse_line
 from tests.schemas import PET, PET_VALUE
 from worker.engine.constrain import BatchMasks, Constraints, ConstraintViolation
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
-PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
+PET_FORMAT = read_response_format({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_json_object_accepts_objects_and_nothing_else(kit):
     # llguidance writes strings canonically: \u escapes only for control
     # characters, so é comes out raw.
     codec, constraints, masks = kit
-    fmt = '{"type":"json_object"}'
+    fmt = decode_response_format('{"type":"json_object"}')
     value = {"a": [1, -2.5e3, True, None, {"b": 'x \\ " é\n'}], "": {}, "c": []}
     row = constraints.row(fmt, [])
     for token in codec.encode(json.dumps(value, separators=(",", ":"), ensure_ascii=False)):
@@ -68,7 +68,7 @@ def test_waiting_row_may_not_end_before_think_closes(kit):
 
 def test_eos_is_allowed_only_when_the_grammar_accepts(kit):
     codec, constraints, masks = kit
-    row = constraints.row(json.dumps({"type": "regex", "pattern": "ab+"}), [])
+    row = constraints.row(RegexFormat("ab+"), [])
     steps = []
     for token in codec.encode("abb"):
         steps.append(allowed_ids(masks, masks.fill([row])[0]) & codec.eos_ids)
@@ -80,7 +80,7 @@ def test_eos_is_allowed_only_when_the_grammar_accepts(kit):
 
 def test_a_complete_grammar_is_done(kit):
     codec, constraints, _ = kit
-    row = constraints.row(json.dumps({"type": "regex", "pattern": "yes|no"}), [])
+    row = constraints.row(RegexFormat("yes|no"), [])
     for token in codec.encode("no"):
         assert not row.done
         row.advance(token)
@@ -97,7 +97,7 @@ def test_a_forced_token_that_breaks_the_grammar_raises(kit):
 def test_compiled_grammars_are_cached_and_bounded(kit):
     codec, constraints, _ = kit
     small = Constraints(codec.tokenizer.to_str(), constraints.vocab_size, codec.eos_ids, cache_size=2)
-    formats = [json.dumps({"type": "regex", "pattern": p}) for p in ("a+", "b+", "c+")]
+    formats = [RegexFormat(p) for p in ("a+", "b+", "c+")]
     first = small.compile(formats[0])
     assert small.compile(formats[0]) is first
     second, third = small.compile(formats[1]), small.compile(formats[2])
@@ -134,15 +134,15 @@ def test_rows_of_one_grammar_copy_separately_compiled_matchers(kit):
 # -- the request side ---------------------------------------------------------
 
 
-def test_client_line_keeps_the_response_format_text():
+def test_a_client_line_carries_its_response_format_typed_to_the_worker():
     line = b'{"id":"j","prompt":"hi","response_format": {"type":"json_schema","json_schema":{"name":"p","schema":{"type":"object"}}}}'
     msg = parse_line(line)
-    text = response_format_text(msg)
-    assert json.loads(text) == {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
-    gen = Generate(rid=1, prompt="hi", response_format=text)
+    assert msg.format == JsonSchemaFormat(JsonSchemaSpec({"type": "object"}, name="p"))
+    gen = Generate(rid=1, prompt="hi", response_format=msg.format)
     assert decode_payload(encode_frame(gen)[4:]) == gen
-    assert response_format_text(parse_line(b'{"prompt":"hi","response_format":null}')) is None
-    assert response_format_text(parse_line(b'{"prompt":"hi"}')) is None
+    for absent in (b"null", b'{"type":"text"}'):
+        assert parse_line(b'{"prompt":"hi","response_format":' + absent + b"}").format is None
+    assert parse_line(b'{"prompt":"hi"}').format is None
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_oversized_response_format_is_rejected():
 
 def test_masks_apply_to_mlx_logits_of_any_dtype(kit):
     codec, constraints, masks = kit
-    row = constraints.row(json.dumps({"type": "regex", "pattern": "ab"}), [])
+    row = constraints.row(RegexFormat("ab"), [])
     logits = mx.zeros((2, masks.vocab_size), dtype=mx.bfloat16)
     out = masks(logits, [None, row])
     assert out.dtype == mx.bfloat16

@@ -5,8 +5,8 @@ import msgspec
 import pytest
 
 from harness.frames import read_frame_async, write_frame
-from ipc.framing import HEADER, MAX_FRAME, FrameReader, FrameTooLarge, decode_payload, encode_frame
-from ipc.messages import Cancel, Generate, LoadAdapter, Message, ReloadAdapter, SetAdapter, Shutdown, Stats, UnloadAdapter
+from ipc.framing import HEADER, MAX_FRAME, FrameReader, FrameTooLarge, decode_payload, encode_frame, read_messages
+from ipc.messages import Cancel, Generate, LoadAdapter, Message, ReloadAdapter, Shutdown, Stats, UnloadAdapter
 
 MESSAGES = [
     Generate(rid=1, prompt="hi", seed=3, stop=["\n"], id_json='"a"'),
@@ -17,8 +17,6 @@ MESSAGES = [
     LoadAdapter(path="/x/adapter"),
     ReloadAdapter(path="/x/adapter"),
     UnloadAdapter(path="/x/adapter"),
-    SetAdapter(path="/x/adapter.safetensors"),
-    SetAdapter(path=None),
     Stats(),
     Shutdown(),
 ]
@@ -72,6 +70,17 @@ def test_frames_written_together_come_out_together_and_split_ones_wait(pipe):
     assert [decode_payload(p).rid for p in reader.batch()] == [2]
     pipe.end()
     assert reader.batch() is None
+
+
+def test_read_messages_hands_malformed_frames_aside_and_goes_on(pipe):
+    """The read loop of the worker (and the fake one): each read's messages
+    decoded, a frame that does not decode reported and skipped, the end at
+    EOF."""
+    os.write(pipe.w, encode_frame(Cancel(rid=1)) + HEADER.pack(1) + b"\xc1" + encode_frame(Stats()))
+    pipe.end()
+    problems = []
+    assert list(read_messages(pipe.r, problems.append)) == [[Cancel(rid=1), Stats()]]
+    assert [type(p) for p in problems] == [msgspec.DecodeError]
 
 
 def test_asyncio_roundtrip():

@@ -5,6 +5,7 @@ name, thinking that never hides the answer, tool calls."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 
 import openai
@@ -238,6 +239,22 @@ def test_a_forced_call_parses_at_temperature_1(agents):
     assert [(k["name"], k["arguments"]) for k in calls] == [(t.function.name, t.function.arguments) for t in again.choices[0].message.tool_calls]
 
 
+def test_forced_parallel_calls_cut_by_max_tokens_keep_the_complete_ones(agents):
+    """A forced reply of several calls (this seed writes three or more),
+    cut by max_tokens inside its second: the first comes back whole, the
+    cut one is dropped, and finish_reason says "length"; streamed too."""
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=40, max_tokens=60)
+    with client(agents) as c:
+        whole = c.chat.completions.create(**kwargs)
+        content, streamed_calls, finish = streamed(c.chat.completions.create(stream=True, **kwargs))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    calls = [(k.function.name, k.function.arguments) for k in choice.message.tool_calls]
+    assert len(calls) == 1 and calls[0][0] == "get_weather"
+    check_call(*calls[0])
+    assert finish == "length" and content == "" and [(k["name"], k["arguments"]) for k in streamed_calls] == calls
+
+
 def test_tool_results_fed_back(agents):
     """An assistant turn with tool_calls and the tool's result, rendered by
     the template as stdin renders them; the reply goes on."""
@@ -344,6 +361,90 @@ def test_n_choices_are_rows_of_their_own(agents):
     assert [ch.index for ch in completions.choices] == [0, 1] and completions.choices[0].text == completions.choices[1].text
     status, body = post(agents, "/chat/completions", json.dumps({"model": "tiny", "messages": HI, "n": 9}).encode())
     assert status == 400 and body["error"]["param"] == "n"
+
+
+# -- log-probabilities ------------------------------------------------------------------
+
+# How far a logprob from the pool's worker (batched, compiled step, float32)
+# may be from this process's mlx-lm forward of the same tokens: measured
+# within 3e-6 on a 2-core CPU, so the room is for other CPUs' BLAS kernels.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def reference_logprobs(model_dir, messages, entries, top: int) -> None:
+    """Feeds the reply's tokens to mlx-lm in this process and checks each
+    entry against the log-softmax of its logits: the chosen token's value,
+    and the `top` likeliest values (in order; ties may order ids apart)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ipc.messages import Message
+    from worker.runtime.cpu_backend import use_float32
+    from worker.text.tokenizer import TextCodec
+
+    model, _ = mlx_lm.load(str(model_dir))
+    use_float32(model)  # as the worker computes on a CPU
+    codec = TextCodec(model_dir, json.loads((model_dir / "config.json").read_text()))
+    prompt = codec.encode(codec.render([Message(**m) for m in messages]))
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    for entry in entries:
+        logits = logits.astype(mx.float32)
+        lsm = logits - mx.logsumexp(logits)
+        order = mx.argsort(-lsm)[: max(top, 8)].tolist()
+        values = lsm.tolist()
+        # The reply's token among the likeliest here, by its bytes.
+        token = next(t for t in order if list(codec.token_bytes(t)) == entry.bytes)
+        assert abs(values[token] - entry.logprob) < LOGPROB_TOLERANCE, (entry, values[token])
+        assert [round(t.logprob, 6) for t in entry.top_logprobs] == sorted((round(t.logprob, 6) for t in entry.top_logprobs), reverse=True)
+        for mine, theirs in zip(entry.top_logprobs, order[:top]):
+            assert abs(mine.logprob - values[theirs]) < LOGPROB_TOLERANCE, (mine, values[theirs])
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+
+
+def test_logprobs_are_the_models_log_softmax(agents, tiny_model):
+    """Greedy, no penalty: each token's logprob and the top 5 equal the
+    log-softmax of mlx-lm's logits in this process; the chosen token leads
+    its alternatives; streamed and whole agree; /v1/completions' legacy
+    shape carries the same figures."""
+    kwargs = dict(model="tiny", messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5, extra_body={"repetition_penalty": 1.0})
+    with client(agents) as c:
+        whole = c.chat.completions.create(**kwargs)
+        chunks = list(c.chat.completions.create(stream=True, **kwargs))
+        legacy = c.completions.create(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", max_tokens=4, temperature=0, logprobs=2)
+        for bad_fields, param in (
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({"logprobs": 3}, "logprobs"),
+        ):
+            with pytest.raises(openai.BadRequestError) as caught:
+                c.chat.completions.create(model="tiny", messages=HI, max_tokens=2, extra_body=bad_fields)
+            assert caught.value.status_code == 400 and caught.value.body["param"] == param, caught.value.body
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == 8
+    message = whole.choices[0].message
+    assert "".join(e.token for e in entries) == (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+    for e in entries:
+        assert len(e.top_logprobs) == 5 and e.bytes == list(e.token.encode())
+        assert e.token in [t.token for t in e.top_logprobs] and e.logprob >= e.top_logprobs[0].logprob - 1e-6
+    streamed = [e for chunk in chunks if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert all(abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE for a, b in zip(streamed, entries))
+    reference_logprobs(tiny_model, HI, entries, 5)
+    # stdin: the same fields; the entries ride on the token lines.
+    agents.send(
+        {"id": "stdin-lp", "model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "repetition_penalty": 1.0, "logprobs": True, "top_logprobs": 5}
+    )
+    assert agents.terminal("stdin-lp")["gen_tokens"] == 3
+    lines = [e for e in agents.of("stdin-lp") if not e.get("done")]
+    assert [x["token"] for e in lines for x in e["logprobs"]] == [e.token for e in entries[:3]]
+    assert all(re.fullmatch(rb'@@lattice \{"ev":"gen_token","token":".*","logprobs":\[.*\],"done":false,"id":"stdin-lp"\}\n', e["_line"]) for e in lines)
+    agents.send({"id": "stdin-lp-bad", "model": "tiny", "messages": HI, "top_logprobs": 2})
+    assert agents.terminal("stdin-lp-bad")["code"] == "bad_request"
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)] and "".join(lp.tokens) == legacy.choices[0].text
 
 
 # -- Anthropic Messages ---------------------------------------------------------------
@@ -518,6 +619,10 @@ def ollama_calls(agents, c) -> None:
     # (Cut short inside its thinking: the whole reply is content, the stream's was thinking.)
     assert "".join((p.message.thinking or "") + p.message.content for p in parts) == (whole.message.thinking or "") + whole.message.content
     assert parts[-1].done and not any(p.done for p in parts[:-1])
+    scored = c.chat(model="tiny", messages=ASK, options=options, logprobs=True, top_logprobs=2)
+    streamed_scores = [e for p in c.chat(model="tiny", messages=ASK, options=options, logprobs=True, top_logprobs=2, stream=True) for e in p.logprobs or ()]
+    assert len(scored.logprobs) == 10 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in scored.logprobs)
+    assert [e.token for e in streamed_scores] == [e.token for e in scored.logprobs]
     generated = c.generate(model="tiny", prompt="Tell me about the river.", options=options, think=False)
     assert generated.done and generated.eval_count == 10 and generated.response
     raw = "".join(p.response for p in c.generate(model="tiny", prompt="<|im_start|>user\nHi<|im_end|>\n", raw=True, options=options, stream=True))

@@ -252,30 +252,27 @@ def test_attention_only_model_trims_to_the_common_prefix(dense_model):
 
 
 def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_path):
-    from ipc.messages import SetAdapter
+    from ipc.messages import LoadAdapter
     from tests.lora_files import lora_pairs, targets_of, write_peft
 
-    adapter = write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0)
+    adapter = str(write_peft(tmp_path / "adapter", lora_pairs(targets_of(tiny_model), seed=11, strength=2.0), r=4, alpha=8.0))
     first = chatml([("user", QUESTIONS[0])], SYSTEM)
     second = chatml([("user", QUESTIONS[0]), ("assistant", "It bends twice."), ("user", QUESTIONS[1])], SYSTEM)
     cached = WorkerProc(tiny_model)
-    adapted = WorkerProc(tiny_model, "--lora", str(adapter), "--prefix-cache-bytes", "0")
+    adapted = WorkerProc(tiny_model, "--prefix-cache-bytes", "0")
     try:
         cached.wait_ready()
         adapted.wait_ready()
         ask(cached, prompt=first)
         base_text, done = ask(cached, prompt=second)
         assert done["cached_tokens"] > 0
-        cached.send(SetAdapter(path=str(adapter)))
-        assert cached.next_event()["ev"] == "adapter_loaded"
-        text, done = ask(cached, prompt=second)
+        assert cached.ask(LoadAdapter(path=adapter))["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=second, lora=adapter)
         assert "cached_tokens" not in done
-        assert text == ask(adapted, prompt=second)[0] != base_text
+        assert text == ask(adapted, prompt=second, lora=adapter)[0] != base_text
         third = second + text + "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
-        text, done = ask(cached, prompt=third)
-        assert done["cached_tokens"] > 0 and text == ask(adapted, prompt=third)[0]
-        cached.send(SetAdapter(path=None))
-        assert cached.next_event()["ev"] == "adapter_loaded"
+        text, done = ask(cached, prompt=third, lora=adapter)
+        assert done["cached_tokens"] > 0 and text == ask(adapted, prompt=third, lora=adapter)[0]
         text, done = ask(cached, prompt=second)
         assert done["cached_tokens"] > 0 and text == base_text
     finally:

@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.engine.sampling import BatchSampler, RowSampling, SamplingParams
+from ipc.sampling import Sampling
+from worker.engine.sampling import BatchSampler, RowSampling
 
 V = 64
 
@@ -17,10 +18,10 @@ def logits_rows(seed=0, rows=1):
 def params(**kw):
     base = dict(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=7)
     base.update(kw)
-    return SamplingParams(**base)
+    return Sampling(**base)
 
 
-def sampler(*rows: SamplingParams, prompt=()) -> BatchSampler:
+def sampler(*rows: Sampling, prompt=()) -> BatchSampler:
     s = BatchSampler(V)
     s.extend([RowSampling(p, V, list(prompt)) for p in rows])
     return s

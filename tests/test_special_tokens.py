@@ -40,11 +40,11 @@ def test_a_forged_system_turn_stays_text_unless_allowed(tiny_model, spawn_pool, 
 
 
 def test_an_http_body_carries_allow_special_tokens_to_the_pool():
-    from supervisor.httpapi.shapes import chat_request
+    from supervisor.httpapi.shapes import chat_request, json_object
 
     for body, expected in (
         (b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', None),
         (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"allow_special_tokens":true}', True),
     ):
-        line, _ = chat_request(body, "req-1", lambda model: str(model))
+        line, _ = chat_request(json_object(body), "req-1", lambda model: str(model))
         assert line.allow_special_tokens is expected

@@ -14,15 +14,16 @@ import pytest
 
 from harness.engine import ends_by_id, events as events_of, scheduler_for
 from harness.worker import terminal, text_of
-from ipc.messages import Cancel, Generate
+from ipc.messages import Cancel, Generate, read_response_format
 from tests.conftest import GREEDY_MARGIN, shared_worker
 from tests.schemas import PET
 
 CHAT = "<|im_start|>user\nDescribe a pet as JSON.<|im_end|>\n<|im_start|>assistant\n"
 FREE = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
-PET_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
-JSON_OBJECT = '{"type":"json_object"}'
+PET_SPEC = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+PET_FORMAT = read_response_format(PET_SPEC)
+JSON_OBJECT = read_response_format({"type": "json_object"})
 DATE = r"[A-Z][a-z]{1,6} (19|20)[0-9]{2}-(0[1-9]|1[0-2])"
 ARITHMETIC = r"""
 start: expr
@@ -48,7 +49,7 @@ def grammar(tiny_model):
     codec = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
     constraints = Constraints.for_codec(codec, json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"])
 
-    def accepts_prefix(response_format: str, text: str) -> bool:
+    def accepts_prefix(response_format, text: str) -> bool:
         """True when `text` is a prefix of a reply the format allows and
         not a complete one (ConstraintViolation when it is no prefix)."""
         row = constraints.row(response_format, [])
@@ -123,11 +124,11 @@ def test_json_object_replies_parse_and_cut_ones_are_prefixes(worker, grammar):
 
 
 def test_regex_and_lark_grammar_replies_match(worker):
-    dates = seeded(6, json.dumps({"type": "regex", "pattern": DATE}), max_tokens=40)
-    sums = seeded(6, json.dumps({"type": "grammar", "grammar": ARITHMETIC}), max_tokens=60)
+    dates = seeded(6, read_response_format({"type": "regex", "pattern": DATE}), max_tokens=40)
+    sums = seeded(6, read_response_format({"type": "grammar", "grammar": ARITHMETIC}), max_tokens=60)
     # A reply that completes its grammar with its last allowed token is
     # complete: `stop`, not `length`.
-    digits = seeded(2, json.dumps({"type": "regex", "pattern": "[0-9]"}), max_tokens=1)
+    digits = seeded(2, read_response_format({"type": "regex", "pattern": "[0-9]"}), max_tokens=1)
     events = worker.send_together(dates + sums + digits)
     for r in dates + sums + digits:
         assert terminal(events[r.rid])["finish_reason"] == "stop"
@@ -197,12 +198,22 @@ BAD_FORMATS = [
 
 
 def test_bad_formats_are_rejected_before_any_token(worker):
-    # Sent straight to the worker: the supervisor would refuse the malformed
-    # shapes itself; the worker's compiler must refuse all of them anyway.
-    bad = [request(response_format=json.dumps(fmt)) for fmt, _ in BAD_FORMATS]
+    # A malformed shape is refused as it is read, by the supervisor, and
+    # never reaches a worker (a Generate carries the format typed); what
+    # has the shape but does not compile is sent straight to the worker,
+    # whose compiler must refuse it.
+    sent = []
+    for fmt, message in BAD_FORMATS:
+        try:
+            typed = read_response_format(fmt)
+        except ValueError as exc:
+            assert message in str(exc)
+            continue
+        sent.append((request(response_format=typed), message))
+    assert len(sent) == len(BAD_FORMATS) - 3
     good = request(seed=3, response_format=PET_FORMAT, max_tokens=160)
-    events = worker.send_together(bad[:4] + [good] + bad[4:])
-    for r, (_, message) in zip(bad, BAD_FORMATS):
+    events = worker.send_together([r for r, _ in sent[:4]] + [good] + [r for r, _ in sent[4:]])
+    for r, message in sent:
         [error] = events[r.rid]
         assert error["ev"] == "error" and error["code"] == "bad_request" and message in error["msg"], error
     jsonschema.validate(json.loads(text_of(events[good.rid])), PET)
@@ -408,7 +419,7 @@ def test_ref_loops_and_ref_chains_are_refused_through_serve_and_recursion_with_a
 
 def test_response_format_through_serve(tiny_model, spawn_pool):
     pool = spawn_pool("--model-dir", str(tiny_model))
-    pool.send({"id": "pet", "prompt": CHAT, "temperature": 1.0, "seed": 4, "max_tokens": 160, "response_format": json.loads(PET_FORMAT)})
+    pool.send({"id": "pet", "prompt": CHAT, "temperature": 1.0, "seed": 4, "max_tokens": 160, "response_format": PET_SPEC})
     pool.send({"id": "shape", "prompt": CHAT, "response_format": {"type": "json_schema"}})
     pool.send({"id": "schema", "prompt": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}})
     assert pool.terminal("pet")["finish_reason"] == "stop"
@@ -537,7 +548,7 @@ def test_no_grammar_is_asked_anything_while_its_masks_fill(tiny_model, monkeypat
     for name in ("done", "accepting", "active"):
         monkeypatch.setattr(RowConstraint, name, watched(name))
     masks.fill, masks.fill_async, generator.on_read = fill, fill_async, on_read
-    short = json.dumps({"type": "regex", "pattern": "(yes|no), [a-z]{2,12}"})
+    short = read_response_format({"type": "regex", "pattern": "(yes|no), [a-z]{2,12}"})
     drive(
         s,
         [

@@ -14,6 +14,7 @@ import pytest
 
 from harness.engine import allowed_ids
 from harness.procs import ROOT
+from ipc.messages import GrammarFormat
 from supervisor.httpapi import tool_parsers
 from supervisor.httpapi.tool_parsers import Call, detect, grammar, parse
 from worker.text.tokenizer import _compile_template
@@ -140,7 +141,7 @@ def random_sentence(walker, lark: str, seed: int, limit: int = 600) -> str:
     (or accepts, with some chance at each step)."""
     codec, constraints, masks = walker
     rng = random.Random(seed)
-    row = constraints.row(json.dumps({"type": "grammar", "grammar": lark}), [])
+    row = constraints.row(GrammarFormat(lark), [])
     ids = []
     for _ in range(limit):
         if row.done or (row.accepting and rng.random() < 0.3):
@@ -168,6 +169,28 @@ def test_a_forced_call_always_parses(walker, fmt, parallel):
             for call in calls:
                 required = names[call.name]["function"]["parameters"]["required"]
                 assert set(required) <= set(json.loads(call.arguments)), text
+
+
+@pytest.mark.parametrize("fmt", tool_parsers.FORMATS)
+def test_a_forced_reply_cut_inside_a_call_keeps_the_calls_before_it(walker, fmt):
+    """max_tokens may end a forced reply of several calls anywhere: what is
+    kept is always the first calls, whole; cut inside the last call's
+    name, every call before it."""
+    lark = grammar(fmt, TOOLS, True)
+    for seed in range(40):
+        text = random_sentence(walker, lark, seed)
+        full = parse(fmt, text, TOOLS)[1]
+        if len(full) >= 2:
+            break
+    else:
+        pytest.fail("no sentence of two calls")
+    for at in range(1, len(text), 7):
+        found = tool_parsers.complete_calls(fmt, text[:at], TOOLS)
+        kept = [] if found is None else found[1]
+        assert found is None or found[0] == ""
+        assert kept == full[: len(kept)], (text[:at], kept)
+    inside_last = text.rfind(full[-1].name) + 1
+    assert tool_parsers.complete_calls(fmt, text[:inside_last], TOOLS)[1] == full[:-1]
 
 
 # -- the HTTP side: streaming hold-back, templates without tools ------------------
@@ -225,14 +248,14 @@ def test_a_template_without_tools_gets_them_as_qwen_writes_them():
         ],
         "tools": TOOLS,
     }
-    plain, _ = chat_request(json.dumps(body).encode(), "r1", lambda v: v, lambda name: TemplateInfo("qwen3", False))
+    plain, _ = chat_request(body, "r1", lambda v: v, lambda name: TemplateInfo("qwen3", False))
     assert plain.tools is None
     roles = [m.role for m in plain.messages]
     assert roles == ["system", "user", "assistant", "user"]
     assert plain.messages[0].content.startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in plain.messages[0].content
     assert plain.messages[2].content == '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     assert plain.messages[3].content == "<tool_response>\n12:00\n</tool_response>"
-    templated, opts = chat_request(json.dumps(body).encode(), "r2", lambda v: v, lambda name: TemplateInfo("qwen3", True))
+    templated, opts = chat_request(body, "r2", lambda v: v, lambda name: TemplateInfo("qwen3", True))
     assert templated.tools == TOOLS and opts.tool_format == "qwen3"
     assert templated.messages[2].tool_calls == [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
     assert templated.messages[3].tool_call_id == "c1"

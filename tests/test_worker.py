@@ -265,10 +265,16 @@ def test_stray_output_goes_to_stderr():
 
 def test_worker_dies_with_its_parent(tiny_model):
     """PR_SET_PDEATHSIG: a SIGKILLed parent takes the worker with it."""
+    # The parent kills nothing until its worker is ready: the lifeline is
+    # armed by then, and a kill during start-up would only time the load.
     code = (
-        "import subprocess, sys, time; "
-        f"p = subprocess.Popen([sys.executable, '-m', 'worker', '--model', {str(tiny_model)!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE); "
-        "print(p.pid, flush=True); time.sleep(600)"
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'worker', '--model', {str(tiny_model)!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
+        "for line in p.stdout:\n"
+        "    if b'\"ready\"' in line:\n"
+        "        break\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), cwd=ROOT)
     pid = int(parent.stdout.readline())

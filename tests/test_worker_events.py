@@ -47,7 +47,7 @@ def test_each_kind_becomes_its_struct():
     assert read_line(encode_event("adapter_loaded", model="m", lora="/a", sha256="ab")) == AdapterLoaded(lora="/a", sha256="ab")
     assert read_line(encode_event("adapter_error", model="m", lora="/a", code="adapter_error", msg="bad")) == AdapterError(lora="/a", msg="bad")
     assert read_line(encode_event("adapter_unloaded", model="m", lora="/a", resident=True)) == AdapterUnloaded(lora="/a", resident=True)
-    listed = {"lora": "/a", "sha256": "ab", "config_sha256": None, "bytes": 7, "rows": 1, "default": False}
+    listed = {"lora": "/a", "sha256": "ab", "config_sha256": None, "bytes": 7, "rows": 1}
     stats = read_line(encode_event("worker_stats", model="m", adapter_bytes=9, adapters=[listed], max_adapters=2))
     assert stats.adapters == [AdapterFigures(lora="/a", sha256="ab", bytes=7, rows=1)] and (stats.adapter_bytes, stats.max_adapters) == (9, 2)
     assert read_line(encode_event("mystery", model="m")) == Other("mystery")

@@ -2,8 +2,13 @@
 
 stdin carries length-prefixed msgpack frames (ipc.framing); stdout carries
 `@@lattice` event lines only; logs go to stderr. Exit code 78 (EX_CONFIG)
-means the model dir (or adapter, or a resource limit) is unusable, so
+means the model dir (or a resource limit) is unusable, so
 restarting cannot help; its cause is the last line on stderr, one line.
+
+`main` runs the start-up in steps, each a function below: parse the
+arguments, set up the process, start the server's threads, load the model,
+open the prefix cache's disk tier, build the scheduler, warm up, say ready,
+serve.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from ipc.worker_events import EX_CONFIG
 from worker.runtime import defaults
+
+log = logging.getLogger("worker")
 
 # Importing mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096), which fails (a
 # ValueError at import) when the hard limit is lower.
@@ -63,13 +70,23 @@ def max_batch_arg(text: str) -> int | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.split("\n\n")[0])
+    _model_args(p)
+    _batch_args(p)
+    _cache_args(p)
+    _compute_args(p)
+    _limit_args(p)
+    _group_args(p.add_argument_group("one model over several processes (docs/scaling.md)"))
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    args.model = args.model.expanduser().resolve()
+    args.name = args.name or args.model.name
+    return args
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="model directory")
     p.add_argument("--name", help="model name used in events (default: the dir name)")
     p.add_argument("--tokenizer-dir", type=Path, help="directory with tokenizer.json (default: the model dir)")
-    p.add_argument(
-        "--lora",
-        help="LoRA adapter loaded at start and used by requests that name none: a .safetensors file or an adapter directory",
-    )
     p.add_argument(
         "--max-adapters",
         type=int,
@@ -77,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="adapters kept in memory; the least recently used one no request runs with goes first (default %(default)s)",
     )
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+
+
+def _batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch",
         type=max_batch_arg,
@@ -90,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"prompt tokens a request reads per prefill chunk; running requests wait at most one chunk "
         f"(default {defaults.PREFILL_STEP_CPU} on a CPU, {defaults.PREFILL_STEP_GPU} on a GPU)",
     )
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix-cache-bytes",
         type=int,
@@ -129,6 +152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=(32, 64, 128),
         help="values sharing one scale and bias in a quantized cache; must divide the head dimension (default %(default)s)",
     )
+
+
+def _compute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-dtype",
         choices=("float32", "stored"),
@@ -163,6 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="speculative decoding: 'ngram' (prompt lookup) drafts tokens that the model verifies in one forward (docs/engine.md)",
     )
     p.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per row and step (default %(default)s)")
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-context",
         type=int,
@@ -175,7 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="private directory for copies of the adapters loaded, used when an adapter file is gone or broken at a restart",
     )
-    g = p.add_argument_group("one model over several processes (docs/scaling.md)")
+
+
+def _group_args(g) -> None:
     g.add_argument("--ranks", type=int, default=1, help="processes the model is split over; this one is rank 0 (default 1)")
     g.add_argument("--hosts", help='JSON list, one host per rank: [{"ssh": "mac-b", "ip": "10.0.0.2"}, ...] (default: this machine for every rank)')
     g.add_argument("--parallel", choices=("pipeline", "tensor"), help="how the model is split (default: pipeline where mlx-lm has it, else tensor)")
@@ -187,7 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     g.add_argument("--port", type=int, help="the first rank's port; the others follow it (default: free ports when every rank is local, else 32323)")
     g.add_argument("--rank-timeout", type=float, default=120.0, help="seconds a rank may be silent, or a step wait on the group, before the group restarts")
-    args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.draft is not None and args.draft != "ngram" and not Path(args.draft).expanduser().is_dir():
         p.error(f"--draft must be 'ngram' or a draft model's directory, not {args.draft!r}")
     if not 1 <= args.draft_tokens <= 32:
@@ -198,25 +231,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--kv-bits and warm prompts are for a model in one process (--ranks 1)")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
-    return args
+
+
+class StartError(Exception):
+    """A start-up failure a restart cannot fix (or, with EX_TEMPFAIL, may)."""
+
+    def __init__(self, cause: str, code: int = EX_CONFIG):
+        super().__init__(cause)
+        self.code = code
 
 
 def main(argv: list[str] | None = None) -> int:
     # load_ms counts the imports too: they are most of a small model's start.
     t0 = time.perf_counter()
     args = parse_args(argv)
+    try:
+        channel = set_up_process(args)
+        server, group = start_server(args, argv, channel)
+        loaded, codec = load_model(args, server, group)
+        prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
+        scheduler = build_scheduler(args, loaded, codec, server, group, prefix_disk)
+        warm(args, scheduler, prefix_disk)
+    except StartError as exc:
+        return fatal(str(exc), exc.code)
+    say_ready(args, t0, loaded, codec, server, group, scheduler)
+    # Messages that came meanwhile (adapter messages too) wait in the inbox,
+    # so every answer comes after `ready`.
+    server.serve_forever()
+    return 0
+
+
+def set_up_process(args: argparse.Namespace):
+    """Logging, the limits mlx-lm needs, the BLAS and kernel caches (before
+    anything imports mlx), stdout kept for events, and the lifeline."""
     sys.setswitchinterval(args.gil_switch_ms / 1000)
-    model_dir = args.model.expanduser().resolve()
-    name = args.name or model_dir.name
     logging.basicConfig(
         level=os.environ.get("LATTICE_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s %(levelname)s worker model={name}{rank_tag(args)} pid={os.getpid()}: %(message)s",
+        format=f"%(asctime)s %(levelname)s worker model={args.name}{rank_tag(args)} pid={os.getpid()}: %(message)s",
         stream=sys.stderr,
     )
-    log = logging.getLogger("worker")
     problem = nofile_problem()
     if problem:
-        return fatal(problem)
+        raise StartError(problem)
 
     # Before anything imports mlx: its BLAS symbols bind when it loads.
     from worker.runtime.cpu_backend import load_openblas
@@ -236,79 +292,100 @@ def main(argv: list[str] | None = None) -> int:
     channel = EventChannel.take_stdout()
     ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
     bind_to_parent(int(ppid) if ppid else None)
+    return channel
 
-    from ipc.events import ADAPTER_ERROR, encode_event
-    from worker.engine.scheduler import Scheduler
-    from worker.engine.speculate import DraftError
-    from worker.group.plan import EX_TEMPFAIL, GroupError
-    from worker.lora.formats import AdapterReader
-    from worker.lora.manager import AdapterManager
-    from worker.runtime.loader import ModelDirError, materialise, open_lazy
-    from worker.runtime.memory import device_memory, processor, release_free_memory
+
+def start_server(args: argparse.Namespace, argv: list[str] | None, channel):
+    """The server (a group's rank, or a worker of its own) and its side
+    threads; and the group's role, None for a model in one process."""
+    from worker.group.plan import GroupError
     from worker.shell.server import WorkerServer
-    from worker.text.tokenizer import TextCodec, TokenizerError
 
-    group = None
-    if args.ranks > 1:
-        if args.lora:
-            return fatal("a model split over several processes (ranks > 1) takes no LoRA adapters")
+    if args.ranks == 1:
+        server = WorkerServer(args.name, channel)
+        group = None
+    else:
         if args.draft:
-            return fatal("speculative decoding (draft) does not run on a model split over several processes (ranks > 1)")
+            raise StartError("speculative decoding (draft) does not run on a model split over several processes (ranks > 1)")
         from worker.group.server import GroupRole
 
         try:
             group = GroupRole(args, sys.argv[1:] if argv is None else argv)
         except GroupError as exc:
-            return fatal(str(exc))
-        server = group.make_server(name, channel)
-    else:
-        server = WorkerServer(name, channel)
+            raise StartError(str(exc)) from exc
+        server = group.make_server(args.name, channel)
     server.start_heartbeat(args.heartbeat)
     server.start_reader()
+    return server, group
+
+
+def load_model(args: argparse.Namespace, server, group):
+    """The model (a group's share of it), its tokenizer, and its quantized
+    attention caches when asked."""
+    from ipc.events import encode_event
+    from worker.group.plan import EX_TEMPFAIL, GroupError
+    from worker.runtime.loader import ModelDirError, materialise, open_lazy
+    from worker.text.tokenizer import TextCodec, TokenizerError
 
     def progress(done: int, total: int) -> None:
-        channel.write(encode_event("loading", model=name, bytes_loaded=done, bytes_total=total))
+        server.channel.write(encode_event("loading", model=args.name, bytes_loaded=done, bytes_total=total))
 
     try:
-        lazy = open_lazy(model_dir)
+        lazy = open_lazy(args.model)
         if group is not None:
             group.form(lazy)
         loaded = materialise(lazy, progress, cpu_float32=args.cpu_dtype == "float32")
-        codec = TextCodec((args.tokenizer_dir or model_dir).expanduser().resolve(), loaded.config)
+        codec = TextCodec((args.tokenizer_dir or args.model).expanduser().resolve(), loaded.config)
     except (ModelDirError, TokenizerError) as exc:
-        return fatal(f"bad model dir: {exc}")
-    except RecursionError:
-        return fatal(f"bad model dir: a JSON file in {model_dir} or its tokenizer dir nests too deeply")
+        raise StartError(f"bad model dir: {exc}") from exc
+    except RecursionError as exc:
+        raise StartError(f"bad model dir: a JSON file in {args.model} or its tokenizer dir nests too deeply") from exc
     except GroupError as exc:
-        return fatal(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG)
+        raise StartError(str(exc), EX_TEMPFAIL if exc.retry else EX_CONFIG) from exc
     if args.kv_bits is not None:
         from worker.engine import kv_quant
 
         try:
             kv_quant.install(loaded.model, args.kv_bits, args.kv_group_size)
         except ValueError as exc:
-            return fatal(str(exc))
+            raise StartError(str(exc)) from exc
         log.info("attention caches quantized: %d bits, groups of %d", args.kv_bits, args.kv_group_size)
-    prefix_disk = None
-    if group is None and args.prefix_disk_dir is not None and args.prefix_cache_bytes > 0 and args.prefix_disk_bytes != 0:
-        from worker.cache.prefix_disk import PrefixDisk, default_budget, model_key
+    return loaded, codec
 
-        root = args.prefix_disk_dir.expanduser()
-        budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
-        try:
-            kv = f"kv{args.kv_bits}g{args.kv_group_size}" if args.kv_bits else "kv"
-            prefix_disk = PrefixDisk(root, model_key(model_dir, f"{loaded.format} {kv}", loaded.model), budget, wake=server.wake)
-            log.info("prefix cache on disk: %s (%d bytes at most)", prefix_disk.dir, budget)
-        except OSError as exc:
-            # A read-only or full disk costs the disk tier, not the worker.
-            log.warning("prefix cache on disk off: %s", exc)
-    reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
-    adapters = AdapterManager(loaded.model, name, reader, args.max_adapters, wake=server.wake)
+
+def open_prefix_disk(args: argparse.Namespace, loaded, wake):
+    """The prefix cache's disk tier, or None (not asked for, or unusable)."""
+    if args.prefix_disk_dir is None or args.prefix_cache_bytes <= 0 or args.prefix_disk_bytes == 0:
+        return None
+    from worker.cache.prefix_disk import PrefixDisk, default_budget, model_key
+
+    root = args.prefix_disk_dir.expanduser()
+    budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
     try:
-        scheduler = (Scheduler if group is None else group.scheduler)(
+        kv = f"kv{args.kv_bits}g{args.kv_group_size}" if args.kv_bits else "kv"
+        prefix_disk = PrefixDisk(root, model_key(args.model, f"{loaded.format} {kv}", loaded.model), budget, wake=wake)
+    except OSError as exc:
+        # A read-only or full disk costs the disk tier, not the worker.
+        log.warning("prefix cache on disk off: %s", exc)
+        return None
+    log.info("prefix cache on disk: %s (%d bytes at most)", prefix_disk.dir, budget)
+    return prefix_disk
+
+
+def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, prefix_disk):
+    from worker.engine.scheduler import Scheduler
+    from worker.engine.speculate import DraftError
+    from worker.lora.formats import AdapterReader
+    from worker.lora.manager import AdapterManager
+    from worker.runtime.memory import device_memory
+
+    reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
+    adapters = AdapterManager(loaded.model, args.name, reader, args.max_adapters, wake=server.wake)
+    try:
+        return (Scheduler if group is None else group.scheduler)(
             loaded,
             codec,
-            channel.write,
+            server.channel.write,
             max_batch=args.max_batch,
             batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
             prefill_step=args.prefill_step,  # None: the device's default
@@ -324,18 +401,13 @@ def main(argv: list[str] | None = None) -> int:
             prefix_disk=prefix_disk,
         )
     except DraftError as exc:
-        return fatal(f"bad draft model: {exc}")
-    if args.lora:
-        # The adapter this worker served before a restart survives the loss
-        # of its file, as it survives a broken rewrite while running.
-        read = adapters.read(args.lora, fallback=True)
-        if read.weights is None:
-            return fatal(f"bad adapter: {read.error}")
-        adapter = read.weights
-        if read.note is not None:
-            channel.write(encode_event("adapter_error", model=name, lora=args.lora, code=ADAPTER_ERROR, msg=read.note))
-        adapters.preload(args.lora, adapter)
-        log.info("adapter %s: format=%s modules=%d sha256=%s", args.lora, adapter.format, len(adapter.pairs), adapter.sha256)
+        raise StartError(f"bad draft model: {exc}") from exc
+
+
+def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
+    """Kernels compiled, warm prompts prefilled, and the prefix cache's most
+    recent files on their way back into memory, before `ready`."""
+    from worker.runtime.memory import release_free_memory
 
     scheduler.warm_up()
     if args.warm_prompt or args.warm_prompt_file:
@@ -344,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             texts = args.warm_prompt + [read_warm_file(p.expanduser()) for p in args.warm_prompt_file]
         except ValueError as exc:
-            return fatal(str(exc))
+            raise StartError(str(exc)) from exc
         warm_prompts(scheduler, texts)
     if prefix_disk is not None:
         # On the disk thread, while the worker goes on (they enter memory
@@ -356,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         if recent:
             log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
     release_free_memory()
+
+
+def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group, scheduler) -> None:
+    """The server learns what it serves; the log and the supervisor hear
+    `ready`."""
+    from ipc.events import encode_event
+    from worker.runtime.memory import processor
+
     server.scheduler = scheduler
     server.format = loaded.format
     # A draft model (speculative decoding) is part of this worker's weights.
@@ -376,13 +456,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.getswitchinterval() * 1000,
     )
     if group is not None:
-        progress(weights, weights)
-    channel.write(
+        server.channel.write(encode_event("loading", model=args.name, bytes_loaded=weights, bytes_total=weights))
+    server.channel.write(
         encode_event(
             "ready",
-            model=name,
+            model=args.name,
             format=loaded.format,
-            lora=args.lora,
+            # The pool relays this line as the base model's `ready`: no adapter.
+            lora=None,
             load_ms=load_ms,
             weights_bytes=weights,
             opens_think=chat_opens_think(codec),
@@ -392,11 +473,6 @@ def main(argv: list[str] | None = None) -> int:
             max_batch_why=scheduler.max_batch_why,
         )
     )
-
-    # Messages that came meanwhile (adapter messages too) wait in the inbox,
-    # so every answer comes after `ready`.
-    server.serve_forever()
-    return 0
 
 
 def chat_opens_think(codec) -> bool:

@@ -175,7 +175,7 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
         if data.get(name) is not None:
             chat[name] = data[name]
     _tools(data, chat)
-    msg, opts = chat_request(_encode(chat), request_id, model_name, template)
+    msg, opts = chat_request(chat, request_id, model_name, template)
     opts.include_usage = True
     return msg, opts
 

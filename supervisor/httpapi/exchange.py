@@ -19,34 +19,22 @@ from collections.abc import Callable
 
 import msgspec
 
-from ipc.events import INTERNAL, PREFIX
+from ipc.events import INTERNAL
+from ipc.worker_events import TOKEN, Done, Error, event_body, read_line, token_json, token_text
 from supervisor.httpapi.reasoning import ThinkSplitter
 from supervisor.httpapi.shapes import HttpError, Reply, usage
 from supervisor.httpapi.tools import ToolReader, call_objects
 
 
-class _Token(msgspec.Struct, tag_field="ev", tag="gen_token"):
+class _Scored(msgspec.Struct):
+    """A token line of a request that asked for log-probabilities."""
+
     token: str = ""
-    done: bool = False
-    prompt_tokens: int = 0
-    gen_tokens: int = 0
-    finish_reason: str | None = None
-    cached_tokens: int = 0
+    logprobs: list[dict] | None = None
 
 
-class _Error(msgspec.Struct, tag_field="ev", tag="error"):
-    msg: str = ""
-    code: str | None = None
-
-
+_scored = msgspec.json.Decoder(_Scored)
 log = logging.getLogger("lattice.http")
-_line = msgspec.json.Decoder(_Token | _Error)
-_SKIP = len(PREFIX)
-# A non-final token line is PREFIX + this + the token as a JSON string +
-# _TOKEN_TAIL + (the id) + "}"; inside the string every quote is escaped,
-# so the last _TOKEN_TAIL is the field.
-_TOKEN_HEAD = PREFIX + b'{"ev":"gen_token","token":'
-_TOKEN_TAIL = b',"done":false'
 
 
 class Exchange:
@@ -63,6 +51,7 @@ class Exchange:
         overflow: Callable[[], None],
         fault: Callable[[], None],
         tools: ToolReader | None = None,
+        logprobs: bool = False,
     ):
         self.reply = reply
         self.tools = tools  # reads tool calls out of the answer
@@ -84,6 +73,10 @@ class Exchange:
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
+        # Log-probabilities asked for: the worker's entries not yet sent (a
+        # stream), or all of them (a whole answer).
+        self.logprobs = logprobs
+        self._entries: list[dict] = []
 
     @property
     def headers(self) -> list:
@@ -105,28 +98,49 @@ class Exchange:
             self.changed.set()
 
     def _write(self, data: bytes) -> None:
-        for line in data.splitlines():
+        # Each line read once, by ipc's reader, as the slot reads it.
+        for line in data.splitlines(keepends=True):
             if self.ended or self.overflowed:
                 break
-            if self.stream and self.started and line.startswith(_TOKEN_HEAD):
-                end = line.rfind(_TOKEN_TAIL)
-                if end > 0 and self._raw_piece(line[len(_TOKEN_HEAD) : end]):
-                    continue
-            try:
-                event = _line.decode(line[_SKIP:])
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            event = read_line(line)
+            if isinstance(event, Error):
+                self._end_error(HttpError.from_pool(event.code, event.msg))
+            elif isinstance(event, Done):
+                self._end_done(event)
+            elif event is not TOKEN or not self._token(line):
                 # The slot reads every terminal line before it gets here; a
                 # sink must not raise into the slot whatever it is given.
                 log.error("http: unreadable line for request %s: %r", self.reply.request_id, line[:200])
                 self._end_error(HttpError(500, "internal error: the model's answer could not be read", "server_error", INTERNAL))
                 break
-            if isinstance(event, _Error):
-                self._end_error(HttpError.from_pool(event.code, event.msg))
-            elif event.done:
-                self._end_done(event)
-            else:
-                self._text_piece(event.token)
         self.changed.set()
+
+    def _token(self, line: bytes) -> bool:
+        """A non-final token line; False when its token is no JSON string."""
+        if self.logprobs:
+            return self._scored_token(line)
+        token = token_json(line)
+        if token is None:
+            return False
+        if self.stream and self.started and self._raw_piece(token):
+            return True
+        try:
+            text = token_text(token)
+        except msgspec.DecodeError:
+            return False
+        self._text_piece(text)
+        return True
+
+    def _scored_token(self, line: bytes) -> bool:
+        """A token line with its tokens' log-probabilities, decoded whole."""
+        try:
+            event = _scored.decode(event_body(line))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if event.logprobs:
+            self._entries.extend(event.logprobs)
+        self._text_piece(event.token)
+        return True
 
     def _text_piece(self, text: str) -> None:
         if not self.started:
@@ -140,8 +154,9 @@ class Exchange:
     def _raw_piece(self, raw: bytes) -> bool:
         """The stream's fast path: the token's JSON string as the worker
         wrote it goes into the chunk without being decoded and encoded
-        again, unless it may hold a <think> tag (or the splitter holds text)."""
-        if self.tools is not None:
+        again, unless it may hold a <think> tag (or the splitter holds text),
+        or the line carries log-probabilities too."""
+        if self.tools is not None or self.logprobs:
             return False
         if self.splitter is None:
             self._put(self.reply.raw_piece(raw, False))
@@ -158,7 +173,12 @@ class Exchange:
                 text = self.tools.feed(text)
                 if not text:
                     continue
-            if self.stream:
+            if self.stream and self.logprobs:
+                # A line's entries go with the first piece of text after
+                # them (text held back, as a tag may be, keeps them waiting).
+                self._put(self.reply.logprob_piece(text, reasoning, self._entries))
+                self._entries = []
+            elif self.stream:
                 self._put(self.reply.piece(text, reasoning))
             else:
                 (self._reasoning if reasoning else self._text).append(text)
@@ -170,11 +190,11 @@ class Exchange:
             self.overflowed = True
             self._overflow()
 
-    def _end_done(self, event: _Token) -> None:
+    def _end_done(self, event: Done) -> None:
         if self.splitter is not None:
             self._pieces(self.splitter.flush())
         if self.tools is not None and event.finish_reason != "cancelled":
-            rest, calls = self.tools.finish()
+            rest, calls = self.tools.finish(cut=event.finish_reason == "length")
             self.tools = None  # what is left goes out as plain text
             if rest:
                 self._pieces([(False, rest)])
@@ -190,12 +210,15 @@ class Exchange:
             self._end_error(HttpError(503, "the request was cancelled: its model was unloaded or the pool is shutting down", "server_error", "cancelled"))
             return
         self.finish_reason = event.finish_reason or "stop"
-        if self._calls:
+        # Calls kept from a reply cut by max_tokens still say it was cut.
+        if self._calls and self.finish_reason != "length":
             self.finish_reason = "tool_calls"
         self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
         if self.stream and self._calls:
             self._put(self.reply.tool_calls(self._calls))
-        if self.stream:
+        if self.stream and self.logprobs:
+            self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None, self._entries or None))
+        elif self.stream:
             self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None))
 
     def _end_error(self, error: HttpError) -> None:
@@ -223,6 +246,10 @@ class Exchange:
             # never wrote </think>): as vLLM's Qwen3 reasoning parser does,
             # a reply without </think> is all answer, so `content` is never
             # empty for text the model did write.
-            return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage)
+            return self.reply.whole("".join(self._reasoning), None, self.finish_reason, self.usage, **self._logprobs())
         reasoning = "".join(self._reasoning) if splitter is not None and splitter.thought else None
-        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage, self._calls)
+        return self.reply.whole("".join(self._text), reasoning, self.finish_reason, self.usage, self._calls, **self._logprobs())
+
+    def _logprobs(self) -> dict:
+        # Only for the APIs that asked (whose replies take them).
+        return {"logprobs": self._entries} if self.logprobs else {}

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from supervisor.config import parse_duration
+from supervisor.httpapi.logprobs import chat_entry
 from supervisor.httpapi.models import list_models, model_name
 from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object
 from supervisor.httpapi.tools import TemplateInfo
@@ -73,7 +74,7 @@ def keep_alive_seconds(value: Any) -> float | None | bool:
     raise bad("keep_alive must be a duration string or a number of seconds", "keep_alive")
 
 
-def _common(data: dict, chat: dict) -> None:
+def _common(data: dict, chat: dict, raw_completion: bool = False) -> None:
     options = data.get("options") or {}
     if not isinstance(options, dict):
         raise bad("options must be an object", "options")
@@ -90,6 +91,14 @@ def _common(data: dict, chat: dict) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):
         raise bad('format must be "json" or a JSON schema', "format")
+    if raw_completion:
+        # The legacy completions' field: the count of alternatives.
+        if data.get("logprobs"):
+            chat["logprobs"] = data.get("top_logprobs") or 0
+    else:
+        for name in ("logprobs", "top_logprobs"):
+            if data.get(name) is not None:
+                chat[name] = data[name]
     think = data.get("think")
     if think is False:
         chat["reasoning_budget"] = 0
@@ -156,11 +165,11 @@ class _Api:
             body_ = {"model": data.get("model"), "messages": _messages(data.get("messages"))}
             if data.get("tools") is not None:
                 body_["tools"] = data["tools"]
-        _common(data, body_)
+        _common(data, body_, raw)
         if raw:
-            msg, opts = completion_request(_encode(body_), request_id, model_name)
+            msg, opts = completion_request(body_, request_id, model_name)
         else:
-            msg, opts = chat_request(_encode(body_), request_id, model_name, template)
+            msg, opts = chat_request(body_, request_id, model_name, template)
         opts.include_usage = True
         opts.extra = {"keep_alive": keep, "raw": raw}
         return msg, opts
@@ -225,6 +234,10 @@ class OllamaReply:
     def first(self) -> bytes:
         return b""
 
+    def logprob_piece(self, text: str, reasoning: bool, entries: list[dict]) -> bytes:
+        line = msgspec.json.decode(self.piece(text, reasoning))
+        return self._line({**line, "logprobs": [chat_entry(e) for e in entries]})
+
     def piece(self, text: str, reasoning: bool = False) -> bytes:
         if reasoning and not self.raw:
             return self._line({**self._body("", text), "done": False})
@@ -249,15 +262,19 @@ class OllamaReply:
             "eval_duration": total,
         }
 
-    def last(self, finish_reason: str, figures: dict | None) -> bytes:
-        return self._line({**self._body("", None), **self._done(finish_reason, figures or {})})
+    def last(self, finish_reason: str, figures: dict | None, logprobs: list[dict] | None = None) -> bytes:
+        entries = {} if logprobs is None else {"logprobs": [chat_entry(e) for e in logprobs]}
+        return self._line({**self._body("", None), **entries, **self._done(finish_reason, figures or {})})
 
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
+    def whole(
+        self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None
+    ) -> bytes:
         if self.raw and reasoning:
             text, reasoning = reasoning + text, None
         if tool_calls:
             text = text.strip()
-        return _encode({"model": self.model, "created_at": _now(), **self._body(text, reasoning, tool_calls), **self._done(finish_reason, figures)})
+        entries = {} if logprobs is None else {"logprobs": [chat_entry(e) for e in logprobs]}
+        return _encode({"model": self.model, "created_at": _now(), **self._body(text, reasoning, tool_calls), **entries, **self._done(finish_reason, figures)})
 
     def stream_error(self, error: HttpError) -> bytes:
         return _encode({"error": error.message}) + b"\n"

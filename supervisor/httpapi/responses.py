@@ -173,7 +173,7 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     _tools(data, chat)
-    msg, opts = chat_request(_encode(chat), request_id, model_name, template)
+    msg, opts = chat_request(chat, request_id, model_name, template)
     opts.include_usage = True
     opts.extra = {
         "conversation": conversation,

@@ -45,7 +45,7 @@ from supervisor.httpapi import anthropic, ollama, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
-from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body
+from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body, json_object
 from supervisor.httpapi.tools import ToolReader
 from supervisor.pool import Pool
 from supervisor.requests import ClientLine
@@ -472,13 +472,13 @@ class App:
 
     async def _chat(self, scope, receive, send) -> None:
         def parse(body: bytes, request_id: str):
-            return chat_request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name))
+            return chat_request(json_object(body), request_id, self._model_name, lambda name: chat_template(self.pool, name))
 
         await self._generate(scope, receive, send, "chatcmpl-", parse, Reply.maker(True))
 
     async def _completions(self, scope, receive, send) -> None:
         def parse(body: bytes, request_id: str):
-            return completion_request(body, request_id, self._model_name)
+            return completion_request(json_object(body), request_id, self._model_name)
 
         await self._generate(scope, receive, send, "cmpl-", parse, Reply.maker(False))
 
@@ -552,7 +552,7 @@ class App:
             reply = make_reply(request_id, created, opts, i)
             tools = ToolReader(opts.tools, opts.tool_format) if opts.tools is not None else None
             think = (lambda: self._opens_think(msg)) if chat else None
-            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools))
+            parts.append(Exchange(reply, opts.stream, self.stream_buffer, think, overflow, fault(row.id_json), tools, opts.logprobs is not None))
         exchange = parts[0] if opts.n == 1 else Choices(parts, reply)
         for row, part in zip(msgs, parts):
             self.pool.submit(row, part, surface="http")

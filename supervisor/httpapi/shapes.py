@@ -1,9 +1,9 @@
 """OpenAI's JSON shapes, to and from the pool's own.
 
 A request body becomes the same ClientLine a stdin line becomes: its pool
-fields are copied into a stdin-style line and run through
-supervisor.requests.parse_line, so both surfaces share one validation and
-one set of limits. What only HTTP has (stream, stream_options,
+fields, as the body's JSON decoded them, go through
+supervisor.requests.from_fields, so both surfaces share one validation and
+one set of limits, and the body is decoded once. What only HTTP has (stream, stream_options,
 max_completion_tokens, content parts) is read here. Answers are built as
 bytes; the per-token stream chunks from a prefix and suffix made once per
 request.
@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from ipc import sampling
 from ipc.events import (
     ADAPTER_ERROR,
     BAD_REQUEST,
@@ -30,24 +31,13 @@ from ipc.events import (
     UNLOADED,
     WORKER_CRASHED,
 )
+from ipc.messages import MAX_TOP_LOGPROBS
+from supervisor.httpapi.logprobs import chat_logprobs, completion_logprobs
 from supervisor.httpapi.tools import TemplateInfo, ToolError, ToolRequest, forced_format, hermes_messages, history_calls, read_tools
-from supervisor.requests import BadRequest, ClientLine, PositiveInt, parse_line
+from supervisor.requests import BadRequest, ClientLine, from_fields
 
 # Fields a body shares with a stdin line, copied as they are (null = absent).
-POOL_FIELDS = (
-    "lora",
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "response_format",
-    "reasoning_budget",
-    "allow_special_tokens",
-    "speculative",
-)
+POOL_FIELDS = (*sampling.NAMES, "lora", "stop", "response_format", "allow_special_tokens", "speculative")
 
 # The pool's error codes as HTTP statuses and OpenAI error types.
 STATUS = {
@@ -109,9 +99,10 @@ class HttpFields(msgspec.Struct):
 
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: sampling.MaxTokens | None = None
     n: int | None = None
     logprobs: Any = None
+    top_logprobs: Any = None
     echo: bool | None = None
     reasoning_effort: str | None = None
 
@@ -139,6 +130,9 @@ class Options(msgspec.Struct):
     tools: ToolRequest | None = None
     tool_format: str | None = None
     n: int = 1
+    # Log-probabilities asked for: the number of alternatives per token
+    # (None: none asked).
+    logprobs: int | None = None
     extra: Any = None  # what another API's answer needs of its request (supervisor.httpapi.responses)
 
 
@@ -164,16 +158,36 @@ def json_object(body: bytes) -> dict:
     return data
 
 
-def _decode(body: bytes) -> tuple[dict, HttpFields]:
-    data = json_object(body)
+def _http_fields(data: dict, chat: bool = True) -> HttpFields:
     fields = _convert(data, HttpFields, "")
     if fields.n is not None and not 1 <= fields.n <= MAX_CHOICES:
         raise bad(f"n must be 1 to {MAX_CHOICES}", "n")
-    if fields.logprobs not in (None, False, 0):
-        raise bad("logprobs are not supported", "logprobs")
+    fields.logprobs = _logprobs(fields) if chat else _completion_logprobs(fields.logprobs)
     if fields.echo:
         raise bad("echo is not supported", "echo")
-    return data, fields
+    return fields
+
+
+def _top(value: object, name: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}", name)
+    return value
+
+
+def _logprobs(fields: HttpFields) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` as the count of
+    alternatives per token, None when not asked for."""
+    if fields.logprobs is not None and type(fields.logprobs) is not bool:
+        raise bad("logprobs must be a boolean", "logprobs")
+    top = None if fields.top_logprobs is None else _top(fields.top_logprobs, "top_logprobs")
+    if top is not None and not fields.logprobs:
+        raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if fields.logprobs else None
+
+
+def _completion_logprobs(value: object) -> int | None:
+    """The legacy completions' `logprobs`: the count of alternatives."""
+    return None if value is None else _top(value, "logprobs")
 
 
 # Choices one request may ask for (`n`): each is a row of its own in the
@@ -201,6 +215,9 @@ def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str, cons
         # thinking model can spend all of max_tokens before it. Unless the
         # client asks for thinking, the block is closed at once.
         line["reasoning_budget"] = 0
+    if fields.logprobs is not None:
+        line["logprobs"] = True
+        line["top_logprobs"] = fields.logprobs
     line["model"] = model
     line["id"] = request_id
     return line
@@ -208,7 +225,7 @@ def _pool_line(data: dict, fields: HttpFields, request_id: str, model: str, cons
 
 def _client_line(line: dict) -> ClientLine:
     try:
-        return parse_line(_encode(line))
+        return from_fields(line)
     except BadRequest as exc:
         msg = exc.msg.removeprefix("malformed request: ")
         # OpenAI names the offending field in `param`.
@@ -218,7 +235,7 @@ def _client_line(line: dict) -> ClientLine:
 
 def _options(fields: HttpFields, model: str) -> Options:
     usage = bool(fields.stream and fields.stream_options and fields.stream_options.include_usage)
-    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1)
+    return Options(model=model, stream=bool(fields.stream), include_usage=usage, n=fields.n or 1, logprobs=fields.logprobs)
 
 
 def _flatten(message: ChatMessage) -> dict:
@@ -250,12 +267,12 @@ def _flatten(message: ChatMessage) -> dict:
 
 
 def chat_request(
-    body: bytes, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
+    data: dict, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo] | None = None
 ) -> tuple[ClientLine, Options]:
-    """A /v1/chat/completions body as the pool's request. model_name(value)
-    gives the name the body's `model` means (or raises); template(name)
-    what the model's chat template does with tools."""
-    data, fields = _decode(body)
+    """A /v1/chat/completions body (decoded: json_object) as the pool's
+    request. model_name(value) gives the name the body's `model` means (or
+    raises); template(name) what the model's chat template does with tools."""
+    fields = _http_fields(data)
     model = model_name(data.get("model"))
     if data.get("messages") is None:
         raise bad('missing "messages" field', "messages")
@@ -285,9 +302,9 @@ def chat_request(
     return _client_line(line), options
 
 
-def completion_request(body: bytes, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
-    """A /v1/completions body: its prompt is used verbatim, like a stdin `prompt`."""
-    data, fields = _decode(body)
+def completion_request(data: dict, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
+    """A /v1/completions body (decoded): its prompt is used verbatim, like a stdin `prompt`."""
+    fields = _http_fields(data, chat=False)
     model = model_name(data.get("model"))
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -328,6 +345,7 @@ class Reply:
         # Whether last() ends the stream (usage, [DONE]); with n > 1 choices
         # the request does that once all have ended (supervisor.httpapi.choices).
         self.closing = closing
+        self._offset = 0  # characters of the answer so far (completions' text_offset)
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
         self._head = head
         null_usage = b',"usage":null' if include_usage else b""
@@ -367,18 +385,38 @@ class Reply:
         body = {**self._head, "choices": choices, **extra}
         return b"data: " + _encode(body) + b"\n\n"
 
+    def logprobs(self, entries: list[dict] | None) -> dict | None:
+        """A choice's `logprobs` for the tokens of `entries` (the worker's)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self._offset)
+        self._offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    def logprob_piece(self, text: str, reasoning: bool, entries: list[dict]) -> bytes:
+        """The SSE chunk of one piece of text with its tokens' log-probabilities."""
+        extra = {"usage": None} if self.include_usage else {}
+        if self.chat:
+            choice = {"index": self.index, "delta": {"reasoning_content" if reasoning else "content": text}}
+        else:
+            choice = {"index": self.index, "text": text}
+        return self._chunk([{**choice, "logprobs": self.logprobs(entries), "finish_reason": None}], **extra)
+
     def first(self) -> bytes:
         """The chat stream's first chunk: the assistant role, no text yet."""
         extra = {"usage": None} if self.include_usage else {}
         return self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
 
-    def last(self, finish_reason: str, figures: dict | None) -> bytes:
-        """The closing chunks: the finish reason, the usage when asked for, [DONE]."""
+    def last(self, finish_reason: str, figures: dict | None, logprobs: list[dict] | None = None) -> bytes:
+        """The closing chunks: the finish reason, the usage when asked for,
+        [DONE]; `logprobs`: entries of tokens no earlier chunk showed."""
         extra = {"usage": None} if self.include_usage else {}
         if self.chat:
-            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": {}, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         out = self._chunk([choice], **extra)
         if not self.closing:
             return out
@@ -394,8 +432,10 @@ class Reply:
         extra = {"usage": None} if self.include_usage else {}
         return self._chunk([{"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}], **extra)
 
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
-        """The non-streamed answer."""
+    def whole(
+        self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None
+    ) -> bytes:
+        """The non-streamed answer; `logprobs`: every token's entry, when asked for."""
         head = {**self._head, "object": "chat.completion" if self.chat else "text_completion"}
         if self.chat:
             message = {"role": "assistant", "content": text}
@@ -403,9 +443,9 @@ class Reply:
                 message = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return _encode({**head, "choices": [choice], "usage": figures})
 
 

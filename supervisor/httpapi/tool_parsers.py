@@ -293,6 +293,37 @@ def parse(fmt: str, text: str, tools: list[dict]) -> tuple[str, list[Call]] | No
     return found
 
 
+# Where a forced reply's calls may be cut back to when max_tokens ends it
+# inside one: (the text that ends a call or parts two, whether it belongs
+# to the call before it, what closes the list of calls).
+_CUT = {
+    "qwen3": ("</tool_call>", True, ""),
+    "qwen3_coder": ("</tool_call>", True, ""),
+    "deepseek": (DS_CALL_END, True, DS_END),
+    "mistral": (",", False, "]"),
+    "llama3_json": ("; ", False, ""),
+    "gemma": (", ", False, "]"),
+}
+# Places tried, from the end; a forced reply holds at most MAX_CALLS calls,
+# but a separator may also occur inside their arguments.
+MAX_CUTS = 256
+
+
+def complete_calls(fmt: str, text: str, tools: list[dict]) -> tuple[str, list[Call]] | None:
+    """The calls of a forced reply cut short inside one (max_tokens): the
+    whole calls before the cut one, or None when there are none."""
+    end, inclusive, closer = _CUT[fmt]
+    at = len(text)
+    for _ in range(MAX_CUTS):
+        at = text.rfind(end, 0, at)
+        if at < 0:
+            return None
+        found = parse(fmt, text[: at + len(end) if inclusive else at] + closer, tools)
+        if found is not None:
+            return found
+    return None
+
+
 # -- grammars for forced calls ---------------------------------------------------------
 
 

@@ -312,27 +312,23 @@ class ToolReader:
             self._begun = True
         return text
 
-    def finish(self) -> tuple[str, list[Call]]:
-        """(text still to go out as content, the calls)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[Call]]:
+        """(text still to go out as content, the calls). `cut`: max_tokens
+        ended the reply; a forced one then keeps its whole calls (its
+        grammar wrote nothing else) and drops the one it was inside."""
         held, self._held = self._held, ""
         if not self._calling:
             return held, []
-        found = tool_parsers.parse(self.fmt, held, self.tools.tools)
+        if cut and self.tools.forced:
+            found = tool_parsers.complete_calls(self.fmt, held, self.tools.tools)
+        else:
+            found = tool_parsers.parse(self.fmt, held, self.tools.tools)
         if found is None:
             return held, []
         content, calls = found
         if not self.tools.parallel:
             calls = calls[:1]
         return content, calls
-
-
-def read_whole(tools: ToolRequest, fmt: str, text: str) -> tuple[str, list[Call]]:
-    """A whole answer as (content, calls)."""
-    found = tool_parsers.parse(fmt, text, tools.tools)
-    if found is None:
-        return text, []
-    content, calls = found
-    return content, calls if tools.parallel else calls[:1]
 
 
 def call_objects(calls: list[Call], with_index: bool = False) -> list[dict]:

@@ -29,10 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import mlx.core as mx
+import msgspec
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, decode_response_format
+from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 from worker.engine.schema_refs import too_deep, unmatchable_ref
 
 # Compiled grammars kept per worker, least recently used out. One takes about
@@ -75,12 +76,13 @@ class ConstraintViolation(RuntimeError):
 _KINDS = {JsonObjectFormat: "json_object", JsonSchemaFormat: "JSON schema", RegexFormat: "regex", GrammarFormat: "grammar"}
 
 
-def grammar_of(text: str) -> tuple[str, str]:
-    """What a response_format (JSON text) asks for, and its llguidance grammar."""
-    try:
-        fmt = decode_response_format(text)
-    except ValueError as exc:
-        raise ConstraintError(str(exc)) from exc
+# A compiled grammar's cache key: its response_format as msgpack (a
+# format holds a schema's dicts, so it cannot be a key itself).
+_key = msgspec.msgpack.Encoder().encode
+
+
+def grammar_of(fmt: ResponseFormat) -> tuple[str, str]:
+    """What a response_format asks for, and its llguidance grammar."""
     matcher = llguidance.LLMatcher
     try:
         if isinstance(fmt, JsonObjectFormat):
@@ -142,7 +144,7 @@ class Constraints:
         self._tokenizer_json = tokenizer_json
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, CompiledFormat] = OrderedDict()
+        self._cache: OrderedDict[bytes, CompiledFormat] = OrderedDict()
         self._cache_size = cache_size
         self._lexers = max(1, lexers)
 
@@ -162,18 +164,19 @@ class Constraints:
                     raise ConstraintError(f"response_format is unavailable for this model's tokenizer: {exc}") from exc
             return self._tokenizer
 
-    def compile(self, text: str) -> CompiledFormat:
+    def compile(self, fmt: ResponseFormat) -> CompiledFormat:
         """This response_format, compiled once and cached. Raises
         ConstraintError."""
+        key = _key(fmt)
         with self._lock:
-            hit = self._cache.get(text)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(text)
+                self._cache.move_to_end(key)
                 return hit
-        kind, grammar = grammar_of(text)
+        kind, grammar = grammar_of(fmt)
         compiled = CompiledFormat(kind, grammar, self._matcher(kind, grammar))
         with self._lock:
-            self._cache[text] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
@@ -184,7 +187,7 @@ class Constraints:
             raise ConstraintError(f"invalid {kind} in response_format: {matcher.get_error()}")
         return matcher
 
-    def row(self, text: str, prompt: Sequence[int]) -> RowConstraint:
+    def row(self, fmt: ResponseFormat, prompt: Sequence[int]) -> RowConstraint:
         """The constraint of one request. When the prompt leaves a think block
         open, the grammar starts after the model's `</think>`.
 
@@ -196,7 +199,7 @@ class Constraints:
         compiled matchers). A row therefore copies the matcher with the
         fewest live rows, and a grammar compiles another (up to `lexers`,
         one per mask thread) when every one it has is in use."""
-        compiled = self.compile(text)
+        compiled = self.compile(fmt)
         with self._lock:
             lexer = min(compiled.lexers, key=lambda lx: len(lx.rows))
             grow = bool(lexer.rows) and len(compiled.lexers) < self._lexers

@@ -59,6 +59,7 @@ computes while the caller streams them.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, messa
 from worker.engine.batch_cache import BatchCache, batchable
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
-from worker.engine.sampling import BatchSampler, RowSampling
+from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
 from worker.runtime.gated_delta import CHUNK
 
@@ -106,6 +107,12 @@ class Row:
     draft_limit: int = 1 << 30
     drafted: int = 0
     accepted: int = 0
+    # Rows that ask for log-probabilities (sampling.logprobs): the draw
+    # that gave its pending token (and the row's place in it), and one
+    # (token, logprob, top) entry per token read, in the order step()
+    # gives the tokens; the caller takes them as it streams each token.
+    pending_lp: tuple[StepLogprobs, int] | None = None
+    logprobs: deque = field(default_factory=deque)
 
 
 class BatchFailed(Exception):
@@ -357,9 +364,13 @@ class TokenGenerator:
             logits = self._forward(inputs)
         if not constrained:
             self._next = self.sampler(logits, inputs)
-            mx.async_eval(self._next)
-            return inputs.tolist()
+            self._async_eval_next()
+            tokens = inputs.tolist()
+            self.take_logprobs(tokens)
+            self.stash_logprobs()
+            return tokens
         tokens, pending = self._start_masks(inputs)
+        self.take_logprobs(tokens)
         if logits is None:
             logits = self._forward(inputs)
         hand_over = not (ahead and self.hand_over_at_once)
@@ -371,7 +382,8 @@ class TokenGenerator:
         if hand_over and not self.on_gpu:
             mx.async_eval(logits)
         self._next = self.sampler(self.masks.apply(logits, pending.result()), inputs)
-        mx.async_eval(self._next)
+        self._async_eval_next()
+        self.stash_logprobs()
         # A batch that may speculate reads its pending tokens before each step.
         speculating = self.speculator is not None and self.speculator.wants(self.decoding)
         if self.run_ahead and not self.prefilling and not speculating and not any(row.may_force for row in self.decoding):
@@ -381,6 +393,35 @@ class TokenGenerator:
                 # waits for the draw alone, not for this pass too.
                 mx.async_eval(self._ahead)
         return tokens
+
+    def _async_eval_next(self) -> None:
+        step = self.sampler.logprobs
+        if step is None:
+            mx.async_eval(self._next)
+        else:
+            mx.async_eval(self._next, *step.arrays)
+
+    def take_logprobs(self, tokens: list[int]) -> None:
+        """Queues, for each decode row that asks, the log-probabilities of
+        its token just read (`tokens`, in the batch's order; a forced one
+        included); a fresh row's input is its prompt's, not a token."""
+        if not self.sampler.wants_logprobs:
+            return  # (a row that asked and left took its pending draw with it)
+        for row, token in zip(self.decoding, tokens):
+            if row.pending_lp is not None and not row.fresh:
+                step, i = row.pending_lp
+                row.logprobs.append(step.entry(i, token, row.sampling.logprobs))
+                row.pending_lp = None
+
+    def stash_logprobs(self) -> None:
+        """Marks the sampler's last draw as the source of each asking row's
+        pending token."""
+        step = self.sampler.logprobs
+        if step is None:
+            return
+        for i, row in enumerate(self.decoding):
+            if row.sampling.logprobs is not None:
+                row.pending_lp = (step, i)
 
     def _forward(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward pass on `inputs` (B,): (B, V) logits."""

@@ -12,37 +12,25 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ipc.messages import Generate
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    seed: int | None
-
-    @classmethod
-    def of(cls, req: Generate) -> SamplingParams:
-        return cls(req.temperature, req.top_k, req.top_p, req.repetition_penalty, req.seed)
+from ipc.sampling import Sampling
 
 
 class RowSampling:
-    """One row's settings, normalised, and its starting state."""
+    """One row's settings (a request's: a Generate is a Sampling), normalised,
+    and its starting state."""
 
-    __slots__ = ("greedy", "inv_temp", "top_k", "top_p", "penalty", "seen", "key")
+    __slots__ = ("greedy", "inv_temp", "top_k", "top_p", "penalty", "seen", "key", "logprobs")
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt: list[int]):
+    def __init__(self, params: Sampling, vocab_size: int, prompt: list[int], logprobs: int | None = None):
         self.greedy = params.temperature <= 0.0
         self.inv_temp = 0.0 if self.greedy else 1.0 / params.temperature
         self.top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
         self.penalty = params.repetition_penalty
+        self.logprobs = logprobs  # Generate.logprobs
         # Prompt tokens count as seen, for the repetition penalty.
         self.seen: mx.array | None = None
         if self.penalty != 1.0:
@@ -73,10 +61,17 @@ class BatchSampler:
         self.rows: list[RowSampling] = []
         self._keys: mx.array | None = None  # (B, 2) uint32
         self._seen: mx.array | None = None  # (B, V) bool, only while a row has a penalty
+        # The last draw's log-probabilities, while some row asks for them.
+        self.logprobs: StepLogprobs | None = None
         self._params()
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Some row asks for log-probabilities."""
+        return self._top_logprobs is not None
 
     def extend(self, rows: list[RowSampling]) -> None:
         if not rows:
@@ -115,12 +110,20 @@ class BatchSampler:
         # Where each row's token lands when the groups are concatenated.
         order = [i for idx in groups.values() for i in idx]
         self._unsort = mx.argsort(mx.array(order)) if len(groups) > 1 else None
+        asked = [r.logprobs for r in rows if r.logprobs is not None]
+        self._top_logprobs = max(asked) if asked else None
 
     def __call__(self, logits: mx.array, last: mx.array) -> mx.array:
         """logits (B, V) for the position after `last` (B,), the tokens just
-        fed; returns (B,) token ids."""
+        fed; returns (B,) token ids, and sets `logprobs` for the draw when
+        some row asks for them."""
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
+        tokens = self._pick(logits, last)
+        self.logprobs = None if self._top_logprobs is None else StepLogprobs(logits, tokens, self._top_logprobs)
+        return tokens
+
+    def _pick(self, logits: mx.array, last: mx.array) -> mx.array:
         if self._seen is not None:
             self._seen = _mark(self._seen, last)
             logits = _penalize(logits, self._seen, self._penalty)
@@ -135,6 +138,52 @@ class BatchSampler:
             keys.append(k)
         self._keys = mx.concatenate(keys)[self._unsort]
         return mx.concatenate(tokens)[self._unsort]
+
+
+# A token the distribution cannot give (a grammar's mask) has log-probability
+# -inf, which JSON cannot carry; OpenAI and vLLM write this instead.
+FLOOR_LOGPROB = -9999.0
+
+
+class StepLogprobs:
+    """One draw's log-probabilities, as vLLM reports them by default
+    ("raw_logprobs"): the log-softmax of the model's logits, before the
+    repetition penalty, temperature, top-k and top-p; for a constrained row
+    after its grammar's mask (a token the grammar forbids has the floor).
+    Lazy arrays, read once (`entry`) when the step's tokens are read."""
+
+    __slots__ = ("_lsm", "_arrays", "_lists")
+
+    def __init__(self, logits: mx.array, tokens: mx.array, top: int):
+        lsm = _log_softmax(logits)
+        chosen = mx.take_along_axis(lsm, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+        if top:
+            ids = mx.argpartition(-lsm, kth=top - 1, axis=-1)[:, :top]
+            vals = mx.take_along_axis(lsm, ids, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+        else:
+            ids = vals = mx.zeros((lsm.shape[0], 0))
+        self._lsm = lsm  # for a token put in place of the drawn one (forced)
+        self._arrays = (tokens, chosen, ids, vals)
+        self._lists: tuple | None = None
+
+    @property
+    def arrays(self) -> tuple[mx.array, ...]:
+        return self._arrays
+
+    def entry(self, i: int, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """Row i's (token, its log-probability, its `top` likeliest tokens)."""
+        if self._lists is None:
+            self._lists = tuple(a.tolist() for a in self._arrays)
+        drawn, chosen, ids, vals = self._lists
+        lp = chosen[i] if drawn[i] == token else self._lsm[i, token].item()
+        return token, max(lp, FLOOR_LOGPROB), [(t, max(v, FLOOR_LOGPROB)) for t, v in zip(ids[i][:top], vals[i][:top])]
+
+
+@mx.compile
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _draw_kind(kind: tuple, logits, inv_temp, top_p, keys) -> tuple[mx.array, mx.array]:

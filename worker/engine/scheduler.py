@@ -31,20 +31,20 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import mlx.core as mx
-import msgspec
 
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
+from ipc.sampling import Sampling
 from worker.cache.prefix_cache import PrefixCache, cut_points
 from worker.cache.prefix_disk import READ_WAIT_S, PrefixDisk
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
 from worker.engine.generator import BatchFailed, Row, TokenGenerator
-from worker.engine.sampling import RowSampling, SamplingParams
+from worker.engine.sampling import RowSampling
 from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
@@ -422,10 +422,11 @@ class Scheduler:
         self._guard_logged = False
         rows = []
         for w, version in start:
-            params = SamplingParams.of(w.req)
             stream = RowStream(w.req, w.ids, self.codec, self.emit, w.arrived)
             # A reasoning budget may force </think> (_stream).
-            row = Row(w.req.rid, w.ids, RowSampling(params, self.vocab_size, w.ids), constraint=w.constraint, may_force=stream.think.budget is not None)
+            row = Row(
+                w.req.rid, w.ids, RowSampling(w.req, self.vocab_size, w.ids, w.req.logprobs), constraint=w.constraint, may_force=stream.think.budget is not None
+            )
             row.speculative = self.speculator is not None and w.req.speculative
             row.draft_limit = stream.draft_limit()
             if version is not None:
@@ -456,6 +457,8 @@ class Scheduler:
             raise row.broken
         if token is None:
             return None
+        if row.logprobs:
+            return self.streams[row].feed(token, row.logprobs.popleft())
         return self.streams[row].feed(token)
 
     def _read(self, out: list[tuple[Row, int | None]]) -> None:
@@ -557,15 +560,12 @@ class Scheduler:
         every batch size up to max_batch has run once; then the token mask
         of structured output at each batch size."""
         generator = self._generator(PrefixCache(self.loaded.model, 0), speculate=False)
-        default = SamplingParams.of(Generate(rid=0))
-        greedy = replace(default, temperature=0.0)
-        # With the default adapter, as requests without a `lora` will run.
-        adapter = self.adapters.resolve(msgspec.UNSET, self.adapters.arrival())
-        slot = adapter.slot if isinstance(adapter, Version) else None
+        default = Sampling()
+        greedy = Sampling(temperature=0.0)
 
-        def row(i: int, params: SamplingParams) -> Row:
+        def row(i: int, params: Sampling) -> Row:
             ids = self.codec.encode("<|im_start|>user\nwarm up" + " up" * i + "<|im_end|>\n") or [0]
-            return Row(0, ids, RowSampling(params, self.vocab_size, ids), slot=slot)
+            return Row(0, ids, RowSampling(params, self.vocab_size, ids))
 
         def run(rows: list[Row], steps: int) -> None:
             generator.start(rows)
@@ -582,6 +582,6 @@ class Scheduler:
         while rows:
             generator.step()
             generator.remove([rows.pop()])
-        self.adapters.route([slot])
+        self.adapters.route([None])
         self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
         mx.clear_cache()

@@ -253,7 +253,7 @@ class Speculator:
         else:
             logits = gen.model(inputs, cache=layers)
         sampler = gen.sampler
-        drawn, keys, seen = [], [], []
+        drawn, keys, seen, logprobs = [], [], [], []
         for j in range(width):
             lj = logits[:, j, :]
             if bits is not None:
@@ -261,6 +261,7 @@ class Speculator:
             drawn.append(sampler(lj, inputs[:, j]))
             keys.append(sampler._keys)
             seen.append(sampler._seen)
+            logprobs.append(sampler.logprobs)
         drawn = mx.stack(drawn, axis=1)
         keys = mx.stack(keys)
         mx.eval(drawn, keys)
@@ -281,6 +282,16 @@ class Speculator:
             saved = None  # the attention caches are rolled back as in an attention-only model
         self._roll_back(gen, cache, layers, saved, inputs, kept, width)
         gen._next = mx.array([t[a] for t, a in zip(targets, kept)], dtype=mx.uint32)
+        if logprobs[0] is not None:
+            # The target's log-probabilities: each kept draft token's from
+            # the draw at its position, the new pending token's from the
+            # draw after the last kept one.
+            gen.take_logprobs(pending)
+            for i, (row, d, a) in enumerate(zip(rows, drafts, kept)):
+                top = row.sampling.logprobs
+                if top is not None:
+                    row.logprobs.extend(logprobs[j].entry(i, d[j], top) for j in range(a))
+                    row.pending_lp = (logprobs[a], i)
         out = []
         for row, p, d, a in zip(rows, pending, drafts, kept):
             if row.constraint is not None and row.broken is None:

@@ -13,13 +13,12 @@ from there instead of being computed again.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
-from ipc.messages import Generate
+from ipc.sampling import Sampling
 from worker.cache.prefix_cache import cut_points
 from worker.engine.generator import Row
-from worker.engine.sampling import RowSampling, SamplingParams
+from worker.engine.sampling import RowSampling
 
 log = logging.getLogger("worker")
 
@@ -50,7 +49,7 @@ def warm_prompts(scheduler, texts: list[str]) -> int:
         return 0
     generator = scheduler._generator(cache)
     marker = generator.chat_marker
-    greedy = replace(SamplingParams.of(Generate(rid=0)), temperature=0.0)
+    greedy = Sampling(temperature=0.0)
     pinned = 0
     for text in texts:
         ids = scheduler.codec.encode(text)

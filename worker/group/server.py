@@ -26,7 +26,7 @@ import time
 import msgspec
 
 from ipc.events import ADAPTER_ERROR, encode_error, encode_event
-from ipc.messages import Cancel, Generate, Shutdown
+from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Shutdown, UnloadAdapter
 from ipc.worker_events import RankFigures
 from worker.group.launch import RANK_JOINING, RANK_STATS, Launcher
 from worker.group.model import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
@@ -34,7 +34,8 @@ from worker.group.plan import GroupPlan, plan
 from worker.runtime.loader import LazyModel, LoadedModel
 from worker.runtime.memory import memory_figures
 from worker.shell.channel import EventChannel
-from worker.shell.server import IDLE, SHUTDOWN, WAKE, WorkerServer
+from worker.shell.inbox import Arrived, IdleRelease, Item, Wake
+from worker.shell.server import WorkerServer
 
 log = logging.getLogger("worker")
 
@@ -43,12 +44,8 @@ NO_ADAPTERS = "a model split over several processes (ranks > 1) takes no LoRA ad
 SUMMED = ("weights_bytes", "rss_bytes", "uss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "mlx_cache_bytes")
 
 
-class IdleRelease(msgspec.Struct, tag="idle_release", frozen=True):
-    """Rank 0 has been idle for idle_release_s: every rank hands MLX's
-    buffer cache back (the others wait on the group meanwhile, so they have
-    no clock of their own)."""
-
-
+# The items rank 0 shares at every step: its inbox's items but for the
+# arrival times (each rank stamps its own) and the wakes (its own threads').
 StepItem = Generate | Cancel | Shutdown | IdleRelease
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[StepItem]).decode
@@ -86,35 +83,27 @@ class LeaderServer(WorkerServer):
         self.launcher.ready = True
         super().serve_forever()
 
-    def _take(self, block: bool) -> list:
+    def _take(self, block: bool) -> list[Item]:
         self.step_since = None
         items = super()._take(block)
         self.step_since = time.monotonic()
-        kept, shared = [], []
+        kept: list[Item] = []
+        shared: list[StepItem] = []
         for item in items:
-            if item is WAKE:
-                continue
-            if item is SHUTDOWN:
-                kept.append(item)
-                shared.append(Shutdown())
-            elif item is IDLE:
-                kept.append(item)
-                shared.append(IdleRelease())
-            elif isinstance(item, tuple):
-                req, arrived = item
-                if req.lora is not msgspec.UNSET and req.lora is not None:
+            match item:
+                case Wake():
+                    continue
+                case Arrived(req=req) if req.lora is not None:
                     self.channel.write(encode_error(NO_ADAPTERS, ADAPTER_ERROR, req.id_json))
                     continue
-                if req.seed is None:
+                case Arrived(req=req) if req.seed is None:
                     # What RowSampling would draw, drawn once for every rank.
-                    req = msgspec.structs.replace(req, seed=self._seeds.getrandbits(63))
-                kept.append((req, arrived))
-                shared.append(req)
-            elif isinstance(item, Cancel):
-                kept.append(item)
-                shared.append(item)
-            else:
-                self.channel.write(encode_event("adapter_error", model=self.name, lora=item.path, code=ADAPTER_ERROR, msg=NO_ADAPTERS))
+                    item = Arrived(msgspec.structs.replace(req, seed=self._seeds.getrandbits(63)), item.at)
+                case LoadAdapter() | ReloadAdapter() | UnloadAdapter():
+                    self.channel.write(encode_event("adapter_error", model=self.name, lora=item.path, code=ADAPTER_ERROR, msg=NO_ADAPTERS))
+                    continue
+            kept.append(item)
+            shared.append(item.req if isinstance(item, Arrived) else item)
         try:
             self.steps.share(_encode(shared) if shared else b"")
         except RuntimeError as exc:
@@ -175,23 +164,13 @@ class FollowerServer(WorkerServer):
 
         threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
-    def _take(self, block: bool) -> list:
+    def _take(self, block: bool) -> list[Item]:
         try:
             data = self.steps.receive()
         except RuntimeError as exc:
             abort(f"rank {self.rank} lost the group: {exc}")
         arrived = time.perf_counter()
-        items = []
-        for msg in _decode(data) if data else ():
-            if isinstance(msg, Shutdown):
-                items.append(SHUTDOWN)
-            elif isinstance(msg, IdleRelease):
-                items.append(IDLE)
-            elif isinstance(msg, Generate):
-                items.append((msg, arrived))
-            else:
-                items.append(msg)
-        return items
+        return [Arrived(msg, arrived) if isinstance(msg, Generate) else msg for msg in (_decode(data) if data else ())]
 
 
 def _discard(line: bytes) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,15 @@ from ipc.files import FileRefused, check_regular, read_capped
 Progress = Callable[[int, int], None]
 
 _DTYPE_NAMES = {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}
+# The architectures built here without mlx-lm's full loader (see
+# `_build_native`): module names of mlx_lm.models that no model_type is
+# remapped to or from there, so config.json's model_type names the module.
+NATIVE_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "gemma3_text"})
+# What MLX's own `quantization` table may hold for one setting for every
+# layer; anything more (a table per layer) goes to mlx-lm's loader.
+_UNIFORM_QUANT_KEYS = {"group_size", "bits", "mode"}
+
+log = logging.getLogger("lattice.worker")
 
 
 class ModelDirError(Exception):
@@ -91,9 +102,18 @@ class LazyModel:
 def open_lazy(path: Path) -> LazyModel:
     """The model built from its dir, weights mapped but not read, so it can
     still be split over processes (worker.group.model) before they are."""
+    config = read_config(path)
+    try:
+        built = _build_native(path, config)
+    except Exception as exc:
+        # mlx-lm's loader knows more formats; it gives the final answer.
+        log.debug("model %s: built in full by mlx-lm (%s)", path, exc)
+        built = None
+    if built is not None:
+        model, config = built
+        return LazyModel(model, config, path, model_format(config, model))
     from mlx_lm.utils import load_model
 
-    read_config(path)
     try:
         # Any failure here (unknown architecture, torn safetensors, shape
         # mismatch) is a property of the directory: retrying cannot help.
@@ -101,6 +121,61 @@ def open_lazy(path: Path) -> LazyModel:
         return LazyModel(model, config, path, model_format(config, model))
     except Exception as exc:
         raise ModelDirError(f"cannot load {path}: {exc}") from exc
+
+
+def _build_native(path: Path, config: dict) -> tuple[nn.Module, dict] | None:
+    """The model of a directory in the forms MLX writes itself (plain
+    weights, or MLX quantization with one setting for every layer), built
+    from its mlx-lm architecture module alone; None for any other form.
+
+    mlx-lm's `load_model` lives in a module that imports transformers
+    (over a second of CPU per worker start, worker/__init__.py says more),
+    though for these forms building the model takes only the architecture:
+    its args, the weights as stored, its own `sanitize`, the quantized
+    layers where the file has scales, and a strict load that fails on any
+    weight the structure does not expect. Anything else (Hugging Face
+    quantization configs, per-layer tables, custom model files) returns
+    None and takes mlx-lm's loader."""
+    model_type = config.get("model_type")
+    quant = config.get("quantization")
+    if (
+        model_type not in NATIVE_TYPES
+        or any(key in config for key in ("model_file", "quantize_activations"))
+        # mlx-lm writes its `quantization` table twice, the second time under
+        # Hugging Face's key; any other quantization_config is theirs.
+        or config.get("quantization_config", quant) != quant
+        or "quantization_config" in (config.get("text_config") or {})
+        or (quant is not None and (not isinstance(quant, dict) or set(quant) - _UNIFORM_QUANT_KEYS))
+        or "__float__" in json.dumps(config)
+    ):
+        return None
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = dict(config)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(read_capped(generation)).get("eos_token_id")
+        except (OSError, ValueError, FileRefused, AttributeError):
+            eos = None
+        if eos:
+            config["eos_token_id"] = eos
+    weights: dict = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(file)))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quant is not None:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
+            class_predicate=lambda name, module: hasattr(module, "to_quantized") and f"{name}.scales" in weights,
+        )
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    return model, config
 
 
 def materialise(lazy: LazyModel, progress: Progress | None = None, cpu_float32: bool = True) -> LoadedModel:

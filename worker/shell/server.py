@@ -1,8 +1,9 @@
 """The worker process: a frame reader thread, a heartbeat thread, an
-adapter reader thread (worker.lora.manager), and the main thread running
+adapter reader thread (worker.lora.reads), and the main thread running
 the scheduler's steps on the model.
 
-Every message from the supervisor goes through one inbox in arrival order, so
+Every message from the supervisor goes through one inbox (its items are
+worker.shell.inbox's union, applied in `_apply`) in arrival order, so
 a Cancel always finds the Generate sent before it, and a request the adapter
 messages sent before it. The main thread takes all that has arrived at each
 step boundary (and sleeps on the inbox when there is no work, until a
@@ -18,23 +19,16 @@ import queue
 import threading
 import time
 
-import msgspec
-
 from ipc.events import BAD_REQUEST, encode_error, encode_event
-from ipc.framing import FrameReader, FrameTooLarge, decode_payload
-from ipc.messages import Cancel, Generate, Shutdown, Stats
+from ipc.framing import read_messages
+from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Shutdown, Stats, UnloadAdapter
 from ipc.worker_events import HEARTBEAT, WORKER_STATS
 from worker.engine.scheduler import Scheduler
 from worker.runtime.memory import memory_figures
 from worker.shell.channel import EventChannel
+from worker.shell.inbox import Arrived, IdleRelease, Item, Wake
 
 log = logging.getLogger("worker")
-
-SHUTDOWN = object()
-WAKE = object()
-# The worker has been idle for idle_release_s: MLX's buffer cache goes back
-# (an item of its own so that rank 0 of a group passes it to the others).
-IDLE = object()
 
 
 class WorkerServer:
@@ -46,14 +40,15 @@ class WorkerServer:
         self.format = "unknown"
         self.weights_bytes = 0
         self.processor: str | None = None  # set once the model is loaded
-        # Lists of messages, one per read of the request pipe; emptied at
-        # every step; what it feeds is bounded by the scheduler's waiting
-        # line (MAX_WAITING, beyond which requests are refused).
-        self._inbox: queue.Queue = queue.Queue()
+        # Lists of items (worker.shell.inbox), one per read of the request
+        # pipe; emptied at every step; what it feeds is bounded by the
+        # scheduler's waiting line (MAX_WAITING, beyond which requests are
+        # refused).
+        self._inbox: queue.Queue[list[Item]] = queue.Queue()
 
     def wake(self) -> None:
         """Called by the adapter reader when a read ends (any thread)."""
-        self._inbox.put([WAKE])
+        self._inbox.put([Wake()])
 
     # -- side threads -------------------------------------------------------
 
@@ -72,38 +67,23 @@ class WorkerServer:
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def _read_loop(self) -> None:
-        reader = FrameReader(self.request_fd)
-        while True:
-            try:
-                batch = reader.batch()
-            except OSError:
-                batch = None
-            if batch is None:
-                # The supervisor closed the pipe or died: nobody is left to serve.
-                log.info("request pipe closed; exiting")
-                os._exit(0)
-            items = []
-            for payload in batch:
-                if isinstance(payload, FrameTooLarge):
-                    self._malformed(payload)
-                    continue
-                try:
-                    msg = decode_payload(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    self._malformed(exc)
-                    continue
-                if isinstance(msg, Generate):
-                    items.append((msg, time.perf_counter()))
-                elif isinstance(msg, Stats):
-                    self.channel.write(self.stats_event())
-                elif isinstance(msg, Shutdown):
-                    items.append(SHUTDOWN)
-                else:
-                    items.append(msg)
+        for messages in read_messages(self.request_fd, self._malformed):
+            items: list[Item] = []
+            for msg in messages:
+                match msg:
+                    case Generate():
+                        items.append(Arrived(msg, time.perf_counter()))
+                    case Stats():
+                        self.channel.write(self.stats_event())
+                    case _:
+                        items.append(msg)
             if items:
                 # One inbox entry per read: what was written together is
                 # taken together.
                 self._inbox.put(items)
+        # The supervisor closed the pipe or died: nobody is left to serve.
+        log.info("request pipe closed; exiting")
+        os._exit(0)
 
     def _malformed(self, problem: Exception) -> None:
         log.warning("malformed frame: %s", problem)
@@ -141,7 +121,7 @@ class WorkerServer:
             stopping = self._apply(self._take(block)) or stopping
             scheduler.step()
 
-    def _take(self, block: bool) -> list:
+    def _take(self, block: bool) -> list[Item]:
         """What has arrived by now; with nothing to do, wait for one, handing
         MLX's buffer cache back once the worker has been idle long enough.
         (A rank of a group takes what rank 0 took: worker.group.server.)"""
@@ -150,32 +130,33 @@ class WorkerServer:
             items += self._inbox.get_nowait()
         return items
 
-    def _wait(self) -> list:
+    def _wait(self) -> list[Item]:
         release_in = self.scheduler.idle_release_in(time.monotonic())
         if release_in is not None:
             try:
                 return self._inbox.get(timeout=release_in)
             except queue.Empty:
-                return [IDLE]
+                return [IdleRelease()]
         return self._inbox.get()
 
-    def _apply(self, items: list) -> bool:
+    def _apply(self, items: list[Item]) -> bool:
         """Hands the items to the scheduler; True when one asks to stop."""
         scheduler = self.scheduler
         stopping = False
         for item in items:
-            if item is SHUTDOWN:
-                # Everything sent before it still runs to its end.
-                stopping = True
-            elif item is WAKE:
-                pass  # the step below settles the read
-            elif item is IDLE:
-                log.debug("idle for %.1f s: MLX's buffer cache handed back", scheduler.idle_release_s)
-                scheduler.release_idle()
-            elif isinstance(item, tuple):
-                scheduler.submit(*item)
-            elif isinstance(item, Cancel):
-                scheduler.cancel(item.rid)
-            else:
-                scheduler.adapter_message(item)
+            match item:
+                case Arrived(req=req, at=at):
+                    scheduler.submit(req, at)
+                case Cancel(rid=rid):
+                    scheduler.cancel(rid)
+                case LoadAdapter() | ReloadAdapter() | UnloadAdapter():
+                    scheduler.adapter_message(item)
+                case IdleRelease():
+                    log.debug("idle for %.1f s: MLX's buffer cache handed back", scheduler.idle_release_s)
+                    scheduler.release_idle()
+                case Shutdown():
+                    # Everything sent before it still runs to its end.
+                    stopping = True
+                case Wake():
+                    pass  # the step after it settles the read
         return stopping

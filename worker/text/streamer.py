@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ipc.events import encode_done, encode_token, tokens_per_second
+from ipc.events import encode_done, encode_token, encode_token_logprobs, tokens_per_second
 from ipc.messages import Generate
 from worker.text.tokenizer import StopMatcher, TextCodec
 
@@ -76,6 +76,10 @@ class RowStream:
         self.ttft_ms = 0.0
         self.generated: list[int] = []
         self._stopped_by_string = False
+        self._codec = codec
+        # Entries of the tokens fed since the last line, for a request that
+        # asked for log-probabilities (None: it did not).
+        self._logprobs: list[dict] | None = None if req.logprobs is None else []
 
     def must_close_think(self) -> bool:
         """True when the next token must be </think> (the budget is spent)."""
@@ -92,12 +96,15 @@ class RowStream:
             limit = min(limit, think.budget - think.count - 1 if think.inside else think.budget)
         return max(0, limit)
 
-    def feed(self, token: int) -> str | None:
-        """Streams one generated token; returns the finish reason when the
-        request ends with it (then call finish), else None."""
+    def feed(self, token: int, logprob: tuple[int, float, list[tuple[int, float]]] | None = None) -> str | None:
+        """Streams one generated token (with its log-probabilities, for a
+        request that asked); returns the finish reason when the request
+        ends with it (then call finish), else None."""
         if token in self._eos:
             return "stop"
         self.generated.append(token)
+        if self._logprobs is not None and logprob is not None:
+            self._logprobs.append(self._entry(logprob))
         self.think.observe(token)
         text, hit = self._stops.feed(self._detok.add(token))
         if text:
@@ -109,10 +116,25 @@ class RowStream:
             return "length"
         return None
 
+    def _piece(self, token: int) -> dict:
+        raw = self._codec.token_bytes(token)
+        text = raw.decode("utf-8", "replace")
+        # The bytes are written only where the text cannot give them back
+        # (a token that holds part of a character).
+        return {"token": text} if text.encode("utf-8") == raw else {"token": text, "bytes": list(raw)}
+
+    def _entry(self, logprob: tuple[int, float, list[tuple[int, float]]]) -> dict:
+        token, value, top = logprob
+        return {**self._piece(token), "logprob": value, "top_logprobs": [{**self._piece(t), "logprob": v} for t, v in top]}
+
     def _write(self, text: str) -> None:
         if not self.ttft_ms:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1000.0
-        self._emit(encode_token(text, self.id_json))
+        if self._logprobs is None:
+            self._emit(encode_token(text, self.id_json))
+            return
+        self._emit(encode_token_logprobs(text, self._logprobs, self.id_json))
+        self._logprobs = []
 
     def finish(self, reason: str, cached_tokens: int = 0, drafts: tuple[int, int] | None = None) -> None:
         """`drafts`: (drafted, accepted) tokens when the request ran with a
@@ -123,7 +145,9 @@ class RowStream:
                 reason = "stop"
             else:
                 tail += self._stops.flush()
-            if tail:
+            if tail or self._logprobs:
+                # Tokens whose text never came out (held back, or none)
+                # still have their entries.
                 self._write(tail)
         total_ms = int((time.perf_counter() - self.t0) * 1000.0)
         gen_tokens = len(self.generated)

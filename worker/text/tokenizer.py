@@ -225,6 +225,12 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a piece of a character for some)."""
+        if self._byte_table is not None:
+            return self._byte_table[token_id] if 0 <= token_id < len(self._byte_table) else b""
+        return self.decode([token_id]).encode("utf-8", "replace")
+
     def detokenizer(self) -> ByteDetokenizer | WindowDetokenizer:
         if self._byte_table is not None:
             return ByteDetokenizer(self._byte_table)
