@@ -12,11 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("supervisor", "worker", "ipc")
 MAX_METHODS = 29
 
-# Classes allowed past the bound, each with the reason it has not been split yet.
-EXCEPTIONS = {
-    "worker/lora/manager.py:AdapterManager": "its split into parts is under way separately",
-}
-
 
 def method_counts() -> dict[str, int]:
     counts = {}
@@ -32,7 +27,7 @@ def method_counts() -> dict[str, int]:
 def test_no_class_has_30_or_more_methods():
     counts = method_counts()
     assert "supervisor/slot.py:WorkerSlot" in counts and "supervisor/pool.py:Pool" in counts  # the walk found the code
-    too_big = {name: n for name, n in counts.items() if n > MAX_METHODS and name not in EXCEPTIONS}
+    too_big = {name: n for name, n in counts.items() if n > MAX_METHODS}
     assert not too_big, f"classes with more than {MAX_METHODS} methods; split them along their sections: {too_big}"
 
 
@@ -45,9 +40,3 @@ def test_a_status_row_carries_every_memory_figure():
     fields = set(MemoryFigures.__struct_fields__)
     assert fields <= set(StatusRow.__struct_fields__)
     assert issubclass(RankFigures, MemoryFigures) and issubclass(WorkerStats, MemoryFigures)
-
-
-def test_every_exception_is_still_needed():
-    counts = method_counts()
-    stale = [name for name in EXCEPTIONS if counts.get(name, 0) <= MAX_METHODS]
-    assert not stale, f"these classes are small now (or gone): drop them from EXCEPTIONS: {stale}"
