@@ -81,35 +81,35 @@ class AdapterFigures(msgspec.Struct):
     rows: int = 0  # batch rows running with it
 
 
-class RankFigures(msgspec.Struct):
+class MemoryFigures(msgspec.Struct, kw_only=True):
+    """A worker process's measured memory (docs/monitoring.md), declared
+    once for a rank, a worker and a status row."""
+
+    rss_bytes: int = 0
+    uss_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    weights_bytes: int = 0
+
+
+class RankFigures(MemoryFigures):
     """One process of a model split over several (docs/scaling.md): where it
     runs and its own measured memory."""
 
     rank: int
     host: str
     pid: int | None = None
-    rss_bytes: int = 0
-    uss_bytes: int = 0
-    mlx_active_bytes: int = 0
-    mlx_peak_bytes: int = 0
-    mlx_cache_bytes: int = 0
-    weights_bytes: int = 0
 
 
-class WorkerStats(msgspec.Struct, tag_field="ev", tag=WORKER_STATS):
+class WorkerStats(MemoryFigures, tag_field="ev", tag=WORKER_STATS):
     """The worker's measured memory and batch figures (docs/monitoring.md).
     A model split over several processes reports each one in `ranks`, and
-    the sums of their figures in the fields above it."""
+    the sums of their figures in its memory fields."""
 
     format: str | None = None
     processor: str | None = None  # cpu, metal or cuda
-    weights_bytes: int = 0
     adapter_bytes: int = 0
-    rss_bytes: int = 0
-    uss_bytes: int = 0
-    mlx_active_bytes: int = 0
-    mlx_peak_bytes: int = 0
-    mlx_cache_bytes: int = 0
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0

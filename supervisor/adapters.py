@@ -212,11 +212,11 @@ class _Watch:
         if not exists:
             log.warning("adapter %s was deleted (or cannot be reached); the worker keeps the version it has", self.path)
             self._retries_left = 0
-            self.slot.adapter_missing(self.path)
+            self.slot.roster.adapter_missing(self.path)
             return
         log.info("adapter %s changed on disk; reloading", self.path)
         self._retries_left = len(RETRY_DELAYS)
-        self.slot.reload_adapter(self.path)
+        self.slot.roster.reload_adapter(self.path)
 
     def result(self, loaded: bool) -> bool:
         """The worker's answer to a reload (adapter_loaded or adapter_error);
@@ -233,7 +233,7 @@ class _Watch:
     def _retry_now(self) -> None:
         self._retry = None
         log.info("adapter %s: retrying the reload", self.path)
-        if not self.slot.reload_adapter(self.path):
+        if not self.slot.roster.reload_adapter(self.path):
             self._retries_left = 0
 
     def stop(self) -> None:

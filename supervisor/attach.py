@@ -51,7 +51,7 @@ class PoolLink:
         return self.pool.model_state(spec).worker or spec.name
 
     def load(self, ref: str | None) -> None:
-        self.pool.load(self.pool.resolve(ref))
+        self.pool.ops.load(self.pool.resolve(ref))
 
     def unload(self, ref: str | None, reason: str) -> bool:
         """False when the model is not loaded."""

@@ -283,7 +283,7 @@ class ControlServer:
         finally:
             self._clients.discard(client)
             for id_json in client.requests:
-                self.pool.cancel_for(id_json, client)
+                self.pool.ops.cancel_for(id_json, client)
             writer.close()
 
     async def _read(self, reader: asyncio.StreamReader, client: _Client, line_started: float | None) -> bytes | None:
@@ -342,7 +342,7 @@ class ControlServer:
             if msg.op in ("generate", "embed"):
                 self._generate(client, msg)
                 return
-            task = self.pool.op(msg, client.write)
+            task = self.pool.ops.op(msg, client.write)
         except BadRequest as exc:
             client.write(encode_error(exc.msg, BAD_REQUEST, exc.id_json))
             return
@@ -359,7 +359,7 @@ class ControlServer:
         lifecycle lines of its model reach it as they reach every client);
         cancelled if the client goes away first."""
         if len(client.requests) >= MAX_CLIENT_REQUESTS:
-            client.requests = {i for i in client.requests if self.pool.runs_for(i, client)}
+            client.requests = {i for i in client.requests if self.pool.ops.runs_for(i, client)}
         if len(client.requests) >= MAX_CLIENT_REQUESTS:
             client.write(encode_error(f"{MAX_CLIENT_REQUESTS} requests of this connection are running; wait for one to end", OVERLOADED, msg.id_json))
             return

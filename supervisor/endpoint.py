@@ -141,7 +141,7 @@ def dispatch(pool: Pool, line) -> bool:
         if msg.op is None:
             pool.submit(msg)
         else:
-            pool.op(msg)
+            pool.ops.op(msg)
     except BadRequest as exc:
         pool.reject(BAD_REQUEST, exc.msg, exc.id_json)
         return not exc.msg.startswith("malformed request: JSON is malformed")

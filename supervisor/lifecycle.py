@@ -43,7 +43,7 @@ class RunningPool:
         self.control = control
         self.metrics = metrics
         self.http = http
-        self.housekeeping = pool.spawn(pool.housekeeping())
+        self.housekeeping = pool.spawn(pool.workers.housekeeping())
         self._signals: list[int] = []
 
     @classmethod

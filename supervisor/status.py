@@ -17,7 +17,7 @@ import msgspec
 import psutil
 
 from ipc.events import ADAPTER_ERROR, encode_event
-from ipc.worker_events import RankFigures, WorkerStats, rss_uss
+from ipc.worker_events import MemoryFigures, RankFigures, WorkerStats, rss_uss
 from supervisor.names import Name
 from supervisor.slot import WorkerSlot
 from supervisor.states import State
@@ -29,6 +29,8 @@ class StatusRow(msgspec.Struct):
     state: str
     pid: int | None
     format: str | None
+    # The worker's MemoryFigures (ipc.worker_events), listed here so that a
+    # row's JSON starts with what it is about (docs/monitoring.md).
     rss_bytes: int
     uss_bytes: int
     mlx_active_bytes: int
@@ -110,7 +112,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         s = WorkerStats(format=s.format, processor=s.processor)
     elif stats is None:
         s = WorkerStats(**rss_uss(pid))
-    queued, in_flight = slot.waiting(name.spec)
+    queued, in_flight = slot.traffic.waiting(name.spec)
     failed = name.adapter_error is not None and state in (State.READY, State.BUSY)
     return StatusRow(
         model=name.name,
@@ -118,12 +120,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         state=ADAPTER_ERROR if failed else state.value,
         pid=pid,
         format=s.format,
-        rss_bytes=s.rss_bytes,
-        uss_bytes=s.uss_bytes,
-        mlx_active_bytes=s.mlx_active_bytes,
-        mlx_peak_bytes=s.mlx_peak_bytes,
-        mlx_cache_bytes=s.mlx_cache_bytes,
-        weights_bytes=s.weights_bytes,
+        **{field: getattr(s, field) for field in MemoryFigures.__struct_fields__},
         adapter_bytes=next((a.bytes for a in s.adapters if a.lora == name.lora), 0),
         queued=queued + waiting,
         in_flight=in_flight,
@@ -152,7 +149,7 @@ def expires_in(slot: WorkerSlot) -> float | None:
     keep = slot.spec.keep_alive
     if keep is None:
         return None
-    if not slot.idle:
+    if not slot.traffic.idle:
         return keep
     return round(max(0.0, keep - (time.monotonic() - slot.last_used)), 1)
 

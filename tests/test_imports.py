@@ -83,7 +83,7 @@ def test_spec_imports_nothing_of_the_supervisor():
     assert not {m for m in imported(ROOT / "supervisor" / "spec.py") if m.split(".")[0] == "supervisor"}
 
 
-@pytest.mark.parametrize("module", ["supervisor.slot", "supervisor.job", "supervisor.names"])
+@pytest.mark.parametrize("module", ["supervisor.slot", "supervisor.traffic", "supervisor.job", "supervisor.names"])
 @pytest.mark.parametrize("never", ["supervisor.resolve", "supervisor.pool"])
 def test_the_slot_does_not_depend_on_the_resolver_or_the_pool(module, never):
     assert never not in imported(modules("supervisor")[module]), f"{module} imports {never}"

@@ -414,8 +414,8 @@ def test_a_worker_stays_as_long_as_the_longest_keep_alive_of_its_names():
         return ModelSpec(name, Path("/m"), Path(lora) if lora else None, keep_alive=keep)
 
     slot = WorkerSlot(spec("a", None, 10.0), None, None, None, RestartPolicy(), None)
-    slot.join(spec("a", None, 10.0))
-    slot.join(spec("b", "/x", 30.0))
-    assert slot.keep_alive == 30.0 and len(slot.names) == 2
-    slot.join(spec("c", "/y", None))
-    assert slot.keep_alive is None
+    slot.roster.join(spec("a", None, 10.0))
+    slot.roster.join(spec("b", "/x", 30.0))
+    assert slot.roster.keep_alive == 30.0 and len(slot.names) == 2
+    slot.roster.join(spec("c", "/y", None))
+    assert slot.roster.keep_alive is None

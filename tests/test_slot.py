@@ -1,0 +1,151 @@
+"""supervisor.slot.WorkerSlot driven without a subprocess: its child comes
+from the injected factory, here an in-memory child that records what the
+slot sends and hands the slot the lines a worker would write."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+from harness.procs import async_wait_for
+from ipc.events import encode_done, encode_event, encode_token
+from ipc.messages import Cancel, Generate
+from supervisor.job import Job
+from supervisor.policy import RestartPolicy
+from supervisor.slot import WorkerSlot
+from supervisor.spec import ModelSpec
+from supervisor.states import State
+
+
+class MemoryChild:
+    """What a slot needs of supervisor.child.ChildProcess, in memory."""
+
+    def __init__(self, on_lines, on_stderr, on_exit, on_overflow):
+        self.on_lines, self.on_exit = on_lines, on_exit
+        self.sent: list = []
+        self.pid = 4242
+        self.exited = asyncio.Event()
+        self.started_at = 0.0
+        self.reading_paused = False
+        self.write_blocked_since = None
+
+    async def start(self, argv: list[str], env: dict[str, str]) -> None:
+        self.started_at = time.monotonic()
+
+    def send(self, *msgs) -> bool:
+        self.sent += msgs
+        return True
+
+    def pause_reading(self, paused: bool) -> None:
+        self.reading_paused = paused
+
+    def kill(self) -> None:
+        self.exit(-9)
+
+    def exit(self, code: int | None) -> None:
+        self.exited.set()
+        self.on_exit(code)
+
+    def signal_group(self, sig) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.exit(0)
+
+
+class Lines:
+    def __init__(self):
+        self.lines: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.lines += data.splitlines(keepends=True)
+
+
+class Told:
+    """The pool's side of SlotEvents: what the slot told it."""
+
+    def __init__(self):
+        self.ended: list[Job] = []
+        self.done: list[int] = []
+        self.idles = 0
+
+    def request_ended(self, slot, job):
+        self.ended.append(job)
+
+    def request_done(self, slot, job, done):
+        self.done.append(done.gen_tokens)
+
+    def error_counted(self, slot, job, code):
+        pass
+
+    def adapter_event(self, slot, lora, specs, loaded):
+        return False
+
+    def restarted(self, slot):
+        pass
+
+    def idle(self, slot):
+        self.idles += 1
+
+    def worker_stderr(self, data):
+        pass
+
+    def spawn(self, coro):
+        return asyncio.get_running_loop().create_task(coro)
+
+
+def test_a_slot_runs_requests_through_an_in_memory_child():
+    """ready -> two requests sent in one write -> their token and done lines
+    reach their sinks, the slot counts them and goes back to ready; stop
+    cancels nothing (nothing in flight) and says unloaded."""
+
+    async def main():
+        children: list[MemoryChild] = []
+
+        def factory(*callbacks):
+            children.append(MemoryChild(*callbacks))
+            return children[-1]
+
+        spec = ModelSpec("m", Path("/nowhere"), max_batch=4)
+        told, lines = Told(), Lines()
+        slot = WorkerSlot(spec, told, lines, lambda: (["worker"], {}), RestartPolicy(), random.Random(0), child_factory=factory)
+        slot.roster.join(spec)
+        await slot.start("test")
+        child = children[0]
+        assert slot.state == State.LOADING and b'"ev":"loading"' in lines.lines[0]
+        child.on_lines(encode_event("ready", model="m", load_ms=7, max_batch=2))
+        assert slot.state == State.READY and slot.names[spec.name_key].up
+        assert b'"ev":"ready"' in lines.lines[-1]
+
+        sinks = [Lines(), Lines(), Lines()]
+        jobs = [Job(Generate(rid=i, prompt="hi", id_json=f'"r{i}"'), spec, sinks[i]) for i in range(3)]
+        for job in jobs:
+            slot.traffic.submit(job)
+        # max_batch 2 (the ready line's): two in flight, one queued.
+        await async_wait_for(lambda: [m for m in child.sent if isinstance(m, Generate)], 5, message="the requests sent")
+        assert [m.rid for m in child.sent if isinstance(m, Generate)] == [0, 1]
+        assert slot.state == State.BUSY and slot.traffic.waiting(spec) == (1, 2)
+
+        child.on_lines(encode_token("a", '"r1"') + encode_token("b", '"r0"'))
+        child.on_lines(encode_done(tok_s=1.0, ttft_ms=1.0, prompt_tokens=1, gen_tokens=1, total_ms=1, id_json='"r0"'))
+        assert sinks[0].lines[0] == encode_token("b", '"r0"') and sinks[1].lines == [encode_token("a", '"r1"')]
+        assert told.ended == [jobs[0]] and told.done == [1] and slot.names[spec.name_key].served == 1
+        # r0's end made room: r2 goes to the worker.
+        await async_wait_for(lambda: any(isinstance(m, Generate) and m.rid == 2 for m in child.sent), 5, message="the queued request sent")
+
+        assert slot.traffic.cancel('"r2"')
+        assert any(isinstance(m, Cancel) and m.rid == 2 for m in child.sent)
+        for rid in (1, 2):
+            child.on_lines(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=1, gen_tokens=0, total_ms=1, finish_reason="cancelled", id_json=f'"r{rid}"'))
+        assert slot.state == State.READY and slot.traffic.idle and told.idles >= 1
+        assert [len(s.lines) for s in sinks] == [2, 2, 1]
+
+        await slot.stop("test over")
+        assert slot.state == State.UNLOADED and b'"ev":"unloaded"' in lines.lines[-1]
+
+    asyncio.run(main())
