@@ -47,7 +47,7 @@ import psutil
 # first iteration, and a round must arm before it looks at the files.
 from watchfiles._rust_notify import RustNotify
 
-from supervisor.adapter_policy import DIRECTORY_WEIGHTS
+from supervisor.adapter_prints import Print, adapter_files, fingerprint
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
 
@@ -62,36 +62,6 @@ POLL_MS = 1000
 FAILED_WAIT = 2.0
 RETRY_DELAYS = (0.2, 0.5, 1.0)
 
-# A PEFT adapter given as its .safetensors file is configured by the JSON beside it.
-_CONFIG_NAME = "adapter_config.json"
-
-# (path, its identity) of each file of an adapter; identity None: missing.
-Print = tuple[tuple[str, tuple | None], ...]
-
-
-def adapter_files(adapter: str) -> list[Path]:
-    """The files whose change changes what the worker reads for `adapter`
-    (worker.lora.formats): a directory's weights files and config, or a
-    weights file and, for .safetensors, the config beside it."""
-    path = Path(adapter)
-    if path.is_dir():
-        return [path / name for name in (*DIRECTORY_WEIGHTS, _CONFIG_NAME)]
-    if path.suffix == ".safetensors":
-        return [path, path.parent / _CONFIG_NAME]
-    return [path]
-
-
-def _identity(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-
-
-def fingerprint(adapter: str) -> Print:
-    return tuple((str(f), _identity(f)) for f in adapter_files(adapter))
-
 
 class FileWatcher:
     """The pool's one watcher thread. add / remove are called on the event
@@ -105,13 +75,22 @@ class FileWatcher:
         self._lock = threading.Lock()
         self._adapters: set[str] = set()
         self._prints: dict[str, Print] = {}  # thread-side: the last identity seen
+        # Loop-side, under the lock: each adapter's identity when the worker
+        # was asked to read it, the first look's "before" (one per watched
+        # adapter at most).
+        self._baselines: dict[str, Print] = {}
         self._wake = threading.Event()  # the set changed, or stop
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def add(self, adapter: str) -> None:
+    def add(self, adapter: str, baseline: Print | None = None) -> None:
+        """Watches `adapter`; `baseline`, its identity when the worker was
+        asked to read it, makes a save between that moment and the watch's
+        first look a change like any later one."""
         with self._lock:
             self._adapters.add(adapter)
+            if baseline is not None and adapter not in self._prints:
+                self._baselines[adapter] = baseline
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="adapter-watch", daemon=True)
             self._thread.start()
@@ -120,6 +99,7 @@ class FileWatcher:
     def remove(self, adapter: str) -> None:
         with self._lock:
             self._adapters.discard(adapter)
+            self._baselines.pop(adapter, None)
         self._wake.set()
 
     def stop(self) -> None:
@@ -183,9 +163,12 @@ class FileWatcher:
         for adapter in adapters:
             now = fingerprint(adapter)
             before = self._prints.get(adapter)
+            if before is None:
+                with self._lock:
+                    before = self._baselines.pop(adapter, None)
             self._prints[adapter] = now
             if before is None:
-                continue  # the first look: what the worker loaded
+                continue  # the first look, with no identity from the load: taken as what the worker read
             if now != before or any(path in touched for path, _ in now):
                 told = True
                 exists = os.path.exists(adapter)
@@ -255,7 +238,9 @@ class AdapterWatches:
         self._watches: dict[tuple, _Watch] = {}
         self._files: FileWatcher | None = None
 
-    def watch(self, slot: WorkerSlot, lora: str) -> None:
+    def watch(self, slot: WorkerSlot, lora: str, baseline: Print | None = None) -> None:
+        """Watches `lora` of this slot's worker; `baseline`: the files'
+        identity when the worker was asked to read them (FileWatcher.add)."""
         key = (slot.spec.key, lora)
         current = self._watches.get(key)
         if current is not None:
@@ -265,7 +250,7 @@ class AdapterWatches:
         self._watches[key] = _Watch(slot, lora)
         if self._files is None:
             self._files = FileWatcher(asyncio.get_running_loop(), self._changed)
-        self._files.add(lora)
+        self._files.add(lora, baseline)
 
     def unwatch(self, worker: tuple, lora: str | None = None) -> None:
         """Stops the watch of one adapter of a worker, or (lora None) all of them."""

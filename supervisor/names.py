@@ -22,6 +22,7 @@ from typing import Protocol
 from ipc.events import ADAPTER_ERROR, encode_event
 from ipc.messages import LoadAdapter, ReloadAdapter, ToWorker, UnloadAdapter
 from ipc.worker_events import parse_event
+from supervisor.adapter_prints import Print, fingerprint
 from supervisor.job import Sink
 from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
@@ -113,6 +114,9 @@ class Roster:
         # A client's keep_alive (Ollama's API): seconds, None for ever; it
         # replaces the names' keep_alive for this worker. False: none given.
         self.keep_alive_request: float | None | bool = False
+        # Each adapter's files' identity when the worker was last asked to
+        # read it (`_read`); one per adapter of a name here.
+        self.read_prints: dict[str, Print] = {}
 
     @property
     def keep_alive(self) -> float | None:
@@ -152,7 +156,7 @@ class Roster:
                 self._announce(name, line)
             elif name.lora not in asked:
                 asked.add(name.lora)
-                self.owner.traffic.send(LoadAdapter(path=name.lora))
+                self.owner.traffic.send(self._read(LoadAdapter, name.lora))
 
     def join(self, spec: ModelSpec) -> Name:
         """The name of `spec` on this worker; a new one comes up now if the
@@ -177,7 +181,7 @@ class Roster:
             # did: the worker then answers both with one read of the file
             # (a request arriving after a failed read reads it again, and
             # the name got two adapter_error lines).
-            self.owner.traffic.send_soon(LoadAdapter(path=name.lora))
+            self.owner.traffic.send_soon(self._read(LoadAdapter, name.lora))
 
     def _announce(self, name: Name, worker_line: bytes | None = None) -> None:
         """The name's `ready` line: the worker's, for its name and adapter."""
@@ -220,13 +224,22 @@ class Roster:
     def load_adapter(self, lora: str) -> bool:
         """Makes the worker hold this adapter (a use, for its least recently
         used order); answered by adapter_loaded or adapter_error."""
-        return self.sm.state in LIVE and self.owner.traffic.send(LoadAdapter(path=lora))
+        return self.sm.state in LIVE and self.owner.traffic.send(self._read(LoadAdapter, lora))
 
     def reload_adapter(self, lora: str) -> bool:
         """The worker reads the adapter's file again (it changed, or the
         `reload` op): new requests get the new version, a bad file keeps the
         one it has."""
-        return self.sm.state in LIVE and self.owner.traffic.send(ReloadAdapter(path=lora))
+        return self.sm.state in LIVE and self.owner.traffic.send(self._read(ReloadAdapter, lora))
+
+    def _read(self, message: type[LoadAdapter] | type[ReloadAdapter], lora: str) -> LoadAdapter | ReloadAdapter:
+        """The message asking the worker to read `lora`, with the files'
+        identity noted as it goes: the hot-reload watch, armed only once the
+        worker has read them, compares its first look with this, so a save
+        in between is not missed. A few stats of the files the request's
+        policy check has just looked at."""
+        self.read_prints[lora] = fingerprint(lora)
+        return message(path=lora)
 
     def adapter_missing(self, lora: str) -> None:
         msg = f"adapter {lora} was deleted (or cannot be reached); the worker keeps the version it loaded"
@@ -242,8 +255,10 @@ class Roster:
         if name is None:
             return False
         self.owner.traffic.drop_name(spec.name_key, reason)
-        if name.lora is not None and not self.uses(name.lora) and self.sm.state in LIVE:
-            self.owner.traffic.send(UnloadAdapter(path=name.lora))
+        if name.lora is not None and not self.uses(name.lora):
+            self.read_prints.pop(name.lora, None)
+            if self.sm.state in LIVE:
+                self.owner.traffic.send(UnloadAdapter(path=name.lora))
         self.emit_for(name, "unloaded", reason=reason)
         self.owner.traffic.quiet()
         return True

@@ -131,7 +131,7 @@ class Workers:
         if loaded and lora is not None and self.slots.get(slot.spec.key) is slot and slot.roster.uses(lora):
             # Watched from the moment its worker holds it, not before: a
             # request naming a file that never loads costs no watch.
-            self.watches.watch(slot, lora)
+            self.watches.watch(slot, lora, slot.roster.read_prints.get(lora))
         return False
 
     def restarted(self, slot: WorkerSlot) -> None:
