@@ -168,3 +168,17 @@ def summary(values: list[float], digits: int = 3) -> dict:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def json_lines_of(module: str, *args: str) -> list[dict]:
+    """`python -m module args` in a process of its own; its JSON lines. The
+    process leads a session of its own, as the pool's workers and
+    harness.worker's do: with the kernel's autogroup scheduling a session is
+    one group for CPU shares, so on a shared machine every side competes on
+    the same terms."""
+    from harness.procs import child_env
+
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

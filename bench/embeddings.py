@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,19 +77,9 @@ def baseline_main(model: Path, n: int, runs: int) -> None:
 
 
 def baseline(model: Path, n: int, runs: int) -> dict:
-    from harness.procs import child_env
+    from bench.common import json_lines_of
 
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.embeddings", "--baseline", "--model", str(model), "--texts", str(n), "--requests", str(runs)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = json_lines_of("bench.embeddings", "--baseline", "--model", str(model), "--texts", str(n), "--requests", str(runs))
     return {"seconds": statistics.median(r["seconds"] for r in rows), "tokens": rows[0]["tokens"]}
 
 

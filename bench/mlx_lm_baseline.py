@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,23 +23,10 @@ from pathlib import Path
 
 def run(model: Path, setup: str, *args: str) -> list[dict]:
     """This module in a process of its own (for the setup to hold); its JSON
-    lines. The process leads a session of its own, as the pool's workers and
-    harness.worker's do: with the kernel's autogroup scheduling a session is
-    one group for CPU shares, so on a shared machine every side competes on
-    the same terms."""
-    from harness.procs import ROOT, child_env
+    lines (bench.common.json_lines_of)."""
+    from bench.common import json_lines_of
 
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.mlx_lm_baseline", "--model", str(model), "--setup", setup, *args],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return json_lines_of("bench.mlx_lm_baseline", "--model", str(model), "--setup", setup, *args)
 
 
 def load_model(path: Path, setup: str):
