@@ -224,6 +224,13 @@ class ChildProcess:
         if not self._dead:
             self._drain(1, self._stdout)
         self._drain(2, self.on_stderr)
+        # Lines the pipe transport has read already may still wait in the
+        # loop's queue behind this call (asyncio queues a subprocess's
+        # callbacks in the order it saw them, and can see the exit first):
+        # the death is settled after them.
+        asyncio.get_running_loop().call_soon(self._settle_exit)
+
+    def _settle_exit(self) -> None:
         self._dead = True
         # A line cut off by the death is never relayed.
         self._partial = b""
