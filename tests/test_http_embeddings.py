@@ -138,6 +138,9 @@ def test_openai_errors(pool):
         assert "embedding model" in exc.value.body["message"]
         with pytest.raises(openai.NotFoundError):
             c.embeddings.create(model="no-such-model", input="Hi")
+        # /v1/models says which kind each name is, so a client can choose.
+        kinds = {m.id: m.model_extra["kind"] for m in c.models.list() if m.id in ("emb", "chat")}
+        assert kinds == {"emb": "embedding", "chat": "chat"}
 
 
 def test_ollama_embed(pool, reference):

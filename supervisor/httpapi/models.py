@@ -68,6 +68,9 @@ def model_object(pool: Pool, name: str, source: str) -> dict:
         "state": running.state,
         "source": source,
         "max_context": context,
+        # "chat" or "embedding": which routes take it (/v1/chat/completions
+        # or /v1/embeddings).
+        "kind": spec.kind,
     }
 
 
