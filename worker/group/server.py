@@ -27,7 +27,7 @@ import msgspec
 
 from ipc.events import ADAPTER_ERROR, encode_error, encode_event
 from ipc.messages import Cancel, Generate, LoadAdapter, ReloadAdapter, Shutdown, UnloadAdapter
-from ipc.worker_events import RankFigures
+from ipc.worker_events import MemoryFigures, RankFigures
 from worker.group.launch import RANK_JOINING, RANK_STATS, Launcher
 from worker.group.model import GroupScheduler, StepChannel, abort, choose_split, gather, join, split
 from worker.group.plan import GroupPlan, plan
@@ -40,8 +40,8 @@ from worker.shell.server import WorkerServer
 log = logging.getLogger("worker")
 
 NO_ADAPTERS = "a model split over several processes (ranks > 1) takes no LoRA adapters"
-# The figures a group reports as the sum of its ranks'.
-SUMMED = ("weights_bytes", "rss_bytes", "uss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "mlx_cache_bytes")
+# The figures a group reports as the sum of its ranks': every memory figure.
+SUMMED = MemoryFigures.__struct_fields__
 
 
 # The items rank 0 shares at every step: its inbox's items but for the
