@@ -8,6 +8,7 @@ for reading blocks until a writer comes) or a device (reads never end).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -71,3 +72,14 @@ def read_capped(path: Path, limit: int = MAX_CONFIG_BYTES) -> bytes:
         return data
     finally:
         os.close(fd)
+
+
+def read_json(path: Path, limit: int = MAX_CONFIG_BYTES) -> object:
+    """A JSON file read through read_capped. ValueError when it does not
+    parse, including one that nests too deeply for Python's parser (which
+    recurses per level: a hostile file must be a bad file, not a crash)."""
+    data = read_capped(path, limit)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None

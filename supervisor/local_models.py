@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc.files import FileRefused, check_regular, read_capped
+from ipc.files import FileRefused, check_regular, read_json
 
 # A Hub repo id: `org/name` (huggingface_hub validates it again).
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -92,7 +92,7 @@ def model_format(model_dir: Path) -> str:
     """As the worker's `ready` says it: `q4`/`q8` for MLX-quantized dirs,
     else the dtype most weights have (from the safetensors headers)."""
     try:
-        config = json.loads(read_capped(model_dir / "config.json"))
+        config = read_json(model_dir / "config.json")
         quant = config.get("quantization") or {} if isinstance(config, dict) else {}
         if quant:
             mode = quant.get("mode", "affine")

@@ -162,3 +162,24 @@ def test_list_reads_neither_a_fifo_nor_a_huge_config(tiny_model, tmp_path):
         assert not reader.is_alive(), f"model_format blocked on {model}"
     assert results == {"fifo-weights": "?", "huge-config": "?"}
     assert local_models.model_format(tiny_model) == "bf16"
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("tokenizer_config.json", "[" * 100_000 + "]" * 100_000, "nests too deeply"),
+        ("tokenizer_config.json", "[1, 2]", "not a JSON object"),
+        ("config.json", "[" * 100_000 + "]" * 100_000, "nests too deeply"),
+    ],
+)
+def test_hostile_json_in_a_model_dir_is_a_bad_dir_not_a_crash(tiny_model, tmp_path, name, text, words):
+    """A config or tokenizer config that nests past Python's parser, or is
+    no object, is refused with the file named, never a RecursionError."""
+    from worker.runtime.loader import ModelDirError, read_config
+    from worker.text.tokenizer import TextCodec, TokenizerError
+
+    copy = tmp_path / "m"
+    shutil.copytree(tiny_model, copy)
+    (copy / name).write_text(text)
+    with pytest.raises((ModelDirError, TokenizerError), match=words):
+        TextCodec(copy, read_config(copy))

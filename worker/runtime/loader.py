@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ipc.files import FileRefused, check_regular, read_capped
+from ipc.files import FileRefused, check_regular, read_json
 
 Progress = Callable[[int, int], None]
 
@@ -47,7 +47,7 @@ def read_config(path: Path) -> dict:
         raise ModelDirError(f"model dir {path} does not exist or is not a directory")
     config_path = path / "config.json"
     try:
-        config = json.loads(read_capped(config_path))
+        config = read_json(config_path)
     except FileNotFoundError:
         raise ModelDirError(f"{path} has no config.json") from None
     except FileRefused as exc:
@@ -56,9 +56,6 @@ def read_config(path: Path) -> dict:
         raise ModelDirError(f"cannot read {config_path}: {exc.strerror}") from None
     except ValueError as exc:
         raise ModelDirError(f"cannot parse {config_path}: {exc}") from exc
-    except RecursionError:
-        # Python's json recurses per level: a hostile file is a bad dir, not a crash.
-        raise ModelDirError(f"cannot parse {config_path}: it nests too deeply") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelDirError(f"{config_path} has no model_type")
     weights = sorted(path.glob("model*.safetensors"))
@@ -154,7 +151,7 @@ def _build_native(path: Path, config: dict) -> tuple[nn.Module, dict] | None:
     generation = path / "generation_config.json"
     if generation.is_file():
         try:
-            eos = json.loads(read_capped(generation)).get("eos_token_id")
+            eos = read_json(generation).get("eos_token_id")
         except (OSError, ValueError, FileRefused, AttributeError):
             eos = None
         if eos:

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 from tokenizers import Tokenizer
 
-from ipc.files import FileRefused, read_capped
+from ipc.files import FileRefused, read_json
 from ipc.messages import Message
 
 
@@ -73,13 +73,15 @@ class TextCodec:
         config_path = tokenizer_dir / "tokenizer_config.json"
         if config_path.is_file():
             try:
-                tok_config = json.loads(read_capped(config_path))
+                tok_config = read_json(config_path)
             except FileRefused as exc:
                 raise TokenizerError(f"tokenizer config {exc}") from None
             except OSError as exc:
                 raise TokenizerError(f"cannot read {config_path}: {exc.strerror}") from None
             except ValueError as exc:
                 raise TokenizerError(f"cannot parse {config_path}: {exc}") from exc
+            if not isinstance(tok_config, dict):
+                raise TokenizerError(f"{config_path} is not a JSON object")
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.eos_ids = self._eos_ids(tokenizer_dir, model_config, tok_config)
         self.think_start = self.tokenizer.token_to_id("<think>")
@@ -110,8 +112,10 @@ class TextCodec:
         gen_path = tokenizer_dir / "generation_config.json"
         if gen_path.is_file():
             try:
-                gen_config = json.loads(read_capped(gen_path))
+                gen_config = read_json(gen_path)
             except (OSError, FileRefused, ValueError):
+                gen_config = {}
+            if not isinstance(gen_config, dict):
                 gen_config = {}
         for source in (model_config, model_config.get("text_config") or {}, gen_config):
             value = source.get("eos_token_id")
