@@ -169,38 +169,11 @@ def with_mtp(target: Path, out: Path) -> Path:
 
 def random_draft(target: Path, out: Path) -> Path:
     """A random attention-only model (Qwen3) with the target's tokenizer."""
-    import shutil
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
+    from harness.models import TINY_DENSE, build_dense_model
 
     if (out / "config.json").is_file():
         return out
-    config = json.loads((target / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
-    config = dict(
-        model_type="qwen3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    )
-    mx.random.seed(7)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target / name, out / name)
-    return out
+    return build_dense_model(out, target, **TINY_DENSE)
 
 
 def run_batch(scheduler, prompt: str, rows: int, max_tokens: int, rid0: int) -> tuple[float, dict, list]:

@@ -18,6 +18,13 @@ def http_port(pool) -> int:
     return int(found.group(1))
 
 
+def with_http(pool):
+    """The pool, with `port` and `url` (its /v1 base) read from its log line."""
+    pool.port = http_port(pool)
+    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    return pool
+
+
 def split_thinking(text: str) -> tuple[str, str]:
     """A reply that starts inside <think> as (reasoning, answer), the way
     the HTTP surface splits it."""

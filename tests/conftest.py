@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from harness.engine import engine_for
+from harness.models import TINY_DENSE, build_dense_model
 from harness.procs import build_demo_model, install_tag, tagged_processes, wait_for
 from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
 from harness.worker import WorkerProc
@@ -58,34 +57,7 @@ def small_model(models_dir) -> Path:
 def dense_model(models_dir, tiny_model) -> Path:
     """A small attention-only Qwen3 (every layer a trimmable KV cache) with the
     demo tokenizer and seeded random weights."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
-
-    vocab = json.loads((tiny_model / "config.json").read_text())["text_config"]["vocab_size"]
-    config = {
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
-    mx.random.seed(7)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    out = models_dir / "dense"
-    out.mkdir()
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model / name, out / name)
-    return out
+    return build_dense_model(models_dir / "dense", tiny_model, **TINY_DENSE)
 
 
 def greedy_steps(model, codec, prompt: str, n: int) -> tuple[list[int], list[float]]:
@@ -231,6 +203,20 @@ def keep_alive_across_tests(pid: int) -> None:
 
 def release(pid: int) -> None:
     _long_lived.discard(pid)
+
+
+def shared_http_pool(config: Path, model: str, *args: str, env: dict[str, str] | None = None):
+    """For a module-scoped fixture: `yield from` it to share one pool (its
+    HTTP on port 0, `model` ready) across a module's tests."""
+    from harness.http import with_http
+    from harness.pool import PoolProc
+
+    pool = PoolProc("--config", str(config), "--http", "0", *args, env=env)
+    keep_alive_across_tests(pool.proc.pid)
+    pool.wait_ev("ready", model=model)
+    yield with_http(pool)
+    release(pool.proc.pid)
+    assert pool.close() == 0
 
 
 def shared_worker(model: Path, *args: str):

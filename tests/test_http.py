@@ -20,11 +20,10 @@ import openai
 import psutil
 import pytest
 
-from harness.http import NEVER, drip, http_port, post, split_thinking
+from harness.http import NEVER, drip, post, split_thinking, with_http
 from harness.metrics import metrics_port, scrape
-from harness.pool import PoolProc
 from harness.procs import ROOT, child_env, wait_for
-from tests.conftest import keep_alive_across_tests, release
+from tests.conftest import shared_http_pool
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 PROMPT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -37,14 +36,7 @@ def served(tiny_model, tmp_path_factory):
     default host, metrics, and small HTTP bounds the tests reach."""
     config = tmp_path_factory.mktemp("http") / "pool.toml"
     config.write_text(f'http_stream_buffer = "64KiB"\nmax_http_body_bytes = "256KiB"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n')
-    pool = PoolProc("--config", str(config), "--http", "0", "--metrics-port", "0")
-    keep_alive_across_tests(pool.proc.pid)
-    pool.wait_ev("ready", model="tiny")
-    pool.port = http_port(pool)
-    pool.url = f"http://127.0.0.1:{pool.port}/v1"
-    yield pool
-    release(pool.proc.pid)
-    assert pool.close() == 0
+    yield from shared_http_pool(config, "tiny", "--metrics-port", "0")
 
 
 def client(pool, **kwargs) -> openai.OpenAI:
@@ -271,10 +263,7 @@ def bare_pool(spawn_pool, tiny_model, tmp_path, settings: str):
     """A pool whose model is not preloaded: no worker, HTTP on port 0."""
     config = tmp_path / "pool.toml"
     config.write_text(settings + f'\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
-    pool = spawn_pool("--config", str(config), "--http", "127.0.0.1:0")
-    pool.port = http_port(pool)
-    pool.url = f"http://127.0.0.1:{pool.port}/v1"
-    return pool
+    return with_http(spawn_pool("--config", str(config), "--http", "127.0.0.1:0"))
 
 
 def established(pool, ports: set[int]) -> int:

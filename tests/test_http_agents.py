@@ -11,9 +11,8 @@ from datetime import UTC, datetime, timedelta
 import openai
 import pytest
 
-from harness.http import http_port, post, split_thinking
-from harness.pool import PoolProc
-from tests.conftest import keep_alive_across_tests, release
+from harness.http import post, split_thinking, with_http
+from tests.conftest import shared_http_pool
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
 
@@ -29,14 +28,7 @@ def agents(tiny_model, second_model, tmp_path_factory):
     (root / "hub").mkdir()
     config = root / "pool.toml"
     config.write_text(f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n')
-    pool = PoolProc("--config", str(config), "--http", "0", env={"LATTICE_MODEL_CACHE": str(cache), "HF_HUB_CACHE": str(root / "hub")})
-    keep_alive_across_tests(pool.proc.pid)
-    pool.wait_ev("ready", model="tiny")
-    pool.port = http_port(pool)
-    pool.url = f"http://127.0.0.1:{pool.port}/v1"
-    yield pool
-    release(pool.proc.pid)
-    assert pool.close() == 0
+    yield from shared_http_pool(config, "tiny", env={"LATTICE_MODEL_CACHE": str(cache), "HF_HUB_CACHE": str(root / "hub")})
 
 
 def client(pool) -> openai.OpenAI:
@@ -85,9 +77,7 @@ def test_http_models_configured_restricts_to_configured_names(tiny_model, tmp_pa
     (cache / "tiny2").symlink_to(tiny_model)
     config = tmp_path / "pool.toml"
     config.write_text(f'http_models = "configured"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
-    pool = spawn_pool("--config", str(config), "--http", "0", env={"LATTICE_MODEL_CACHE": str(cache)})
-    pool.port = http_port(pool)
-    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    pool = with_http(spawn_pool("--config", str(config), "--http", "0", env={"LATTICE_MODEL_CACHE": str(cache)}))
     assert [m["id"] for m in get(pool, "/models")["data"]] == ["tiny"]
     status, body = post(pool, "/chat/completions", json.dumps({"model": "tiny2", "messages": HI}).encode())
     assert status == 404 and "not configured" in body["error"]["message"]
@@ -518,9 +508,7 @@ def test_x_api_key_is_accepted_like_the_bearer_key(tiny_model, tmp_path, spawn_p
 
     config = tmp_path / "pool.toml"
     config.write_text(f'api_key = "s3cret"\n[[models]]\nname = "tiny"\npath = "{tiny_model}"\n')
-    pool = spawn_pool("--config", str(config), "--http", "0")
-    pool.port = http_port(pool)
-    pool.url = f"http://127.0.0.1:{pool.port}/v1"
+    pool = with_http(spawn_pool("--config", str(config), "--http", "0"))
     with anthropic_client(pool, api_key="wrong") as c:
         with pytest.raises(anthropic.AuthenticationError) as exc:
             c.messages.create(model="tiny", max_tokens=4, messages=ASK)

@@ -13,9 +13,8 @@ import numpy as np
 import openai
 import pytest
 
-from harness.http import http_port, post
-from harness.pool import PoolProc
-from tests.conftest import keep_alive_across_tests, release
+from harness.http import post
+from tests.conftest import shared_http_pool
 
 TEXTS = ["The river runs past the mill.", "Hi", "A longer sentence about the old stone bridge and the river under it, in spring."]
 # Every embedding here is a float32 forward of the same weights; batching
@@ -34,13 +33,7 @@ def pool(tiny_model, tmp_path_factory):
         f'[[models]]\nname = "emb"\npath = "{tiny_model}"\nkind = "embedding"\nmax_context = {CONTEXT}\npreload = true\n'
         f'[[models]]\nname = "chat"\npath = "{tiny_model}"\nmax_context = {CONTEXT}\n'
     )
-    pool = PoolProc("--config", str(config), "--http", "0")
-    keep_alive_across_tests(pool.proc.pid)
-    pool.wait_ev("ready", model="emb")
-    pool.url = f"http://127.0.0.1:{http_port(pool)}/v1"
-    yield pool
-    release(pool.proc.pid)
-    assert pool.close() == 0
+    yield from shared_http_pool(config, "emb")
 
 
 @pytest.fixture(scope="module")
