@@ -131,6 +131,77 @@ def test_quantized_caches_step_as_the_model_does(tiny_model):
     assert twin_steps(model, vocab, prompts, steps=6, leave_at=2, join=prompts_of(vocab, [40])[0]) <= LOGIT_TOLERANCE
 
 
+def twin_blocks(model, vocab: int, prompts: list[list[int]], widths: list[int], chained: bool = False) -> float:
+    """Reads blocks of `widths` tokens per row with the model's forward and
+    with `CompiledDecode.block` (chained: each block is followed, inside the
+    same trace, by a one-token forward of its last token, as a drafter's
+    is), then a decode step on both; returns the largest logit gap."""
+    compiled = CompiledDecode(model)
+    eager_cache, fast_cache = prefilled(model, prompts), prefilled(model, prompts)
+    rng = np.random.default_rng(1)
+
+    def run(inputs, layers):
+        logits = model(inputs, cache=layers)
+        if not chained:
+            return [logits]
+        return [logits, model(inputs[:, -1:], cache=layers)]
+
+    worst = 0.0
+    for width in widths:
+        inputs = mx.array(rng.integers(5, vocab, size=(len(prompts), width)).tolist(), dtype=mx.uint32)
+        assert compiled.steppable(fast_cache.layers)
+        eager = [model(inputs, cache=eager_cache.layers)]
+        if chained:
+            eager.append(model(inputs[:, -1:], cache=eager_cache.layers))
+        fast = compiled.block(f"block-{chained}", run, inputs, fast_cache.layers, written=width + chained)
+        for e, f in zip(eager, fast):
+            worst = max(worst, float(mx.max(mx.abs(e - f)).item()))
+    # The caches continue as the model's: one more decode step on each.
+    step = mx.array(rng.integers(5, vocab, size=len(prompts)).tolist(), dtype=mx.uint32)
+    eager = model(step[:, None], cache=eager_cache.layers)[:, -1, :]
+    fast = compiled.forward(step, fast_cache.layers)
+    for e, f in zip(eager_cache.layers, fast_cache.layers):
+        if hasattr(e, "keys"):
+            assert np.array_equal(np.array(e.offset), np.array(f.offset))
+    return max(worst, float(mx.max(mx.abs(eager - fast)).item()))
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_blocks_of_tokens_read_as_the_model_reads_them(hybrid, chained):
+    model, vocab = hybrid
+    # Left-padded rows; the blocks cross the first 256-column buffer.
+    prompts = prompts_of(vocab, [250, 31, 4])
+    assert twin_blocks(model, vocab, prompts, [5, 2, 5, 1], chained) <= LOGIT_TOLERANCE
+
+
+def test_blocks_on_an_attention_only_model_and_on_quantized_caches(dense_model, tiny_model):
+    from worker.engine import kv_quant
+
+    model, vocab = load_model(dense_model)
+    assert twin_blocks(model, vocab, prompts_of(vocab, [60, 9]), [4, 3], chained=True) <= LOGIT_TOLERANCE
+    model, vocab = load_model(tiny_model)
+    kv_quant.install(model, 8, 32)
+    assert twin_blocks(model, vocab, prompts_of(vocab, [252, 20]), [5, 5], chained=True) <= LOGIT_TOLERANCE
+
+
+def test_a_block_that_cannot_be_traced_is_left_to_the_caller(hybrid):
+    model, vocab = hybrid
+    compiled = CompiledDecode(model)
+    cache = prefilled(model, prompts_of(vocab, [20]))
+    before = cache.layers[-1].offset
+
+    def reads_back(inputs, layers):
+        out = model(inputs, cache=layers)
+        out.sum().item()
+        return [out]
+
+    inputs = mx.array([[5, 6, 7]], dtype=mx.uint32)
+    assert compiled.block("reads", reads_back, inputs, cache.layers) is None
+    assert compiled.block("reads", reads_back, inputs, cache.layers) is None  # not tried again
+    assert "eval" in compiled.failed_blocks["reads"] and cache.layers[-1].offset == before
+    assert compiled.failed is None  # the decode step is not affected
+
+
 class Spy(CompiledDecode):
     def __init__(self, model):
         super().__init__(model)

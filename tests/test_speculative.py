@@ -12,6 +12,7 @@ import math
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from ipc.messages import Generate, read_response_format
@@ -106,6 +107,8 @@ def test_greedy_rows_give_the_tokens_of_plain_decoding(which, request):
     assert sum(d["accepted_tokens"] for d in done.values()) > 20
     assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
     assert "drafted_tokens" not in json.dumps(plain_done)
+    # The verify forwards took the compiled step's traces.
+    assert any(str(shape[0]).startswith("verify") for shape in s.compiled._shapes)
     figures = s.figures
     assert figures["drafted_tokens"] == sum(d["drafted_tokens"] for d in done.values())
     assert figures["accepted_tokens"] == sum(d["accepted_tokens"] for d in done.values())
@@ -232,6 +235,33 @@ def test_a_draft_model_gives_the_tokens_of_plain_decoding(which, request, second
     plain, _, _, _ = generate(loaded, prompts, draft=None, per_request=seeds, **kw)
     drafted, _, _, _ = generate(loaded, prompts, draft=draft, per_request=seeds, **kw)
     assert drafted == plain
+
+
+@pytest.mark.parametrize("which", ["dense_model", "second_model"])
+def test_a_draft_models_compiled_drafts_are_its_op_by_op_drafts(which, request):
+    """The draft model's read of a row's new tokens and its chained
+    forwards, as one compiled block, give the tokens and leave the cache
+    that reading and stepping op by op do."""
+    from worker.engine.drafters import ModelDrafter
+
+    model = load(request.getfixturevalue(which)).model
+    sides = [ModelDrafter(model), ModelDrafter(model)]
+    sides[1]._drafted_compiled = lambda *args: None
+    prompts = [[5 + (7 * i + r) % 300 for i in range(30 + 9 * r)] for r in range(3)]
+    states = [[d.state(p) for p in prompts] for d in sides]
+    for step in range(4):
+        pending = [11 + step, 40 + step, 77]
+        got = [d.propose(st, pending, [4, 4, 4]) for d, st in zip(sides, states)]
+        assert got[0] == got[1] and all(len(x) == 4 for x in got[0])
+        for st in states:
+            for state, p, draft in zip(st, pending, got[0]):
+                state.extend([p, *draft[: step % 3]])  # the target kept some of each
+    assert any(str(shape[0]).startswith("draft") for shape in sides[0].compiled._shapes)
+    for a, b in zip(sides[0]._cache.layers, sides[1]._cache.layers):
+        if hasattr(a, "keys"):
+            assert np.array_equal(np.array(a.offset), np.array(b.offset))
+        else:
+            assert np.allclose(np.array(a[1]), np.array(b[1]), atol=1e-4)
 
 
 def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, dense_model):

@@ -39,6 +39,7 @@ plain and quantized rows) takes the model's own forward.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
@@ -67,7 +68,14 @@ class _TracedKV:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, keys, self.col, axes=(2,))
         self.values = mx.slice_update(self.values, values, self.col, axes=(2,))
+        self._moved(keys.shape[2])
         return self.keys, self.values
+
+    def _moved(self, n: int) -> None:
+        # As mlx-lm's caches do after a write: a block that chains forwards
+        # (a drafter's) writes its next tokens after these.
+        self.col = self.col + n
+        self.offset = self.offset + n
 
     def _capacity(self) -> int:
         return self.keys.shape[2]
@@ -75,8 +83,10 @@ class _TracedKV:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         columns = mx.arange(self._capacity())
         first = self.col - self.offset  # each row's left padding
-        filled = (columns[None, :] >= first[:, None]) & (columns[None, :] <= self.col)
-        return filled[:, None, None, :]
+        # Query i (of n written at col...) sees its row's columns up to its own.
+        last = self.col + mx.arange(n)
+        filled = (columns[None, None, :] >= first[:, None, None]) & (columns[None, None, :] <= last[None, :, None])
+        return filled[:, None, :, :]
 
 
 class _TracedQuantKV(_TracedKV):
@@ -93,6 +103,7 @@ class _TracedQuantKV(_TracedKV):
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         self.keys = tuple(mx.slice_update(b, x, self.col, axes=(2,)) for b, x in zip(self.keys, qk))
         self.values = tuple(mx.slice_update(b, x, self.col, axes=(2,)) for b, x in zip(self.values, qv))
+        self._moved(keys.shape[2])
         return self.keys, self.values
 
     def _capacity(self) -> int:
@@ -142,17 +153,17 @@ def _column(c) -> int:
     return c._idx if isinstance(c, BatchKVCache) else c.offset
 
 
-def _grow(c, col: int) -> None:
-    """Makes room for the token written at `col`, in a buffer whose capacity
-    is a multiple of KVCache.step, so that traces are shared across many
-    positions (rows leaving a batch, a resumed snapshot or a merge leave
-    other capacities)."""
+def _grow(c, col: int, width: int) -> None:
+    """Makes room for the `width` tokens written at `col`, in a buffer whose
+    capacity is a multiple of KVCache.step, so that traces are shared across
+    many positions (rows leaving a batch, a resumed snapshot or a merge
+    leave other capacities)."""
     quantized = isinstance(c.keys, tuple)
     capacity = (c.keys[0] if quantized else c.keys).shape[2]
-    if col < capacity and capacity % KVCache.step == 0:
+    if col + width <= capacity and capacity % KVCache.step == 0:
         return
     step = KVCache.step
-    wanted = -(-(col + 1) // step) * step
+    wanted = -(-(col + width) // step) * step
 
     def grown(x: mx.array) -> mx.array:
         B, H, _, d = x.shape
@@ -167,14 +178,20 @@ def _grow(c, col: int) -> None:
 class CompiledDecode:
     """`forward(inputs, layers)` is the model's decode forward on (B,) inputs
     over the batch's caches, compiled; `steppable(layers)` says whether
-    these caches can take it."""
+    these caches can take it. `block(name, run, inputs, layers)` is a
+    forward of several tokens per row (a speculative step's verify), traced
+    the same way."""
 
     def __init__(self, model):
         self.model = model
         self._fn = mx.compile(self._step)
+        # name -> the compiled block forward of that kind (see `block`)
+        self._blocks: dict[str, object] = {}
+        self._runs: dict[str, object] = {}
         self._shapes: set[tuple] = set()
         self.max_traces = MAX_TRACES
         self.failed: str | None = None  # why the model could not be traced
+        self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
 
     def keep_for(self, max_batch: int) -> None:
@@ -188,7 +205,7 @@ class CompiledDecode:
                 c.settle()
         return self.failed is None and bool(layers) and all(_steppable(_inner(c)) for c in layers)
 
-    def _step(self, inputs: mx.array, states: list) -> tuple[mx.array, list]:
+    def _traced(self, states: list) -> list:
         layers = []
         for s in states:
             if len(s) == 2:
@@ -197,19 +214,30 @@ class CompiledDecode:
                 layers.append(_TracedQuantKV(*s, *self._quant))
             else:
                 layers.append(_TracedKV(*s))
-        logits = self.model(inputs[:, None], cache=layers)[:, -1, :]
-        out = []
-        for c in layers:
-            out.append((c.keys, c.values) if isinstance(c, _TracedKV) else tuple(c.cache))
-        return logits, out
+        return layers
 
-    def forward(self, inputs: mx.array, layers: list) -> mx.array:
+    @staticmethod
+    def _written(layers: list) -> list:
+        return [(c.keys, c.values) if isinstance(c, _TracedKV) else tuple(c.cache) for c in layers]
+
+    def _step(self, inputs: mx.array, states: list) -> tuple[mx.array, list]:
+        layers = self._traced(states)
+        logits = self.model(inputs[:, None], cache=layers)[:, -1, :]
+        return logits, self._written(layers)
+
+    def _block(self, name: str, inputs: mx.array, states: list) -> tuple[list, list]:
+        layers = self._traced(states)
+        outputs = self._runs[name](inputs, layers)
+        return outputs, self._written(layers)
+
+    def _states(self, layers: list, width: int) -> tuple[list, tuple]:
+        """The traced function's cache inputs, and the shape key of its trace."""
         states = []
         columns: dict[int, mx.array] = {}
         for c in map(_inner, layers):
             if _attention(c):
                 col = _column(c)
-                _grow(c, col)
+                _grow(c, col, width)
                 if col not in columns:
                     columns[col] = mx.array([col], dtype=mx.int32)
                 offset = c.offset if isinstance(c, BatchKVCache) else mx.array([c.offset], dtype=mx.int32)
@@ -219,13 +247,23 @@ class CompiledDecode:
                 states.append((c.keys, c.values, columns[col], offset))
             else:
                 states.append((c[0], c[1]))
-        shape = (inputs.shape[0], tuple(s[0].shape[2] if not isinstance(s[0], tuple) else (s[0][0].shape[2], "quantized") for s in states if len(s) == 4))
+        capacities = tuple(s[0].shape[2] if not isinstance(s[0], tuple) else (s[0][0].shape[2], "quantized") for s in states if len(s) == 4)
+        return states, capacities
+
+    def _room(self, shape: tuple) -> None:
+        """Drops every trace when there are too many (see MAX_TRACES)."""
+        if shape not in self._shapes and len(self._shapes) >= self.max_traces:
+            self._fn = mx.compile(self._step)
+            self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
+            self._shapes.clear()
+
+    def forward(self, inputs: mx.array, layers: list) -> mx.array:
+        states, capacities = self._states(layers, 1)
+        shape = (inputs.shape[0], capacities)
+        self._room(shape)
         if shape in self._shapes:
             logits, out = self._fn(inputs, states)
         else:
-            if len(self._shapes) >= self.max_traces:
-                self._fn = mx.compile(self._step)
-                self._shapes.clear()
             log.debug("compiled decode step: tracing %d rows, capacities %s", shape[0], shape[1])
             try:
                 logits, out = self._fn(inputs, states)
@@ -239,17 +277,52 @@ class CompiledDecode:
         # The old buffers must not be referenced past this call, so that the
         # compiled slice updates write in place instead of copying them.
         del states
+        self._advance(layers, out, 1)
+        return logits
+
+    def block(self, name: str, run, inputs: mx.array, layers: list, written: int | None = None) -> list | None:
+        """`run(inputs, layers)` (a list of arrays: its outputs) over (B, W)
+        inputs and the batch's caches, compiled; the caches advance by the
+        tokens it writes per row (`written`, default W: one forward; more
+        when `run` chains forwards). `name` is the kind of block; each
+        name's first `run` is the one traced. None when this kind cannot be
+        traced (the caller runs it op by op; nothing was written)."""
+        if name in self.failed_blocks:
+            return None
+        if name not in self._blocks:
+            self._runs[name] = run
+            self._blocks[name] = mx.compile(partial(self._block, name))
+        written = inputs.shape[1] if written is None else written
+        states, capacities = self._states(layers, written)
+        shape = (name, inputs.shape, capacities)
+        self._room(shape)
+        if shape in self._shapes:
+            outputs, out = self._blocks[name](inputs, states)
+        else:
+            log.debug("compiled %s: tracing %d rows of %d tokens, capacities %s", name, *inputs.shape, capacities)
+            try:
+                outputs, out = self._blocks[name](inputs, states)
+            except Exception as exc:
+                self.failed_blocks[name] = f"{type(exc).__name__}: {exc}"
+                log.warning("compiled %s: cannot be traced; building it op by op (%s)", name, self.failed_blocks[name])
+                return None
+            self._shapes.add(shape)
+        del states
+        self._advance(layers, out, written)
+        return outputs
+
+    @staticmethod
+    def _advance(layers: list, out: list, width: int) -> None:
         for lazy, new in zip(layers, out):
             c = _inner(lazy)
             if c is not lazy:
-                lazy.advanced(1)
+                lazy.advanced(width)
             if _attention(c):
                 c.keys, c.values = new
                 if not isinstance(c, BatchKVCache):
-                    c.offset += 1
+                    c.offset += width
                 else:
-                    c._idx += 1
-                    c.offset = c.offset + 1
+                    c._idx += width
+                    c.offset = c.offset + width
             else:
                 c[0], c[1] = new
-        return logits

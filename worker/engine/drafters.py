@@ -157,7 +157,24 @@ class ModelDrafter:
         for s in self._rows:
             contexts.setdefault(id(s), s.tokens)
         layers = self._cache.layers
-        last = self._catch_up([contexts[id(s)] for s in self._rows])
+        known = [contexts[id(s)] for s in self._rows]
+        got = self._drafted_compiled(known, layers, k)
+        if got is None:
+            got = self._drafted(known, layers, k)
+        per_row, saved = got
+        for c, arrays in zip(layers, saved):
+            if arrays is not None:
+                c.cache = arrays
+            elif k > 1:
+                c.trim(k - 1)
+        where = {id(s): i for i, s in enumerate(self._rows)}
+        return [per_row[where[id(s)]][:n] for s, n in zip(states, limits)]
+
+    def _drafted(self, contexts: list[list[int]], layers: list, k: int) -> tuple[list[list[int]], list]:
+        """Each row's k drafted tokens, op by op (one-token forwards
+        compiled); and each gated-delta layer's state before the drafts
+        (None for attention layers)."""
+        last = self._catch_up(contexts)
         saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers]
         tokens = mx.argmax(last, axis=-1)
         drafted = [tokens]
@@ -166,14 +183,36 @@ class ModelDrafter:
             logits = self.compiled.forward(tokens, layers) if compiled else self.model(tokens[:, None], cache=layers)[:, -1, :]
             tokens = mx.argmax(logits, axis=-1)
             drafted.append(tokens)
-        per_row = mx.stack(drafted, axis=1).tolist()
-        for c, arrays in zip(layers, saved):
-            if arrays is not None:
-                c.cache = arrays
-            elif k > 1:
-                c.trim(k - 1)
-        where = {id(s): i for i, s in enumerate(self._rows)}
-        return [per_row[where[id(s)]][:n] for s, n in zip(states, limits)]
+        return mx.stack(drafted, axis=1).tolist(), saved
+
+    def _drafted_compiled(self, contexts: list[list[int]], layers: list, k: int) -> tuple[list[list[int]], list] | None:
+        """`_drafted` as one compiled block (the read of the rows' new tokens
+        and the k - 1 forwards after it, chained without a read-back), when
+        every row has the same number of new tokens; else None."""
+        new = {len(c) - f for c, f in zip(contexts, self._fed)}
+        if len(new) != 1 or not 0 < (width := new.pop()) <= READ_PIECE or not self.compiled.steppable(layers):
+            return None
+        x = mx.array([c[f:] for c, f in zip(contexts, self._fed)], dtype=mx.uint32)
+        outputs = self.compiled.block(f"draft-{k}", self._chained(k), x, layers, written=width + k - 1)
+        if outputs is None:
+            return None
+        self._fed = [f + width for f in self._fed]
+        pairs = iter(outputs[1:])
+        saved = [[next(pairs), next(pairs)] if type(c) is ArraysCache else None for c in layers]
+        return outputs[0].tolist(), saved
+
+    def _chained(self, k: int):
+        def run(inputs: mx.array, layers: list) -> list:
+            tokens = mx.argmax(self.model(inputs, cache=layers)[:, -1, :], axis=-1)
+            # The gated-delta states before the drafts: what the row keeps.
+            saved = [a for c in layers if not hasattr(c, "keys") for a in c.cache]
+            drafted = [tokens]
+            for _ in range(k - 1):
+                tokens = mx.argmax(self.model(tokens[:, None], cache=layers)[:, -1, :], axis=-1)
+                drafted.append(tokens)
+            return [mx.stack(drafted, axis=1), *saved]
+
+        return run
 
     def _admit(self, states: list[History], contexts: dict) -> None:
         """Rows new to the draft model read all but their last known token."""

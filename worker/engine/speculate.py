@@ -288,11 +288,7 @@ class Speculator:
             constraints = gen._commit(pending)
             bits = _masks(gen.masks, constraints, drafts, width)
         gen._route([row.slot for row in rows])
-        if positions is not None:
-            with positions:
-                logits, hidden = self._forward(gen, inputs, layers)
-        else:
-            logits, hidden = self._forward(gen, inputs, layers)
+        logits, hidden = self._forward(gen, rows, inputs, layers, positions)
         sampler = gen.sampler
         drawn, keys, seen, logprobs = [], [], [], []
         for j in range(width):
@@ -360,12 +356,50 @@ class Speculator:
             self._gd = (model, [m for m in model.modules() if hasattr(m, "in_proj_qkv") and hasattr(m, "conv_kernel_size")])
         return self._gd[1]
 
-    def _forward(self, gen, inputs: mx.array, layers: list) -> tuple[mx.array, mx.array | None]:
+    def _forward(self, gen, rows: list, inputs: mx.array, layers: list, positions) -> tuple[mx.array, mx.array | None]:
         """The verify forward: logits, and the final hidden states for a
-        drafter that reads them."""
-        if getattr(self.drafter, "wants_hidden", False):
+        drafter that reads them; `positions` (or None) records the
+        gated-delta states at every position. Compiled as the decode step is
+        when the batch's rows could take that step: op by op, a small
+        model's verify cost about twice a compiled plain step on a CPU, most
+        of it in unfused elementwise work (the per-position recurrence)."""
+        hidden = getattr(self.drafter, "wants_hidden", False)
+        compiled = gen.compiled
+        if compiled is not None and all(row.slot is None for row in rows) and compiled.steppable(layers):
+            name = "verify" + ("-hidden" if hidden else "") + ("-positions" if positions is not None else "")
+            outputs = compiled.block(name, self._traced_verify(gen.model, hidden, positions is not None), inputs, layers)
+            if outputs is not None:
+                logits, rest = outputs[0], outputs[1:]
+                h = rest.pop(0) if hidden else None
+                if positions is not None:
+                    positions.unpack(rest, inputs.shape[1])
+                return logits, h
+        if positions is None:
+            return self._plain_forward(gen.model, hidden, inputs, layers)
+        with positions:
+            return self._plain_forward(gen.model, hidden, inputs, layers)
+
+    def _plain_forward(self, model, hidden: bool, inputs: mx.array, layers: list) -> tuple[mx.array, mx.array | None]:
+        if hidden:
             return self.drafter.forward(inputs, layers)
-        return gen.model(inputs, cache=layers), None
+        return model(inputs, cache=layers), None
+
+    def _traced_verify(self, model, hidden: bool, per_position: bool):
+        """The verify forward as a list of arrays, for CompiledDecode.block:
+        logits, the hidden states (a drafter that reads them), then each
+        gated-delta layer's state after every position and its convolution
+        input (per-position roll-back)."""
+
+        def run(inputs: mx.array, layers: list) -> list:
+            if not per_position:
+                logits, h = self._plain_forward(model, hidden, inputs, layers)
+                return [logits] + ([h] if hidden else [])
+            positions = _Positions(self._gated_delta(model))
+            with positions:
+                logits, h = self._plain_forward(model, hidden, inputs, layers)
+            return [logits] + ([h] if hidden else []) + positions.packed()
+
+        return run
 
     def _roll_back(self, gen, cache, layers, saved, inputs, kept: list[int], width: int) -> None:
         """Leaves each row's cache holding its pending token and its kept
@@ -542,6 +576,17 @@ class _Positions:
             states.append(state)
         self.states.append(states)
         return mx.stack(ys, axis=1), state
+
+    def packed(self) -> list[mx.array]:
+        """What was recorded, as one list of arrays (a traced forward's outputs)."""
+        return [state for states in self.states for state in states] + [qkv for _, qkv in self.inputs]
+
+    def unpack(self, arrays: list[mx.array], width: int) -> None:
+        """Takes back what `packed` gave, from a traced forward of `width` tokens."""
+        n_keep = self.layers[0].conv_kernel_size - 1
+        count = len(arrays) // (width + 1)
+        self.states = [arrays[i * width : (i + 1) * width] for i in range(count)]
+        self.inputs = [(n_keep, qkv) for qkv in arrays[count * width :]]
 
     def complete(self, layers: list) -> bool:
         """Every gated-delta layer was recorded (else: re-run)."""
