@@ -325,6 +325,59 @@ def test_a_worker_slower_with_drafts_than_without_stops_speculating_then_probes_
     assert spec.active
 
 
+class PolicyRow:
+    """What the speculator's row policy reads of a row."""
+
+    speculative, draft_limit, broken, drafted, accepted = True, 8, None, 0, 0
+
+    def __init__(self, rid: int):
+        self.rid, self.ids = rid, [5, 6, 7]
+
+
+class ModelLike:
+    """A drafter as the policy sees it: a model's (not prompt lookup)."""
+
+    name = "model"
+
+    def state(self, tokens):
+        return list(tokens)
+
+
+def test_a_row_is_judged_on_its_last_drafting_steps_and_new_rows_inherit_a_failing_drafters_pause():
+    from worker.engine.drafters import NgramDrafter
+    from worker.engine.speculate import ROW_JUDGE_AFTER, ROW_PAUSE, Speculator
+
+    spec = Speculator(ModelLike(), 4)
+    first = PolicyRow(0)
+    spec.join([first])
+    for _ in range(ROW_JUDGE_AFTER):
+        assert spec._may_draft(first)
+        spec._judge(first, 4, 0)
+    assert not spec._may_draft(first)  # two misses, not six
+    # Rows that join while the drafter misses start paused as long as the
+    # row that missed, each next one twice as long, and draft at once when
+    # some row's window keeps drafts.
+    later = [PolicyRow(1), PolicyRow(2)]
+    spec.join(later)
+    pauses = [spec._rows[row].off_until - spec.steps for row in later]
+    assert pauses == [ROW_PAUSE, 2 * ROW_PAUSE]
+    spec.steps += ROW_PAUSE
+    assert spec._may_draft(later[0]) and not spec._may_draft(later[1])
+    for _ in range(ROW_JUDGE_AFTER):
+        spec._judge(later[0], 4, 3)
+    assert spec._may_draft(later[1]) and spec._join_pause == 0
+    fresh = PolicyRow(3)
+    spec.join([fresh])
+    assert spec._may_draft(fresh)
+    # Prompt lookup's rows start afresh whatever earlier rows' text gave.
+    lookup = Speculator(NgramDrafter(), 4)
+    lookup.join([first])
+    for _ in range(ROW_JUDGE_AFTER):
+        lookup._judge(first, 4, 0)
+    lookup.join([fresh])
+    assert not lookup._may_draft(first) and lookup._may_draft(fresh)
+
+
 def test_an_adapter_row_and_a_json_schema_row_share_a_drafted_batch(tiny_model, tmp_path):
     """The adapter row is verified with its adapter; the JSON row's drafts
     (copied from its prompt) are cut to what its grammar allows and each

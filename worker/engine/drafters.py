@@ -188,9 +188,11 @@ class ModelDrafter:
     def _drafted_compiled(self, contexts: list[list[int]], layers: list, k: int) -> tuple[list[list[int]], list] | None:
         """`_drafted` as one compiled block (the read of the rows' new tokens
         and the k - 1 forwards after it, chained without a read-back), when
-        every row has the same number of new tokens; else None."""
+        every row has the same number of new tokens, no more than a step
+        keeps (its pending token and k drafts); else None. A longer read (a
+        row back from a pause) would trace a shape met once."""
         new = {len(c) - f for c, f in zip(contexts, self._fed)}
-        if len(new) != 1 or not 0 < (width := new.pop()) <= READ_PIECE or not self.compiled.steppable(layers):
+        if len(new) != 1 or not 0 < (width := new.pop()) <= k + 1 or not self.compiled.steppable(layers):
             return None
         x = mx.array([c[f:] for c, f in zip(contexts, self._fed)], dtype=mx.uint32)
         outputs = self.compiled.block(f"draft-{k}", self._chained(k), x, layers, written=width + k - 1)

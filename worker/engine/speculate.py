@@ -68,13 +68,19 @@ log = logging.getLogger("worker")
 DEFAULT_TOKENS = 4
 MAX_TOKENS = 32
 
-# A row whose recent drafts keep less than this share of their tokens stops
-# drafting for ROW_PAUSE steps, doubled on every pause up to ROW_PAUSE_MAX.
+# A row whose drafts over its last ROW_JUDGE_AFTER drafting steps kept less
+# than this share of their tokens stops drafting for ROW_PAUSE steps,
+# doubled on every pause up to ROW_PAUSE_MAX. Judged on counts, not a running
+# mean that starts at "all kept": a drafter that never agrees costs a row
+# two wasted steps, not six (at 8 rows on a CPU a wasted step costs about
+# three plain ones).
 ROW_MIN_ACCEPT = 0.3
 ROW_PAUSE = 16
 ROW_PAUSE_MAX = 1024
-# Drafting steps of a row before its acceptance is judged.
-ROW_JUDGE_AFTER = 4
+ROW_JUDGE_AFTER = 2
+# Drafting steps in a row with nothing proposed before a row pauses as one
+# that misses does (an empty proposal costs a step only its overlap).
+ROW_EMPTY_AFTER = 4
 # The worker stops speculating when its speculative steps give fewer tokens
 # per second than plain steps of the same batch size (a running mean over
 # the last steps), for WORKER_PAUSE plain steps, doubled on every pause.
@@ -93,11 +99,13 @@ def supported(layers: list) -> bool:
 class RowSpec:
     state: object  # the drafter's per-row state
     k: int
-    accept: float = 1.0  # running share of drafted tokens kept
     judged: int = 0  # drafting steps since the row was last judged
+    window_drafted: int = 0  # tokens drafted in those steps
+    window_kept: int = 0  # and kept
     off_until: int = 0  # the step from which it drafts again
     pause: int = ROW_PAUSE
     empty: int = 0  # drafting steps in a row with nothing proposed
+    inherited: bool = False  # paused as it joined, for its drafter's recent misses
 
 
 class Speculator:
@@ -117,6 +125,17 @@ class Speculator:
         self._plain: dict[int, float] = {}
         self._gain = 1.0  # speculative tokens/s over plain tokens/s, running
         self._judged = 0
+        # The pause a joining row starts with while its drafter's last judged
+        # window (any row's) kept too little, doubled for each row that joins
+        # so, up to ROW_PAUSE_MAX; 0 once a window keeps enough, which also
+        # lets every row paused this way draft again. So a draft model that
+        # never agrees with the target is probed by one new row at a time,
+        # not by all of a new batch (at 8 rows on a CPU, each row's probe
+        # cost a request 1 % of its time: the draft model reads the row's
+        # whole context). Prompt lookup's drafts depend on the request's
+        # text, not on a model pair, so its rows start afresh.
+        self._join_pause = 0
+        self._inherits = getattr(drafter, "name", "") != "ngram"
         self._last: tuple[float, str, int, int] | None = None  # (start, kind, rows, tokens)
         self.drafted = 0
         self.accepted = 0
@@ -136,6 +155,9 @@ class Speculator:
         for row in rows:
             if row.speculative:
                 spec = self._rows[row] = RowSpec(self.drafter.state(list(row.ids)), self.k_max)
+                if self._join_pause:
+                    spec.off_until, spec.k, spec.inherited = self.steps + self._join_pause, 1, True
+                    self._join_pause = spec.pause = min(ROW_PAUSE_MAX, self._join_pause * 2)
                 for start, hidden in self._prompts.pop(row, ()):
                     self.drafter.add(spec.state, start, hidden)
 
@@ -256,7 +278,7 @@ class Speculator:
             spec.empty = 0
             return
         spec.empty += 1
-        if spec.empty >= ROW_JUDGE_AFTER:
+        if spec.empty >= ROW_EMPTY_AFTER:
             spec.off_until = self.steps + spec.pause
             spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
             spec.empty = 0
@@ -445,17 +467,27 @@ class Speculator:
         if spec is None:
             return
         spec.k = min(self.k_max, spec.k + 1) if kept == drafted else max(1, kept + 1)
-        spec.accept += EMA * (kept / drafted - spec.accept)
         spec.judged += 1
-        if spec.judged >= ROW_JUDGE_AFTER and spec.accept < ROW_MIN_ACCEPT:
+        spec.window_drafted += drafted
+        spec.window_kept += kept
+        if spec.judged < ROW_JUDGE_AFTER:
+            return
+        share = spec.window_kept / spec.window_drafted
+        spec.judged = spec.window_drafted = spec.window_kept = 0
+        if share < ROW_MIN_ACCEPT:
             spec.off_until = self.steps + spec.pause
-            log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * spec.accept, spec.pause)
+            log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * share, spec.pause)
+            if self._inherits:
+                self._join_pause = max(self._join_pause, spec.pause)
             spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
-            spec.accept, spec.judged, spec.k = 1.0, 0, 1
-        elif spec.judged >= ROW_JUDGE_AFTER and spec.accept >= ROW_MIN_ACCEPT and kept:
-            # Drafting well again (the running share restarts at 1 after a
-            # pause, so it alone stays above the bar for a few misses).
-            spec.pause = ROW_PAUSE
+            spec.k, spec.inherited = 1, False
+        else:
+            spec.pause = ROW_PAUSE  # drafting well again
+            if self._join_pause:
+                self._join_pause = 0
+                for other in self._rows.values():
+                    if other.inherited:
+                        other.off_until, other.pause, other.inherited = 0, ROW_PAUSE, False
 
     def _account(self, now: float, gen) -> None:
         """Times the previous decode step (up to this one's start) against
