@@ -68,12 +68,16 @@ log = logging.getLogger("worker")
 DEFAULT_TOKENS = 4
 MAX_TOKENS = 32
 
-# A row whose drafts over its last ROW_JUDGE_AFTER drafting steps kept less
-# than this share of their tokens stops drafting for ROW_PAUSE steps,
-# doubled on every pause up to ROW_PAUSE_MAX. Judged on counts, not a running
-# mean that starts at "all kept": a drafter that never agrees costs a row
-# two wasted steps, not six (at 8 rows on a CPU a wasted step costs about
-# three plain ones).
+# A row's share of drafted tokens kept is a running mean over its drafting
+# steps (weight ROW_EMA for the latest), starting at ROW_PRIOR; from its
+# ROW_JUDGE_AFTER-th drafting step on, a share below ROW_MIN_ACCEPT pauses
+# the row for ROW_PAUSE steps, doubled on every pause up to ROW_PAUSE_MAX.
+# A drafter that never agrees thus costs a row two steps (at 8 rows on a
+# CPU a wasted step costs about three plain ones), while one that agrees
+# survives the two or three misses in a row that a token it cannot guess
+# brings (a start at "all kept" cost six steps for the first).
+ROW_PRIOR = 0.5
+ROW_EMA = 0.3
 ROW_MIN_ACCEPT = 0.3
 ROW_PAUSE = 16
 ROW_PAUSE_MAX = 1024
@@ -99,9 +103,8 @@ def supported(layers: list) -> bool:
 class RowSpec:
     state: object  # the drafter's per-row state
     k: int
-    judged: int = 0  # drafting steps since the row was last judged
-    window_drafted: int = 0  # tokens drafted in those steps
-    window_kept: int = 0  # and kept
+    accept: float = ROW_PRIOR  # running share of drafted tokens kept
+    judged: int = 0  # drafting steps since the row last paused
     off_until: int = 0  # the step from which it drafts again
     pause: int = ROW_PAUSE
     empty: int = 0  # drafting steps in a row with nothing proposed
@@ -126,8 +129,8 @@ class Speculator:
         self._gain = 1.0  # speculative tokens/s over plain tokens/s, running
         self._judged = 0
         # The pause a joining row starts with while its drafter's last judged
-        # window (any row's) kept too little, doubled for each row that joins
-        # so, up to ROW_PAUSE_MAX; 0 once a window keeps enough, which also
+        # row (any row) kept too little, doubled for each row that joins so,
+        # up to ROW_PAUSE_MAX; 0 once a row drafts well, which also
         # lets every row paused this way draft again. So a draft model that
         # never agrees with the target is probed by one new row at a time,
         # not by all of a new batch (at 8 rows on a CPU, each row's probe
@@ -468,20 +471,18 @@ class Speculator:
             return
         spec.k = min(self.k_max, spec.k + 1) if kept == drafted else max(1, kept + 1)
         spec.judged += 1
-        spec.window_drafted += drafted
-        spec.window_kept += kept
+        spec.accept += ROW_EMA * (kept / drafted - spec.accept)
         if spec.judged < ROW_JUDGE_AFTER:
             return
-        share = spec.window_kept / spec.window_drafted
-        spec.judged = spec.window_drafted = spec.window_kept = 0
-        if share < ROW_MIN_ACCEPT:
+        if spec.accept < ROW_MIN_ACCEPT:
             spec.off_until = self.steps + spec.pause
-            log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * share, spec.pause)
+            log.debug("row %d: drafts kept %.0f%%; drafting again in %d steps", row.rid, 100 * spec.accept, spec.pause)
+            spec.accept, spec.judged = ROW_PRIOR, 0
             if self._inherits:
                 self._join_pause = max(self._join_pause, spec.pause)
             spec.pause = min(ROW_PAUSE_MAX, spec.pause * 2)
             spec.k, spec.inherited = 1, False
-        else:
+        elif kept:
             spec.pause = ROW_PAUSE  # drafting well again
             if self._join_pause:
                 self._join_pause = 0
