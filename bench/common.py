@@ -27,7 +27,7 @@ def model_arguments(p) -> None:
     p.add_argument(
         "--size",
         default="small",
-        help="demo model size to build and use (default small): tiny, small, 0.8b, 4b, 8b, 4b-hybrid, 9b-hybrid, dense (bench.dense); a -q4 suffix for 4-bit",
+        help="demo model size to build and use (default small): tiny, small, 0.8b, 4b, 8b, 4b-hybrid, 9b-hybrid, dense and head128 (bench.dense); a -q4 suffix for 4-bit",
     )
     p.add_argument("--q4", action="store_true", help="the demo model in MLX 4-bit (as a -q4 suffix)")
     p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
@@ -43,8 +43,8 @@ def demo_model(size: str, q4: bool = False) -> Path:
     path = MODELS / (size + ("-q4" if q4 else ""))
     if (path / "config.json").is_file():
         return path
-    if size == "dense":  # bench.dense; in a process of its own, as the builder runs
-        subprocess.run([sys.executable, "-m", "bench.dense", str(path)], check=True, cwd=ROOT)
+    if size in ("dense", "head128"):  # bench.dense; in a process of its own, as the builder runs
+        subprocess.run([sys.executable, "-m", "bench.dense", str(path), size], check=True, cwd=ROOT)
     else:
         build_demo_model(path, "--size", size, *(["--q4"] if q4 else []))
     return path
