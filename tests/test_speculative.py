@@ -543,31 +543,6 @@ def test_the_mtp_head_drafts_and_rows_give_the_tokens_of_plain_decoding(which, m
     assert sum(d["drafted_tokens"] for d in done.values()) > 0
 
 
-def test_the_mtp_heads_compiled_drafts_are_its_op_by_op_drafts(mtp_models):
-    """The head's read of the rows' new positions chained with its further
-    forwards, as one compiled block, drafts what reading and stepping op by
-    op drafts: the same tokens kept and drafted per request."""
-    loaded = mtp_models["hybrid"]
-
-    def run(op_by_op: bool):
-        s, lines = scheduler(loaded, "mtp")
-        # Every step takes one tick: the worker's own timing must not switch
-        # drafting off in one run and not the other.
-        s.speculator._clock = itertools.count().__next__
-        if op_by_op:
-            s.speculator.drafter._drafted_compiled = lambda pending, k: None
-        for i, prompt in enumerate(PROMPTS):
-            s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=40, temperature=0.0, repetition_penalty=1.0), 0.0)
-        ids = s.drain()
-        return ids, {i: (d["drafted_tokens"], d["accepted_tokens"]) for i, d in done_lines(lines).items()}, s.speculator.drafter.compiled._shapes
-
-    compiled_ids, compiled_counts, shapes = run(False)
-    ids, counts, _ = run(True)
-    assert ids == compiled_ids and counts == compiled_counts
-    assert sum(kept for _, kept in counts.values()) > 20
-    assert any(str(shape[0]).startswith("mtp") for shape in shapes)
-
-
 def test_mtp_on_a_checkpoint_without_an_mtp_head_is_refused_clearly(hybrid, tmp_path):
     from supervisor.config import load_config
     from worker.engine.speculate import DraftError, speculator_for

@@ -225,9 +225,9 @@ class CompiledDecode:
         logits = self.model(inputs[:, None], cache=layers)[:, -1, :]
         return logits, self._written(layers)
 
-    def _block(self, name: str, inputs: mx.array, states: list, extra: list) -> tuple[list, list]:
+    def _block(self, name: str, inputs: mx.array, states: list) -> tuple[list, list]:
         layers = self._traced(states)
-        outputs = self._runs[name](inputs, layers, *extra)
+        outputs = self._runs[name](inputs, layers)
         return outputs, self._written(layers)
 
     def _states(self, layers: list, width: int) -> tuple[list, tuple]:
@@ -280,15 +280,13 @@ class CompiledDecode:
         self._advance(layers, out, 1)
         return logits
 
-    def block(self, name: str, run, inputs: mx.array, layers: list, written: int | None = None, extra: tuple = ()) -> list | None:
-        """`run(inputs, layers, *extra)` (a list of arrays: its outputs) over
-        (B, W) inputs, the batch's caches and any other arrays it reads
-        (`extra`: inputs of the trace, never constants of it), compiled;
-        the caches advance by the tokens it writes per row (`written`,
-        default W: one forward; more when `run` chains forwards). `name` is
-        the kind of block; each name's first `run` is the one traced. None
-        when this kind cannot be traced (the caller runs it op by op;
-        nothing was written)."""
+    def block(self, name: str, run, inputs: mx.array, layers: list, written: int | None = None) -> list | None:
+        """`run(inputs, layers)` (a list of arrays: its outputs) over (B, W)
+        inputs and the batch's caches, compiled; the caches advance by the
+        tokens it writes per row (`written`, default W: one forward; more
+        when `run` chains forwards). `name` is the kind of block; each
+        name's first `run` is the one traced. None when this kind cannot be
+        traced (the caller runs it op by op; nothing was written)."""
         if name in self.failed_blocks:
             return None
         if name not in self._blocks:
@@ -296,14 +294,14 @@ class CompiledDecode:
             self._blocks[name] = mx.compile(partial(self._block, name))
         written = inputs.shape[1] if written is None else written
         states, capacities = self._states(layers, written)
-        shape = (name, inputs.shape, tuple(x.shape for x in extra), capacities)
+        shape = (name, inputs.shape, capacities)
         self._room(shape)
         if shape in self._shapes:
-            outputs, out = self._blocks[name](inputs, states, list(extra))
+            outputs, out = self._blocks[name](inputs, states)
         else:
             log.debug("compiled %s: tracing %d rows of %d tokens, capacities %s", name, *inputs.shape, capacities)
             try:
-                outputs, out = self._blocks[name](inputs, states, list(extra))
+                outputs, out = self._blocks[name](inputs, states)
             except Exception as exc:
                 self.failed_blocks[name] = f"{type(exc).__name__}: {exc}"
                 log.warning("compiled %s: cannot be traced; building it op by op (%s)", name, self.failed_blocks[name])

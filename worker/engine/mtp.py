@@ -43,7 +43,6 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from worker.engine.batch_cache import BatchCache
-from worker.engine.compiled_step import CompiledDecode
 
 PREFIX = "mtp."
 # The target's hidden states a row keeps until the head reads them: the
@@ -186,9 +185,6 @@ class MtpDrafter:
     def __init__(self, model, head: MtpHead):
         self.text, self.body, self.lm_head = target_parts(model)
         self.head = head
-        # The head's read of new positions and its chained forwards, as one
-        # traced block (worker.engine.compiled_step), as a draft model's.
-        self.compiled = CompiledDecode(head)
         self._rows: list[MtpState] = []  # in the order of the batch cache
         self._cache: BatchCache | None = None
 
@@ -259,18 +255,6 @@ class MtpDrafter:
         self._drop({id(s) for s in self._rows if id(s) not in pending})
         known = {id(s) for s in self._rows}
         fresh = [s for s, r in zip(states, ready) if r and id(s) not in known]
-        drafted = None if fresh else self._drafted_compiled(pending, k)
-        if drafted is None:
-            drafted = self._drafted(fresh, pending, k)
-        per_row = drafted.tolist()
-        if k > 1:
-            for c in self._cache.layers:
-                c.trim(k - 1)
-        where = {id(s): i for i, s in enumerate(self._rows)}
-        return [per_row[where[id(s)]][:n] if r else [] for s, n, r in zip(states, limits, ready)]
-
-    def _drafted(self, fresh: list[MtpState], pending: dict, k: int) -> mx.array:
-        """(rows, k) drafted tokens, op by op; fresh rows join the head's cache."""
         outs = []
         if self._rows:
             outs.append(self._feed(self._rows, pending, self._cache))
@@ -287,56 +271,25 @@ class MtpDrafter:
             h = self.head(self.body.embed_tokens(tokens[:, None]), h[:, None], layers[0])[:, -1]
             tokens = mx.argmax(self.lm_head(h), axis=-1)
             drafted.append(tokens)
-        return mx.stack(drafted, axis=1)
-
-    def _drafted_compiled(self, pending: dict, k: int) -> mx.array | None:
-        """`_drafted` as one compiled block (the head's read of the rows'
-        waiting positions chained with its k - 1 forwards), when every row
-        in the head's cache waits with as many positions as a step keeps at
-        most; else None (nothing taken)."""
-        widths = {sum(a.shape[0] for _, a in s.hidden) for s in self._rows}
-        layers = self._cache.layers
-        if len(widths) != 1 or not 0 < (width := widths.pop()) <= k + 1 or not self.compiled.steppable(layers):
-            return None
-        held = [list(s.hidden) for s in self._rows]
-        pieces = [self._waiting(s, pending) for s in self._rows]
-        x = mx.array([t for t, _ in pieces], dtype=mx.uint32)
-        h = mx.stack([a for _, a in pieces])
-        outputs = self.compiled.block(f"mtp-{k}", self._chained(k), x, layers, written=width + k - 1, extra=(h,))
-        if outputs is None:
-            for s, hidden in zip(self._rows, held):
-                s.hidden = hidden  # not read: op by op reads them
-            return None
-        return outputs[0]
-
-    def _chained(self, k: int):
-        def run(x: mx.array, layers: list, h: mx.array) -> list:
-            h = self.head(self.body.embed_tokens(x), h, layers[0])[:, -1]
-            tokens = mx.argmax(self.lm_head(h), axis=-1)
-            drafted = [tokens]
-            for _ in range(k - 1):
-                h = self.head(self.body.embed_tokens(tokens[:, None]), h[:, None], layers[0])[:, -1]
-                tokens = mx.argmax(self.lm_head(h), axis=-1)
-                drafted.append(tokens)
-            return [mx.stack(drafted, axis=1)]
-
-        return run
-
-    @staticmethod
-    def _waiting(s: MtpState, pending: dict) -> tuple[list[int], mx.array]:
-        """A row's waiting hidden states, taken, and the tokens that followed
-        them (the last is its pending token)."""
-        h = mx.concatenate([a for _, a in s.hidden], axis=0) if len(s.hidden) > 1 else s.hidden[0][1]
-        start = s.hidden[0][0]
-        s.hidden.clear()
-        return s.tokens[start + 1 : start + h.shape[0]] + [pending[id(s)]], h
+        per_row = mx.stack(drafted, axis=1).tolist()
+        if k > 1:
+            for c in layers:
+                c.trim(k - 1)
+        where = {id(s): i for i, s in enumerate(self._rows)}
+        return [per_row[where[id(s)]][:n] if r else [] for s, n, r in zip(states, limits, ready)]
 
     def _feed(self, rows: list[MtpState], pending: dict, cache: BatchCache) -> mx.array:
         """Feeds each row's waiting hidden states with the tokens that
         followed them; returns (rows, hidden) of the head after each row's
         last one."""
-        pieces = [self._waiting(s, pending) for s in rows]
-        ts, hs = [t for t, _ in pieces], [a for _, a in pieces]
+        hs, ts = [], []
+        for s in rows:
+            h = mx.concatenate([a for _, a in s.hidden], axis=0) if len(s.hidden) > 1 else s.hidden[0][1]
+            start = s.hidden[0][0]
+            hs.append(h)
+            # The tokens after those positions: the last is the pending one.
+            ts.append(s.tokens[start + 1 : start + h.shape[0]] + [pending[id(s)]])
+            s.hidden.clear()
         lengths = [len(t) for t in ts]
         width = max(lengths)
         x = mx.array([t + [0] * (width - len(t)) for t in ts], dtype=mx.uint32)
