@@ -46,7 +46,7 @@ def add_pool_flags(p: argparse.ArgumentParser, *, server: bool = True) -> None:
     p.add_argument("--keep-alive", help="unload a worker idle this long, e.g. 5m (default: never)")
     p.add_argument("--stall-timeout", type=float, help="kill a busy worker silent this many seconds (default 120)")
     if server:
-        p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown (default 30)")
+        p.add_argument("--shutdown-grace", type=float, help="seconds requests may keep running at shutdown, once no model is loading (default 30)")
         p.add_argument("--stats-interval", help="emit a stats event per model this often, e.g. 10s (default: never)")
     p.add_argument(
         "--adapter-dir",

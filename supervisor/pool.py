@@ -53,6 +53,8 @@ log = logging.getLogger("lattice.pool")
 
 # Where requests come from: stdin (and the terminal front ends), or HTTP.
 SURFACES = ("stdin", "http")
+# How often a shutdown looks whether a worker is still loading (Pool._drain).
+LOADING_LOOK = 1.0
 
 
 @dataclass(frozen=True)
@@ -357,16 +359,39 @@ class Pool:
 
     # -- shutdown ------------------------------------------------------------------------
 
+    async def _drain(self, grace: float | None) -> None:
+        """Waits until every request has ended, `hurry` is set, or `grace`
+        seconds have passed with no worker loading. A load streams its
+        progress and one that stalls is killed (stall_timeout), so the
+        requests waiting for it keep their grace: on a machine whose kernel
+        cache is empty, the demo model's first load on 2 cores takes about
+        30 s, which spent all of the default grace of `echo REQUEST | serve`
+        and answered its one request shutting_down."""
+        loop = asyncio.get_running_loop()
+        deadline = None if grace is None else loop.time() + grace
+        waits = [asyncio.ensure_future(self._all_idle.wait()), asyncio.ensure_future(self.hurry.wait())]
+        try:
+            while True:
+                if deadline is not None and any(slot.state in (State.LOADING, State.RESTARTING) for slot in self.slots.values()):
+                    deadline = loop.time() + grace
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    return
+                # Loads are looked at again each second; the waits end it at once.
+                done, _ = await asyncio.wait(waits, timeout=LOADING_LOOK if left is None else min(left, LOADING_LOOK), return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    return
+        finally:
+            for w in waits:
+                w.cancel()
+
     async def shutdown(self, grace: float | None) -> None:
         """Stops accepting; lets queued and running requests go on for `grace`
         seconds (None: until done); then cancels what still runs, ends what
         still waits with shutting_down, and stops every worker."""
         self.accepting = False
         if not self._quiet() and grace != 0:
-            waits = [asyncio.ensure_future(self._all_idle.wait()), asyncio.ensure_future(self.hurry.wait())]
-            done, pending = await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
+            await self._drain(grace)
             if not self._all_idle.is_set():
                 log.info("shutdown: cancelling requests that are still running")
         while self._idless:

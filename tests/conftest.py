@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -173,9 +174,12 @@ def private_control_socket(tmp_path_factory):
 def private_cache_dir(tmp_path_factory):
     """Pools and workers started by tests keep their caches (the prefix
     cache's files, the demo model) in a directory of their own, never in
-    the user's ~/.cache/lattice-pool."""
+    the user's ~/.cache/lattice-pool. Their CPU kernels stay where this
+    process's are (the machine's temp dir): a fresh directory would have
+    each session's workers compile every kernel again."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("LATTICE_CPU_KERNELS", tempfile.gettempdir())
         yield
 
 

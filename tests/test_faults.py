@@ -338,6 +338,26 @@ class TestGivingUp:
         assert pool.close() == 0
 
 
+class TestShutdown:
+    def test_a_load_at_eof_does_not_spend_the_grace_of_the_requests_waiting_for_it(self, fakes, fake_pool):
+        """`echo REQUEST | serve` where the model loads for longer than the
+        grace period (a first start with no compiled kernels): the request
+        is answered. The grace then counts from the end of the load: a
+        request still running a grace period later is cancelled."""
+        fakes.add("slow", {"load_delay": 4})
+        fakes.add("steady", {"token_interval": 0.01})
+        pool = fake_pool("shutdown_grace = 1")
+        pool.wait_ev("ready", model="steady")
+        pool.send({"model": "steady", "id": "endless", "prompt": "x", "max_tokens": 1_000_000})
+        pool.send({"model": "slow", "id": "waits", "prompt": "x", "max_tokens": 3})
+        pool.wait_for(lambda e: e.get("id") == "endless")
+        assert pool.close() == 0
+        assert pool.terminal("waits")["gen_tokens"] == 3
+        assert pool.terminal("endless")["finish_reason"] == "cancelled"
+        ready = next(i for i, e in enumerate(pool.events) if e["ev"] == "ready" and e["model"] == "slow")
+        assert pool.events.index(pool.terminal("endless")) > ready
+
+
 class TestNoOrphans:
     def test_shutdown_kills_a_worker_that_ignores_sigterm_and_eof(self, fakes, fake_pool):
         fakes.add("a", {"ignore_sigterm": True, "ignore_eof": True, "grandchild": True})

@@ -7,7 +7,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -271,12 +270,6 @@ def test_copies_left_by_a_sigkilled_pool_are_removed_by_the_next(tmp_path, tiny_
     other = tmp / "lattice-pool-adaptersX"
     for path in (running, other):
         path.mkdir()
-    # mlx on CPU keeps the kernels it compiles with g++ under $TMPDIR/mlx;
-    # an empty one would have the workers compile them all again (minutes on
-    # a busy 2-core machine), so this $TMPDIR shares the usual one's.
-    shared = Path(tempfile.gettempdir()) / "mlx"
-    shared.mkdir(exist_ok=True)
-    (tmp / "mlx").symlink_to(shared)
     live = tmp_path / "style.safetensors"
     live.write_bytes(adapter_bytes(tmp_path, tiny_model, seed=1))
     config = tmp_path / "pool.toml"

@@ -1,14 +1,26 @@
-"""Where workers keep the kernels mlx compiles at run time on CUDA."""
+"""Where workers keep the kernels mlx compiles at run time (CUDA and CPU)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from worker.runtime.kernel_cache import ENV, THRASHING_CHECK, keep_kernels, kernel_cache_dir, no_thrashing_abort
+from worker.runtime.kernel_cache import (
+    CPU_ENV,
+    ENV,
+    THRASHING_CHECK,
+    cpu_kernel_dir,
+    cpu_model,
+    keep_cpu_kernels,
+    keep_kernels,
+    kernel_cache_dir,
+    no_thrashing_abort,
+)
 
 
 def test_kernels_go_to_the_users_cache_dir_per_mlx_version_and_gpu(tmp_path):
@@ -47,3 +59,55 @@ def test_the_cache_thrashing_check_is_off_unless_the_user_set_it():
     assert no_thrashing_abort(env) and env == {THRASHING_CHECK: "0"}
     env = {THRASHING_CHECK: "1"}
     assert not no_thrashing_abort(env) and env == {THRASHING_CHECK: "1"}
+
+
+def test_cpu_kernels_go_to_the_users_cache_dir_per_cpu_model(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    got = cpu_kernel_dir(env, "AMD EPYC 7B13 64-Core Processor")
+    assert got == tmp_path / "lattice-pool" / "mlx-kernels" / "cpu-AMD-EPYC-7B13-64-Core-Processor"
+    assert cpu_kernel_dir(env, "../..") == tmp_path / "lattice-pool" / "mlx-kernels" / "cpu-cpu"
+    assert cpu_kernel_dir(env | {CPU_ENV: str(tmp_path / "mine")}, "x") == tmp_path / "mine"
+
+
+def test_the_cpu_model_is_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Gold 6338\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_model(info) == "Intel(R) Xeon(R) Gold 6338"
+    info.write_text("processor\t: 0\nCPU part\t: 0xd0c\n")  # ARM names none
+    assert cpu_model(info) and cpu_model(tmp_path / "missing")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mlx compiles CPU kernels with a C++ compiler on Linux")
+def test_a_worker_keeps_its_cpu_kernels_in_that_dir_and_mlx_compiles_into_it(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    got = keep_cpu_kernels(env)
+    assert got is not None and got.is_dir() and env["TMPDIR"] == str(got)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    env = {CPU_ENV: str(blocked / "sub")}
+    assert keep_cpu_kernels(env) is None and "TMPDIR" not in env
+    # mlx follows it: a compiled function of its own (a kernel no other test
+    # makes, so it is compiled here) lands under that dir.
+    mine = tmp_path / "kernels"
+    code = (
+        "import os; from worker.runtime.kernel_cache import keep_cpu_kernels; keep_cpu_kernels(os.environ);"
+        "import mlx.core as mx; mx.set_default_device(mx.cpu);"
+        "f = mx.compile(lambda x: mx.sin(mx.cos(x) * 3.25) - x * 0.125); mx.eval(f(mx.ones((5,))))"
+    )
+    child = {k: v for k, v in os.environ.items() if k != "TMPDIR"} | {CPU_ENV: str(mine)}
+    subprocess.run([sys.executable, "-c", code], env=child, check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert list((mine / "mlx" / mx.__version__ / "cpu").glob("*.so"))
+
+
+def test_a_worker_says_where_its_cpu_kernels_are(tiny_model):
+    from harness.procs import wait_for
+    from harness.worker import WorkerProc
+
+    w = WorkerProc.started(tiny_model)
+    try:
+        if sys.platform == "linux":
+            # Logged before ready; its pipe is read by a thread of its own.
+            needle = f"CPU kernels compiled at run time are kept in {os.environ[CPU_ENV]}".encode()
+            assert wait_for(lambda: needle in w.stderr, 30), w.stderr.decode(errors="replace")
+    finally:
+        w.close()

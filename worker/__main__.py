@@ -287,9 +287,12 @@ def set_up_process(args: argparse.Namespace):
 
     # Before anything imports mlx: its BLAS symbols bind when it loads, and
     # its CUDA caches read their settings when they are made.
-    from worker.runtime.kernel_cache import no_thrashing_abort
+    from worker.runtime.kernel_cache import keep_cpu_kernels, no_thrashing_abort
 
     no_thrashing_abort(os.environ)
+    cpu_kernels = keep_cpu_kernels(os.environ)
+    if cpu_kernels:
+        log.info("CPU kernels compiled at run time are kept in %s", cpu_kernels)
     from worker.runtime.cpu_backend import load_openblas
 
     openblas = load_openblas()
