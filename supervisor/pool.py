@@ -365,7 +365,7 @@ class Pool:
         progress and one that stalls is killed (stall_timeout), so the
         requests waiting for it keep their grace: on a machine whose kernel
         cache is empty, the demo model's first load on 2 cores takes about
-        30 s, which spent all of the default grace of `echo REQUEST | serve`
+        35 s, which spent all of the default grace of `echo REQUEST | serve`
         and answered its one request shutting_down."""
         loop = asyncio.get_running_loop()
         deadline = None if grace is None else loop.time() + grace
