@@ -278,6 +278,22 @@ def test_traces_are_bounded(hybrid, monkeypatch):
     assert len(compiled._shapes) == 1 and compiled._fn is not first
 
 
+def test_block_traces_are_bounded_apart_from_the_decode_steps(hybrid, monkeypatch):
+    model, vocab = hybrid
+    monkeypatch.setattr(compiled_step, "MAX_TRACES", 2)
+    compiled = CompiledDecode(model)
+    cache = prefilled(model, prompts_of(vocab, [10]))
+    mx.eval(compiled.forward(mx.zeros((1,), dtype=mx.uint32), cache.layers))
+    first = compiled._fn
+
+    def run(inputs, layers):
+        return [model(inputs, cache=layers)]
+
+    for width in (2, 3, 4):
+        mx.eval(compiled.block("read", run, mx.zeros((1, width), dtype=mx.uint32), cache.layers))
+    assert len(compiled._block_shapes) == 1 and len(compiled._shapes) == 1 and compiled._fn is first
+
+
 def test_a_big_batch_keeps_a_trace_per_size_and_capacity(hybrid, monkeypatch):
     # The warm-up traces every batch size up to max_batch; a new capacity
     # must not drop them all (max_batch 3 here: 2 + 3 traces kept).

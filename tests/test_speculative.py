@@ -108,7 +108,7 @@ def test_greedy_rows_give_the_tokens_of_plain_decoding(which, request):
     assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
     assert "drafted_tokens" not in json.dumps(plain_done)
     # The verify forwards took the compiled step's traces.
-    assert any(str(shape[0]).startswith("verify") for shape in s.compiled._shapes)
+    assert any(str(shape[0]).startswith("verify") for shape in s.compiled._block_shapes)
     figures = s.figures
     assert figures["drafted_tokens"] == sum(d["drafted_tokens"] for d in done.values())
     assert figures["accepted_tokens"] == sum(d["accepted_tokens"] for d in done.values())
@@ -256,7 +256,7 @@ def test_a_draft_models_compiled_drafts_are_its_op_by_op_drafts(which, request):
         for st in states:
             for state, p, draft in zip(st, pending, got[0]):
                 state.extend([p, *draft[: step % 3]])  # the target kept some of each
-    assert any(str(shape[0]).startswith("draft") for shape in sides[0].compiled._shapes)
+    assert any(str(shape[0]).startswith("draft") for shape in sides[0].compiled._block_shapes)
     for a, b in zip(sides[0]._cache.layers, sides[1]._cache.layers):
         if hasattr(a, "keys"):
             assert np.array_equal(np.array(a.offset), np.array(b.offset))

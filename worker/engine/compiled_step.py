@@ -188,7 +188,11 @@ class CompiledDecode:
         # name -> the compiled block forward of that kind (see `block`)
         self._blocks: dict[str, object] = {}
         self._runs: dict[str, object] = {}
-        self._shapes: set[tuple] = set()
+        self._shapes: set[tuple] = set()  # the decode step's traces
+        # The blocks' traces, bounded apart: a speculative batch meets many
+        # more shapes (widths times capacities), which must not drop the
+        # decode step's.
+        self._block_shapes: set[tuple] = set()
         self.max_traces = MAX_TRACES
         self.failed: str | None = None  # why the model could not be traced
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
@@ -251,11 +255,16 @@ class CompiledDecode:
         return states, capacities
 
     def _room(self, shape: tuple) -> None:
-        """Drops every trace when there are too many (see MAX_TRACES)."""
+        """Drops the decode step's traces when there are too many (see MAX_TRACES)."""
         if shape not in self._shapes and len(self._shapes) >= self.max_traces:
             self._fn = mx.compile(self._step)
-            self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
             self._shapes.clear()
+
+    def _block_room(self, shape: tuple) -> None:
+        """Drops every block's traces when there are too many."""
+        if shape not in self._block_shapes and len(self._block_shapes) >= self.max_traces:
+            self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
+            self._block_shapes.clear()
 
     def forward(self, inputs: mx.array, layers: list) -> mx.array:
         states, capacities = self._states(layers, 1)
@@ -295,8 +304,8 @@ class CompiledDecode:
         written = inputs.shape[1] if written is None else written
         states, capacities = self._states(layers, written)
         shape = (name, inputs.shape, capacities)
-        self._room(shape)
-        if shape in self._shapes:
+        self._block_room(shape)
+        if shape in self._block_shapes:
             outputs, out = self._blocks[name](inputs, states)
         else:
             log.debug("compiled %s: tracing %d rows of %d tokens, capacities %s", name, *inputs.shape, capacities)
@@ -306,7 +315,7 @@ class CompiledDecode:
                 self.failed_blocks[name] = f"{type(exc).__name__}: {exc}"
                 log.warning("compiled %s: cannot be traced; building it op by op (%s)", name, self.failed_blocks[name])
                 return None
-            self._shapes.add(shape)
+            self._block_shapes.add(shape)
         del states
         self._advance(layers, out, written)
         return outputs
