@@ -395,24 +395,40 @@ class Passes(Recorder):
         return super().__call__(inputs, cache=cache)
 
 
-def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int) -> tuple[list[int], Passes]:
-    """A lone greedy row: its first `steps` tokens and the passes it took."""
-    rec = Passes(model)
-    gen = TokenGenerator(rec, vocab, PrefixCache(rec, 0), 64, marker)
-    row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
-    gen.start([row])
-    tokens: list[int] = []
-    while len(tokens) < steps:
-        tokens += [token for _, token in gen.step() if token is not None]
-    return tokens, rec
+def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int) -> tuple[list[int], list[int]]:
+    """A lone greedy row of the model itself: its first `steps` tokens and
+    the passes it took (tokens read per row in each call of the model's
+    body, which a lone prompt's last chunk calls without the head)."""
+    body = getattr(model, "language_model", model).model
+    lengths: list[int] = []
+    original = type(body).__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        if self is body:
+            lengths.append(inputs.shape[1])
+        return original(self, inputs, *args, **kwargs)
+
+    type(body).__call__ = counted  # Python looks a call up on the type
+    try:
+        gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, marker)
+        row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
+        gen.start([row])
+        tokens: list[int] = []
+        while len(tokens) < steps:
+            tokens += [token for _, token in gen.step() if token is not None]
+    finally:
+        type(body).__call__ = original
+    return tokens, lengths
 
 
 def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
-    """An attention-only model reads a chat prompt but its last token in one
-    pass (no pass of its own for the assistant's opener after the last message
-    start, nor for a short piece past a chunk) and gives mlx-lm's greedy
-    tokens. A hybrid model still ends a chunk at each message start, where
-    its prefix-cache snapshots are taken."""
+    """An attention-only model reads a lone chat prompt, its last token
+    included, in one pass (no pass of its own for the assistant's opener
+    after the last message start, nor for a short piece past a chunk), whose
+    last logits give the first token: one pass fewer than mlx-lm's prompt
+    and first step, and mlx-lm's greedy tokens. A hybrid model still ends a
+    chunk at each message start, where its prefix-cache snapshots are
+    taken; its last chunk reads the last token too."""
     from mlx_lm.generate import generate_step
 
     from worker.runtime.loader import load
@@ -424,14 +440,15 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     chat = [marker] + system + [marker] + user + [marker, 8, 9]
     loaded = load(dense_model)
     vocab = loaded.model.args.vocab_size
-    tokens, rec = read_chat_prompt(loaded.model, vocab, chat, marker, 8)
-    # 70 tokens with a 64-token step: the 5 past the step fold into the pass.
-    assert rec.lengths[:2] == [len(chat) - 1, 1]
+    tokens, lengths = read_chat_prompt(loaded.model, vocab, chat, marker, 8)
+    # 71 tokens with a 64-token step: the 7 past the step fold into the
+    # pass; then one-token passes (run ahead: one past the last token read).
+    assert lengths[0] == len(chat) and set(lengths[1:]) == {1}
     theirs = [int(t) for t, _ in generate_step(mx.array(chat), loaded.model, max_tokens=8)]
     assert tokens == theirs
     hybrid, hybrid_vocab = qwen35
-    _, rec = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 1)
-    assert rec.lengths[:4] == [31, 37, 2, 1]
+    _, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2)
+    assert lengths[:3] == [31, 37, 3] and set(lengths[3:]) == {1}
 
 
 def test_prompts_arriving_together_are_read_in_one_pass(dense_model):

@@ -67,12 +67,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts
 from worker.engine.batch_cache import BatchCache, batchable
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
+from worker.engine.mtp import target_parts
 from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
 from worker.runtime.gated_delta import CHUNK
@@ -87,6 +89,11 @@ MIN_PIECE = CHUNK
 # 32 chat prompts of 53-80 tokens arriving together (64-token pieces each)
 # are read in one pass.
 FOLD = 4
+
+# mlx-lm architectures whose forward is the LM head (or the tied embedding)
+# over the body's output, nothing after it: a lone prompt's last chunk may
+# run the body and score its last position alone (TokenGenerator._folds).
+FOLDABLE = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama"})
 
 
 @dataclass(eq=False)
@@ -152,6 +159,7 @@ class TokenGenerator:
         compiled: CompiledDecode | None = None,
         speculator: Speculator | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        fold: bool = True,
     ):
         self.model = model
         # Drafts and verifies several tokens per row a step (None: never).
@@ -166,6 +174,14 @@ class TokenGenerator:
         self.prefill_step = prefill_step
         self.chat_marker = chat_marker
         self.can_batch = batchable(make_prompt_cache(model))
+        # (body, LM head): a lone prompt's last chunk scores only its last
+        # position (_folds). None when not asked (a rank of a group, whose
+        # head computes a slice of the logits its forward gathers), for an
+        # architecture whose forward is not exactly the head over the body's
+        # output, or a stand-in model.
+        text = getattr(model, "language_model", model)
+        foldable = fold and isinstance(model, nn.Module) and getattr(text, "model_type", None) in FOLDABLE
+        self._parts = target_parts(model)[1:] if foldable else None
         # kv_bits with quantized_kv_start (worker.engine.kv_quant): prefill
         # chunks end there, so a row converts at exactly that many tokens
         # whatever batch reads it.
@@ -472,6 +488,24 @@ class TokenGenerator:
             out.append(None if row.broken else constraint)
         return out
 
+    def _folds(self, rows: list[Row]) -> bool:
+        """Whether this chunk, a lone row's last, reads the prompt's last
+        token too, and its logits there give the row's first token: the
+        decode step that would read that token alone (a pass over all the
+        weights, on a GPU as long as any step) is not needed. Only where
+        that step could have run ahead the same way: an empty decode batch,
+        a row that may not be forced, no drafter (a speculative row's first
+        step reads its pending token with the drafts), and a cache that
+        keeps no snapshot at the token before the last (a hybrid model's
+        state cannot be cut back to there)."""
+        if len(rows) != 1 or self.decoding or not self.run_ahead or self.speculator is not None or self._parts is None:
+            return False
+        row = rows[0]
+        last = len(row.ids) - 1
+        if row.ends != [last] or row.may_force:
+            return False
+        return self.prefix_cache.trimmable or last not in row.snapshots
+
     def _prefill_chunk(self) -> None:
         rows = self.prefilling
         group = self._group
@@ -484,6 +518,9 @@ class TokenGenerator:
             if not rows:
                 self._group = None
                 return
+        folded = self._folds(rows)
+        if folded:
+            rows[0].ends[0] += 1
         pieces = [row.ids[row.pos : row.ends[0]] for row in rows]
         width = max(len(p) for p in pieces)
         lengths = [len(p) for p in pieces]
@@ -492,7 +529,11 @@ class TokenGenerator:
         if padded:
             group.pad(lengths, width)
         self._route([row.slot for row in rows])
-        if self.speculator is not None and self.speculator.reads_hidden:
+        first = None
+        if folded:
+            body, head = self._parts
+            first = head(body(tokens, cache=group.layers)[:, -1:, :])[:, -1, :]
+        elif self.speculator is not None and self.speculator.reads_hidden:
             self.speculator.read_prompt(rows, [row.pos for row in rows], lengths, tokens, group.layers)
         else:
             self.model(tokens, cache=group.layers)
@@ -501,13 +542,20 @@ class TokenGenerator:
         mx.async_eval(group.state)
         for i, row in enumerate(rows):
             row.pos = row.ends.pop(0)
-            if row.pos in row.snapshots:
+            # A folded row's cache holds its last token too: for a cache cut
+            # back to any prefix, that snapshot serves the one before it.
+            if row.pos in row.snapshots or (folded and row.pos - 1 in row.snapshots):
                 self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
         done = [i for i, row in enumerate(rows) if not row.ends]
         if done:
             self._joining = True
             self._join([rows[i] for i in done], group.split(done))
             self._joining = False
+            if folded:
+                # The pass that read the last prompt token is built: the
+                # first decode step draws from it (as a step run ahead does).
+                self._ahead = first
+                mx.async_eval(first)
             self.prefilling = [row for row in rows if row.ends]
             if not self.prefilling:
                 self._group = None

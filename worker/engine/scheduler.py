@@ -73,6 +73,9 @@ class Waiting:
 
 
 class Scheduler:
+    # A lone prompt's last chunk reads its last token too (TokenGenerator._folds).
+    fold_last_token = True
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -183,6 +186,7 @@ class Scheduler:
             self.compiled,
             speculator,
             frozenset(self.codec.eos_ids),
+            self.fold_last_token,
         )
         generator.on_read = self._read
         return generator

@@ -278,6 +278,10 @@ class GroupScheduler(Scheduler):
     every rank agrees on (the largest rank's cache bytes per row, the
     smallest rank's memory and batch), and a failed step ends the group."""
 
+    # A rank's LM head computes its slice of the logits, which the model's
+    # forward gathers (and a pipeline stage's body is not the whole model).
+    fold_last_token = False
+
     def __init__(self, group: mx.distributed.Group, *args, broken: Callable[[str], None] = abort, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = group
