@@ -36,6 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.events import BAD_REQUEST, WORKER_CRASHED, encode_cancelled_done, encode_done, encode_embedding, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Embed, utf8_len
+from worker.runtime.parts import text_model
 from worker.text.prompts import model_limit
 from worker.text.tokenizer import TextCodec
 
@@ -65,9 +66,8 @@ def end_token(codec: TextCodec) -> int:
 
 
 def decoder(model) -> Callable:
-    """The model without its LM head: mlx-lm models keep their decoder
-    stack (layers and final norm) as `model`."""
-    body = getattr(model, "model", None)
+    """The model without its LM head (worker.runtime.parts)."""
+    body = getattr(text_model(model), "model", None)
     if body is None or not callable(body):
         raise EmbedError(f"{type(model).__module__} has no decoder stack to take hidden states from")
     return body

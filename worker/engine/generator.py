@@ -74,10 +74,10 @@ from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, messa
 from worker.engine.batch_cache import BatchCache, batchable
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
-from worker.engine.mtp import target_parts
 from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
 from worker.runtime.gated_delta import CHUNK
+from worker.runtime.parts import model_parts, text_model
 
 log = logging.getLogger("worker")
 
@@ -179,9 +179,8 @@ class TokenGenerator:
         # head computes a slice of the logits its forward gathers), for an
         # architecture whose forward is not exactly the head over the body's
         # output, or a stand-in model.
-        text = getattr(model, "language_model", model)
-        foldable = fold and isinstance(model, nn.Module) and getattr(text, "model_type", None) in FOLDABLE
-        self._parts = target_parts(model)[1:] if foldable else None
+        foldable = fold and isinstance(model, nn.Module) and getattr(text_model(model), "model_type", None) in FOLDABLE
+        self._parts = model_parts(model)[1:] if foldable else None
         # kv_bits with quantized_kv_start (worker.engine.kv_quant): prefill
         # chunks end there, so a row converts at exactly that many tokens
         # whatever batch reads it.

@@ -43,6 +43,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from worker.engine.batch_cache import BatchCache
+from worker.runtime.parts import model_parts
 
 PREFIX = "mtp."
 # The target's hidden states a row keeps until the head reads them: the
@@ -71,15 +72,6 @@ class MtpHead(nn.Module):
         x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1))
         x = self.layers[0](x, create_attention_mask(x, cache), cache)
         return self.norm(x)
-
-
-def target_parts(model) -> tuple[nn.Module, object, object]:
-    """(text model, its body giving the final hidden states, its LM head as
-    a function of them)."""
-    text = getattr(model, "language_model", model)
-    body = text.model
-    head = text.lm_head if "lm_head" in text else body.embed_tokens.as_linear
-    return text, body, head
 
 
 def _decoder_layer(text) -> nn.Module:
@@ -130,7 +122,7 @@ def load_head(model, path: Path, config: dict) -> MtpHead:
     weights, hf_layout = read_weights(path)
     if not weights:
         raise MtpError(f'draft = "mtp": {path} carries no mtp.* weights (a multi-token-prediction head); use "ngram" or a draft model')
-    text, body, _ = target_parts(model)
+    text, body, _ = model_parts(model)
     args = text.args
     hidden = args.hidden_size
     head = MtpHead(_decoder_layer(text), hidden, args.rms_norm_eps)
@@ -183,7 +175,7 @@ class MtpDrafter:
     wants_hidden = True
 
     def __init__(self, model, head: MtpHead):
-        self.text, self.body, self.lm_head = target_parts(model)
+        self.text, self.body, self.lm_head = model_parts(model)
         self.head = head
         self._rows: list[MtpState] = []  # in the order of the batch cache
         self._cache: BatchCache | None = None
