@@ -60,6 +60,10 @@ class NgramState:
 
 class NgramDrafter:
     name = "ngram"
+    # Whether its drafts' acceptance depends on the request's text rather
+    # than on a model pair (worker.engine.speculate: new rows do not inherit
+    # earlier rows' pauses).
+    per_request = True
 
     def __init__(self, max_n: int = 3, min_n: int = 2):
         self.max_n = max_n

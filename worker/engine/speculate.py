@@ -138,7 +138,7 @@ class Speculator:
         # whole context). Prompt lookup's drafts depend on the request's
         # text, not on a model pair, so its rows start afresh.
         self._join_pause = 0
-        self._inherits = getattr(drafter, "name", "") != "ngram"
+        self._inherits = not getattr(drafter, "per_request", False)
         self._last: tuple[float, str, int, int] | None = None  # (start, kind, rows, tokens)
         self.drafted = 0
         self.accepted = 0
