@@ -1,0 +1,165 @@
+"""One stream, in one process: the worker's scheduler against mlx-lm's
+`stream_generate` on the same model and prompt, and where each side's time
+goes.
+
+- `--runs` rounds, sides alternated (which goes first flips every round):
+  one greedy request of `--max-tokens` on the same chat prompt; first token
+  and decode tokens/s of each side. mlx-lm stops at the tokenizer's EOS
+  only, the worker at every end-of-turn token too, so mlx-lm's decode rate
+  is taken over as many tokens as the worker's request produced.
+- fresh prompts (`--fresh`, of growing length, each new to both sides, then
+  the same with one more character): the first token where the shapes of
+  the prompt's passes are new, as a user's new message finds them (on CUDA
+  mlx builds kernels and attention graphs per new shape).
+- with `--profile`: cProfile of one run of each side and of one fresh
+  first token, the top functions by own time (on a GPU a function's own time
+  includes the mlx calls it makes, whose kernel launches happen there).
+
+Results go to bench/results/one-stream-<backend>-<size>[-tag].json after
+every round: medians and ranges of the ratios ours / mlx-lm.
+
+    python -m bench.one_stream [--size small|0.8b|8b|8b-q4 | --model DIR] [--runs 5] [--max-tokens 256] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+
+def _top(profile: cProfile.Profile, lines: int = 25) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(lines)
+    return out.getvalue()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--model", type=Path, help="a model dir instead of a demo model")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--fresh", type=int, default=8, help="fresh prompts for the first-token series (0: none)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+
+    from bench.common import backend, load_average, load_model, machine, summary, tagged, write_result
+
+    path, loaded, codec = load_model(args.model or args.size)
+    size = path.name if args.model else args.size
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from bench.chat import user_messages
+    from ipc.messages import Generate
+    from worker.engine.scheduler import Scheduler
+
+    tokenizer = load_tokenizer(loaded.path)
+    stamps: list[float] = []
+    scheduler = Scheduler(loaded, codec, lambda data: stamps.append(time.perf_counter()), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
+    scheduler.warm_up()
+    rid = 0
+
+    def chat(text: str) -> str:
+        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    def ours(prompt: str, n: int) -> tuple[float, float, int]:
+        """(first token ms, decode tok/s, tokens)"""
+        nonlocal rid
+        rid += 1
+        stamps.clear()
+        t0 = time.perf_counter()
+        scheduler.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
+        while scheduler.has_work:
+            scheduler.step()
+        tokens = len(stamps) - 1  # the final line follows the last token's
+        rate = (tokens - 1) / (stamps[tokens - 1] - stamps[0]) if tokens > 1 else 0.0
+        return (stamps[0] - t0) * 1000, rate, tokens
+
+    def theirs(prompt: str, n: int) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        times = []
+        for _ in stream_generate(loaded.model, tokenizer, codec.encode(prompt), max_tokens=n):
+            times.append(time.perf_counter())
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+        return (times[0] - t0) * 1000, rate, len(times)
+
+    base = chat(user_messages(codec.tokenizer, 1, 48)[0])
+    for side in (ours, theirs):
+        side(base, 32)
+        side(base, 32)
+    result = {
+        "size": size,
+        "backend": backend(),
+        "prompt_tokens": len(codec.encode(base)),
+        "max_tokens": args.max_tokens,
+        "machine": machine(),
+        "rounds": [],
+    }
+    name = tagged(f"one-stream-{backend()}-{size}", args.tag)
+    for r in range(args.runs):
+        got = {}
+        for side in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+            # mlx-lm's side runs as many tokens as ours produced (or all, first)
+            n = got["ours"][2] if side is theirs and "ours" in got else args.max_tokens
+            got[side.__name__] = side(base, n)
+        if got["theirs"][2] > got["ours"][2]:
+            # it ran first this round: its rate again over our token count
+            got["theirs"] = theirs(base, got["ours"][2])
+        (ot, orate, otok), (tt, trate, _) = got["ours"], got["theirs"]
+        result["rounds"].append(
+            {"ours": {"ttft_ms": round(ot, 2), "tok_s": round(orate, 1), "tokens": otok}, "mlx_lm": {"ttft_ms": round(tt, 2), "tok_s": round(trate, 1)}}
+        )
+        rounds = result["rounds"]
+        result["decode_ratio"] = summary([x["ours"]["tok_s"] / x["mlx_lm"]["tok_s"] for x in rounds])
+        result["ttft_ratio"] = summary([x["ours"]["ttft_ms"] / x["mlx_lm"]["ttft_ms"] for x in rounds])
+        result["load_average"] = load_average()
+        write_result(name, result)
+        print(f"round {r + 1}: ours {ot:.1f} ms, {orate:.1f} tok/s ({otok} tokens) | mlx-lm {tt:.1f} ms, {trate:.1f} tok/s", flush=True)
+
+    if args.fresh:
+        texts = user_messages(codec.tokenizer, 2 * args.fresh, 30)
+        fresh = result["fresh"] = []
+        for i in range(args.fresh):
+            words = 1 + i % 6
+            mine, other = (chat(" ".join(texts[j : j + words]) + f" ({i})") for j in (2 * i, 2 * i + 1))
+            first = ((ours, mine), (theirs, other)) if i % 2 == 0 else ((theirs, other), (ours, mine))
+            ms = {side.__name__: side(prompt, 1)[0] for side, prompt in first}
+            again = {side.__name__: side(prompt + " ", 1)[0] for side, prompt in first}
+            fresh.append(
+                {
+                    "tokens": len(codec.encode(mine)),
+                    "ours_ms": round(ms["ours"], 1),
+                    "mlx_lm_ms": round(ms["theirs"], 1),
+                    "ours_again_ms": round(again["ours"], 1),
+                    "mlx_lm_again_ms": round(again["theirs"], 1),
+                }
+            )
+            print(f"fresh {fresh[-1]}", flush=True)
+        result["fresh_ratio"] = summary([x["ours_ms"] / x["mlx_lm_ms"] for x in fresh])
+        result["fresh_again_ratio"] = summary([x["ours_again_ms"] / x["mlx_lm_again_ms"] for x in fresh])
+        write_result(name, result)
+
+    if args.profile:
+        for label, fn in (
+            ("ours", lambda: ours(base, args.max_tokens)),
+            ("mlx_lm", lambda: theirs(base, args.max_tokens)),
+            ("ours_fresh_first_token", lambda: ours(chat(texts[0] + " profiled"), 1) if args.fresh else None),
+        ):
+            profile = cProfile.Profile()
+            profile.enable()
+            fn()
+            profile.disable()
+            print(f"== {label}\n{_top(profile)}", flush=True)
+    print(f"decode ours / mlx-lm: {result['decode_ratio']}; first token: {result['ttft_ratio']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
