@@ -5,8 +5,8 @@ goes.
 - `--runs` rounds, sides alternated (which goes first flips every round):
   one greedy request of `--max-tokens` on the same chat prompt; first token
   and decode tokens/s of each side. mlx-lm stops at the tokenizer's EOS
-  only, the worker at every end-of-turn token too, so mlx-lm's decode rate
-  is taken over as many tokens as the worker's request produced.
+  only, the worker at every end-of-turn token too, so both decode rates are
+  taken over the first tokens of as many as the shorter reply has.
 - fresh prompts (`--fresh`, of growing length, each new to both sides, then
   the same with one more character): the first token where the shapes of
   the prompt's passes are new, as a user's new message finds them (on CUDA
@@ -69,8 +69,9 @@ def main() -> int:
     def chat(text: str) -> str:
         return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
-    def ours(prompt: str, n: int) -> tuple[float, float, int]:
-        """(first token ms, decode tok/s, tokens)"""
+    def ours(prompt: str, n: int) -> list[float]:
+        """The times of the request's tokens, from its submission (the last
+        token's line comes with the final line, in one write)."""
         nonlocal rid
         rid += 1
         stamps.clear()
@@ -78,17 +79,15 @@ def main() -> int:
         scheduler.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
         while scheduler.has_work:
             scheduler.step()
-        tokens = len(stamps) - 1  # the final line follows the last token's
-        rate = (tokens - 1) / (stamps[tokens - 1] - stamps[0]) if tokens > 1 else 0.0
-        return (stamps[0] - t0) * 1000, rate, tokens
+        return [t - t0 for t in stamps]
 
-    def theirs(prompt: str, n: int) -> tuple[float, float, int]:
+    def theirs(prompt: str, n: int) -> list[float]:
         t0 = time.perf_counter()
-        times = []
-        for _ in stream_generate(loaded.model, tokenizer, codec.encode(prompt), max_tokens=n):
-            times.append(time.perf_counter())
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-        return (times[0] - t0) * 1000, rate, len(times)
+        return [time.perf_counter() - t0 for _ in stream_generate(loaded.model, tokenizer, codec.encode(prompt), max_tokens=n)]
+
+    def rate(times: list[float], tokens: int) -> float:
+        """Decode tokens/s over the first `tokens` tokens."""
+        return (tokens - 1) / (times[tokens - 1] - times[0]) if tokens > 1 else 0.0
 
     base = chat(user_messages(codec.tokenizer, 1, 48)[0])
     for side in (ours, theirs):
@@ -104,24 +103,21 @@ def main() -> int:
     }
     name = tagged(f"one-stream-{backend()}-{size}", args.tag)
     for r in range(args.runs):
-        got = {}
-        for side in (ours, theirs) if r % 2 == 0 else (theirs, ours):
-            # mlx-lm's side runs as many tokens as ours produced (or all, first)
-            n = got["ours"][2] if side is theirs and "ours" in got else args.max_tokens
-            got[side.__name__] = side(base, n)
-        if got["theirs"][2] > got["ours"][2]:
-            # it ran first this round: its rate again over our token count
-            got["theirs"] = theirs(base, got["ours"][2])
-        (ot, orate, otok), (tt, trate, _) = got["ours"], got["theirs"]
+        got = {side.__name__: side(base, args.max_tokens) for side in ((ours, theirs) if r % 2 == 0 else (theirs, ours))}
+        mine, other = got["ours"], got["theirs"]
+        tokens = min(len(mine), len(other))
         result["rounds"].append(
-            {"ours": {"ttft_ms": round(ot, 2), "tok_s": round(orate, 1), "tokens": otok}, "mlx_lm": {"ttft_ms": round(tt, 2), "tok_s": round(trate, 1)}}
+            {
+                "ours": {"ttft_ms": round(mine[0] * 1000, 2), "tok_s": round(rate(mine, tokens), 1), "tokens": len(mine)},
+                "mlx_lm": {"ttft_ms": round(other[0] * 1000, 2), "tok_s": round(rate(other, tokens), 1), "tokens": len(other)},
+            }
         )
         rounds = result["rounds"]
         result["decode_ratio"] = summary([x["ours"]["tok_s"] / x["mlx_lm"]["tok_s"] for x in rounds])
         result["ttft_ratio"] = summary([x["ours"]["ttft_ms"] / x["mlx_lm"]["ttft_ms"] for x in rounds])
         result["load_average"] = load_average()
         write_result(name, result)
-        print(f"round {r + 1}: ours {ot:.1f} ms, {orate:.1f} tok/s ({otok} tokens) | mlx-lm {tt:.1f} ms, {trate:.1f} tok/s", flush=True)
+        print(f"round {r + 1}: {rounds[-1]} (decode rates over the first {tokens} tokens)", flush=True)
 
     if args.fresh:
         texts = user_messages(codec.tokenizer, 2 * args.fresh, 30)
@@ -130,8 +126,8 @@ def main() -> int:
             words = 1 + i % 6
             mine, other = (chat(" ".join(texts[j : j + words]) + f" ({i})") for j in (2 * i, 2 * i + 1))
             first = ((ours, mine), (theirs, other)) if i % 2 == 0 else ((theirs, other), (ours, mine))
-            ms = {side.__name__: side(prompt, 1)[0] for side, prompt in first}
-            again = {side.__name__: side(prompt + " ", 1)[0] for side, prompt in first}
+            ms = {side.__name__: side(prompt, 1)[0] * 1000 for side, prompt in first}
+            again = {side.__name__: side(prompt + " ", 1)[0] * 1000 for side, prompt in first}
             fresh.append(
                 {
                     "tokens": len(codec.encode(mine)),
