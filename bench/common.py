@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from harness.procs import ROOT, build_demo_model
+from worker.runtime.kernel_cache import cpu_model
 
 RESULTS = ROOT / "bench" / "results"
 NOISY = "shared 2-core machine with other work running: figures are noisy; ratios come from runs in the same process, alternated"
@@ -109,11 +110,7 @@ def machine() -> dict:
     }
     if os.environ.get("OPENBLAS_NUM_THREADS"):
         info["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
+    info["cpu"] = cpu_model()
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
         if gpu.returncode == 0:

@@ -267,22 +267,19 @@ class CompiledDecode:
         capacities = tuple(s[0].shape[2] if not isinstance(s[0], tuple) else (s[0][0].shape[2], "quantized") for s in states if len(s) == 4)
         return states, capacities
 
-    def _room(self, shape: tuple) -> None:
-        """Drops the decode step's traces when there are too many (see MAX_TRACES)."""
-        if shape not in self._shapes and len(self._shapes) >= self.max_traces:
-            self._fn = mx.compile(self._step)
-            self._shapes.clear()
-
-    def _block_room(self, shape: tuple) -> None:
-        """Drops every block's traces when there are too many."""
-        if shape not in self._block_shapes and len(self._block_shapes) >= self.max_traces:
-            self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
-            self._block_shapes.clear()
+    def _full(self, shapes: set[tuple], shape: tuple) -> bool:
+        """Whether a new shape finds `shapes` at the bound (MAX_TRACES); they
+        are then forgotten, and the caller compiles its functions afresh."""
+        if shape in shapes or len(shapes) < self.max_traces:
+            return False
+        shapes.clear()
+        return True
 
     def forward(self, inputs: mx.array, layers: list) -> mx.array:
         states, capacities = self._states(layers, 1)
         shape = (inputs.shape[0], capacities)
-        self._room(shape)
+        if self._full(self._shapes, shape):
+            self._fn = mx.compile(self._step)
         if shape in self._shapes:
             logits, out = self._fn(inputs, states)
         else:
@@ -317,7 +314,8 @@ class CompiledDecode:
         written = inputs.shape[1] if written is None else written
         states, capacities = self._states(layers, written)
         shape = (name, inputs.shape, capacities)
-        self._block_room(shape)
+        if self._full(self._block_shapes, shape):
+            self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
         if shape in self._block_shapes:
             outputs, out = self._blocks[name](inputs, states)
         else:
