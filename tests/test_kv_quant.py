@@ -319,3 +319,67 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
     assert speculating.speculator is not None
     assert run(speculating, prompt=second)[0] == ids
     assert speculating.speculator.drafted > 0
+
+
+@pytest.mark.parametrize("queries", [1, 5, 40])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, contiguous):
+    """A prompt piece reads the cache dequantized through the fused kernel,
+    a step the packed values (copied to one block first where the backend
+    wants that): both compute mlx-lm's quantized attention, on a cache's
+    view up to its offset (a slice of its buffer), with a causal or an
+    array mask."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from worker.engine.kv_quant import QuantKV
+    from worker.engine.quant_attention import _attention
+
+    rng = np.random.default_rng(queries)
+    B, heads, kv_heads, dim, held = 2, 4, 2, 64, 100
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    cache = QuantKV(32, 8)
+    cache.update_and_fetch(normal(B, kv_heads, held - queries, dim), normal(B, kv_heads, held - queries, dim))
+    keys, values = cache.update_and_fetch(normal(B, kv_heads, queries, dim), normal(B, kv_heads, queries, dim))
+    assert keys[0].shape[2] == held and cache.keys[0].shape[2] > held  # a view into a bigger buffer
+    q = normal(B, heads, queries, dim)
+    visible = np.broadcast_to(np.tril(np.ones((queries, held), dtype=bool), held - queries), (B, queries, held)).copy()
+    visible[1, :, :3] = False  # row 1 holds three tokens of left padding
+    for mask in ("causal", mx.array(visible[:, None])):
+        if isinstance(mask, str) and queries == 1:
+            mask = None
+        # (mlx-lm scales the queries in place: each call gets its own.)
+        want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=dim**-0.5, mask=mask, group_size=32, bits=8)
+        got = _attention(contiguous)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
+        assert got.shape == want.shape
+        assert mx.abs(got - want).max().item() < 1e-4
+
+
+def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(tiny_model, plain):
+    import sys
+
+    import mlx.core as mx
+    from mlx_lm.models import base
+    from mlx_lm.models.cache import make_prompt_cache
+
+    q = quantized(tiny_model, 8)
+    modules = {sys.modules[type(m).__module__] for m in q.model.modules()}
+    routed = [m for m in modules if getattr(m, "scaled_dot_product_attention", None) not in (None, base.scaled_dot_product_attention)]
+    assert routed and all(m.scaled_dot_product_attention.__module__ == "worker.engine.quant_attention" for m in routed)
+    # The plain model shares those modules: its caches carry no `bits`, so
+    # its logits are mlx-lm's own.
+    ids = mx.array([[5, 17, 300, 41, 9, 77, 120, 3, 64, 8, 200, 11]])
+    before = plain.model(ids, cache=make_prompt_cache(plain.model))
+    routed_fn = {m: m.scaled_dot_product_attention for m in routed}
+    try:
+        for m in routed:
+            m.scaled_dot_product_attention = base.scaled_dot_product_attention
+        reference = plain.model(ids, cache=make_prompt_cache(plain.model))
+    finally:
+        for m, fn in routed_fn.items():
+            m.scaled_dot_product_attention = fn
+    assert mx.abs(before - reference).max().item() == 0.0

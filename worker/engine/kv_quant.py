@@ -9,8 +9,10 @@ made mergeable) and rows of a batch share a `BatchQuantKV`: mlx-lm's
 rolled into left padding, rows joining, leaving and taken out) applied to
 the three arrays of each quantized tensor. Quantization groups run along
 the head dimension, so every token's entry stands alone and the cache can
-be cut, padded and rolled along the token axis like a plain one. mlx-lm's
-attention sees `bits` on the cache and takes its quantized path.
+be cut, padded and rolled along the token axis like a plain one. The
+model's attention sees `bits` on the cache and takes the quantized path
+(worker.engine.quant_attention: prompt pieces dequantized, decode steps on
+the packed values).
 
 `quantized_kv_start = N` (as mlx-lm's): a row's cache stays in the model's
 dtype until it holds N tokens, and is quantized before the next forward
@@ -31,6 +33,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
+
+from worker.engine import quant_attention
 
 
 def _map(f, *trees):
@@ -552,6 +556,7 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
         return [(LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)) if type(c) is KVCache else c for c in caches]
 
     model.make_cache = make_cache
+    quant_attention.install(model)
     # Where a prompt's prefill chunks end, so that a row converts at exactly
     # this many tokens (worker.engine.generator).
     model.quantized_kv_start = start

@@ -1,0 +1,61 @@
+"""Attention over quantized caches (kv_bits), routed by the cache's form.
+
+mlx-lm's quantized attention scores every query against every key with two
+quantized matmuls and a softmax in between. For a prompt piece that
+materialises the whole score matrix (2,048 queries of 32 heads against 32k
+cached tokens: 4 GiB in bf16), which the fused attention kernel of the
+model's dtype never holds: on an H200, the 8B shape's prefill of 32k tokens
+peaked at 1.27x the memory with an 8-bit cache than with a bf16 one. So a piece of more than
+DEQUANTIZED_ABOVE queries reads the cache dequantized, one layer at a time,
+through `mx.fast.scaled_dot_product_attention`; decode steps and speculative
+verification, a few queries each, keep the quantized matmuls, which read the
+packed values only.
+
+mlx's CUDA quantized matmul has no kernel for an operand that is not
+contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), and a cache's
+tokens so far are a slice of its buffer: on CUDA they are copied to one
+block first.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+DEQUANTIZED_ABOVE = 8
+
+_ORIGINAL = base.scaled_dot_product_attention
+
+
+def _attention(contiguous: bool):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+        if not hasattr(cache, "bits"):
+            return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        if queries.shape[2] > DEQUANTIZED_ABOVE:
+            keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+            values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if contiguous:
+            keys = tuple(mx.contiguous(x) for x in keys)
+            values = tuple(mx.contiguous(x) for x in values)
+        return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    return scaled_dot_product_attention
+
+
+def install(model) -> int:
+    """Routes the attention of the model's modules through this one; returns
+    how many modules were rebound. mlx-lm's model files import
+    scaled_dot_product_attention by name, so the name is rebound in each
+    (a plain cache still takes mlx-lm's own path)."""
+    attention = _attention(mx.default_device() == mx.gpu and mx.cuda.is_available())
+    patched = 0
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is _ORIGINAL or getattr(current, "__module__", None) == __name__:
+            module.scaled_dot_product_attention = attention
+            patched += 1
+    return patched
