@@ -247,22 +247,24 @@ def test_caches_it_cannot_trace_are_left_to_the_model(hybrid):
     assert not compiled.steppable([])
 
 
-def test_on_cuda_a_lone_row_of_an_attention_only_model_steps_op_by_op(dense_model, hybrid):
+def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op(dense_model, hybrid):
     """The policy alone (the CPU keeps tracing every cache it can): with the
-    CUDA rule on, a lone row of plain attention caches is left to the model,
-    whose attention then needs no mask; batches and hybrid rows still step
-    compiled."""
+    CUDA rule on, a lone row of plain attention caches decodes with the
+    model, whose attention then needs no mask; its blocks of several tokens
+    (a verify, a draft's read) still trace, and so do batches and hybrid
+    rows."""
     model, vocab = load_model(dense_model)
     compiled = CompiledDecode(model)
     assert not compiled.lone_attention_eager  # this machine's default device is the CPU
     lone, batch = prefilled(model, prompts_of(vocab, [9])), prefilled(model, prompts_of(vocab, [9, 5]))
-    assert compiled.steppable(lone.layers) and compiled.steppable(batch.layers)
+    assert compiled.decodes(lone.layers) and compiled.decodes(batch.layers)
     compiled.lone_attention_eager = True
-    assert not compiled.steppable(lone.layers) and compiled.steppable(batch.layers)
+    assert not compiled.decodes(lone.layers) and compiled.steppable(lone.layers)
+    assert compiled.decodes(batch.layers)
     model, vocab = hybrid
     compiled = CompiledDecode(model)
     compiled.lone_attention_eager = True
-    assert compiled.steppable(prefilled(model, prompts_of(vocab, [9])).layers)
+    assert compiled.decodes(prefilled(model, prompts_of(vocab, [9])).layers)
 
 
 class ReadsBack:

@@ -36,13 +36,19 @@ anything else (rotating caches, padding still pending, a batch holding both
 plain and quantized rows) takes the model's own forward.
 
 On CUDA a lone row of an attention-only model takes the model's own forward
-too. mlx's fused attention kernels for a decode step there (its vector
-kernel, and cuDNN's) refuse any array mask, and the trace always masks its
-whole buffer, so under the trace every layer's attention runs as separate
-matmul, mask and softmax kernels. A lone row's own caches need no mask, as
-in mlx-lm's `stream_generate`. A hybrid model keeps the trace: its fused
-gated-delta steps gain more than its few attention layers lose (measured on
-an H200 with the 0.8b shape: 1.2x mlx-lm's decode).
+for its decode step (`decodes`). mlx's fused attention kernels for a decode
+step there (its vector kernel, and cuDNN's) refuse any array mask, and the
+trace always masks its whole buffer, so under the trace every layer's
+attention runs as separate matmul, mask and softmax kernels. A lone row's
+own caches need no mask, as in mlx-lm's `stream_generate`. A hybrid model
+keeps the trace: its fused gated-delta steps gain more than its few
+attention layers lose (measured on an H200 with the 0.8b shape: 1.2x
+mlx-lm's decode). Blocks of several tokens a row (a speculative verify, a
+draft model's read) keep the trace even then: unmasked, several queries go
+to cuDNN, which builds a graph for every new key length (mlx's attention
+graph cache is keyed by the key's shape, except for one-query decoding),
+and such a block meets a new length every step (on an H200 a lone row's
+draft model ran at 0.59x plain decoding that way, against 3.3x at 8 rows).
 """
 
 from __future__ import annotations
@@ -206,7 +212,7 @@ class CompiledDecode:
         self.failed: str | None = None  # why the model could not be traced
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
-        # A lone row of plain attention caches runs op by op (see the module's docstring).
+        # A lone row of plain attention caches decodes op by op (see the module's docstring).
         self.lone_attention_eager = mx.default_device() == mx.gpu and mx.cuda.is_available()
 
     def keep_for(self, max_batch: int) -> None:
@@ -218,9 +224,15 @@ class CompiledDecode:
             if type(c) in (LazyKV, BatchLazyKV):
                 # Conversions due before this step first: they decide the forms it runs with.
                 c.settle()
-        if self.lone_attention_eager and all(type(c) is KVCache for c in layers):
-            return False
         return self.failed is None and bool(layers) and all(_steppable(_inner(c)) for c in layers)
+
+    def decodes(self, layers: list) -> bool:
+        """Whether a decode step (one token a row) over these caches takes
+        the trace: steppable, and not a lone row of plain attention caches
+        on CUDA (see the module's docstring)."""
+        if not self.steppable(layers):
+            return False
+        return not (self.lone_attention_eager and all(type(c) is KVCache for c in layers))
 
     def _traced(self, states: list) -> list:
         layers = []

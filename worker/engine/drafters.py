@@ -182,7 +182,7 @@ class ModelDrafter:
         saved = [list(c.cache) if type(c) is ArraysCache else None for c in layers]
         tokens = mx.argmax(last, axis=-1)
         drafted = [tokens]
-        compiled = self.compiled.steppable(layers)
+        compiled = self.compiled.decodes(layers)
         for _ in range(k - 1):
             logits = self.compiled.forward(tokens, layers) if compiled else self.model(tokens[:, None], cache=layers)[:, -1, :]
             tokens = mx.argmax(logits, axis=-1)

@@ -462,7 +462,7 @@ class TokenGenerator:
         # adapter layers pass every row through to the base model.
         self._route(slots)
         layers = self._cache.layers
-        if self.compiled is not None and all(s is None for s in slots) and self.compiled.steppable(layers):
+        if self.compiled is not None and all(s is None for s in slots) and self.compiled.decodes(layers):
             return self.compiled.forward(inputs, layers)
         return self.model(inputs[:, None], cache=layers)[:, -1, :]
 
