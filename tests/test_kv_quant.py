@@ -322,13 +322,13 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 
 
 @pytest.mark.parametrize("queries", [1, 5, 40])
-@pytest.mark.parametrize("contiguous", [False, True])
-def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, contiguous):
+@pytest.mark.parametrize("cuda", [False, True])
+def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, cuda):
     """A prompt piece reads the cache dequantized through the fused kernel,
-    a step the packed values (copied to one block first where the backend
-    wants that): both compute mlx-lm's quantized attention, on a cache's
-    view up to its offset (a slice of its buffer), with a causal or an
-    array mask."""
+    a step the packed values (on the CPU each KV head's queries as one
+    matmul's rows; for CUDA copied to one block, mlx-lm's way): all compute
+    mlx-lm's quantized attention, on a cache's view up to its offset (a
+    slice of its buffer), with a causal, a boolean or an additive mask."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -349,12 +349,12 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
     q = normal(B, heads, queries, dim)
     visible = np.broadcast_to(np.tril(np.ones((queries, held), dtype=bool), held - queries), (B, queries, held)).copy()
     visible[1, :, :3] = False  # row 1 holds three tokens of left padding
-    for mask in ("causal", mx.array(visible[:, None])):
+    for mask in ("causal", mx.array(visible[:, None]), mx.where(mx.array(visible[:, None]), 0.0, -1e9)):
         if isinstance(mask, str) and queries == 1:
             mask = None
         # (mlx-lm scales the queries in place: each call gets its own.)
         want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=dim**-0.5, mask=mask, group_size=32, bits=8)
-        got = _attention(contiguous)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
+        got = _attention(cuda)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
         assert got.shape == want.shape
         assert mx.abs(got - want).max().item() < 1e-4
 
