@@ -27,8 +27,8 @@ leaving, prefix snapshots, prefill) keeps using unchanged.
 Quantized attention caches (`kv_bits`, worker.engine.kv_quant) step the
 same way (`_TracedQuantKV`): the new key and value are quantized inside the
 trace and written at `col` into each of the three arrays (packed values,
-scales, biases), and the model's attention takes mlx-lm's quantized path
-over the whole buffer under the same mask.
+scales, biases), and the model's attention takes the quantized path
+(worker.engine.quant_attention) over the whole buffer under the same mask.
 
 Only rows without a LoRA adapter step this way (an adapter's routing is
 Python state a trace would freeze), and only over the cache types above:
@@ -106,8 +106,8 @@ class _TracedKV:
 
 class _TracedQuantKV(_TracedKV):
     """A quantized attention cache inside the trace: `keys` and `values` are
-    (packed, scales, biases); `bits` sends the model's attention down
-    mlx-lm's quantized path."""
+    (packed, scales, biases); `bits` sends the model's attention down the
+    quantized path."""
 
     def __init__(self, keys: tuple, values: tuple, col: mx.array, offset: mx.array, group_size: int, bits: int):
         self.keys, self.values, self.col, self.offset = keys, values, col, offset
