@@ -11,6 +11,12 @@ goes.
   the same with one more character): the first token where the shapes of
   the prompt's passes are new, as a user's new message finds them (on CUDA
   mlx builds kernels and attention graphs per new shape).
+- both sides run the same loaded model, whose modules the worker's loader
+  has pointed at its chunked gated-delta prefill (mlx-lm's loop over the
+  prompt's tokens is what a process of mlx-lm's own runs on CUDA and the
+  CPU), so for a hybrid model the comparison is of the engines over the
+  same prefill arithmetic; `bench.batch --through serve` runs mlx-lm in a
+  process of its own.
 - with `--profile`: cProfile of one run of each side and of one fresh
   first token, the top functions by own time (on a GPU a function's own time
   includes the mlx calls it makes, whose kernel launches happen there).
