@@ -60,6 +60,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from worker.engine.kv_quant import BatchLazyKV, BatchQuantKV, LazyKV, QuantKV
+from worker.runtime.memory import processor
 
 log = logging.getLogger("worker")
 
@@ -213,7 +214,7 @@ class CompiledDecode:
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
         # A lone row of plain attention caches decodes op by op (see the module's docstring).
-        self.lone_attention_eager = mx.default_device() == mx.gpu and mx.cuda.is_available()
+        self.lone_attention_eager = processor() == "cuda"
 
     def keep_for(self, max_batch: int) -> None:
         """Keeps enough traces for batches of up to max_batch rows."""

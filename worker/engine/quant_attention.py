@@ -24,10 +24,11 @@ runs of 100, 8 bits).
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 from mlx_lm.models import base
+
+from worker.runtime.memory import processor
+from worker.runtime.rebind import rebind
 
 DEQUANTIZED_ABOVE = 8
 
@@ -79,16 +80,8 @@ def _attention(cuda: bool):
 
 
 def install(model) -> int:
-    """Routes the attention of the model's modules through this one; returns
-    how many modules were rebound. mlx-lm's model files import
-    scaled_dot_product_attention by name, so the name is rebound in each
-    (a plain cache still takes mlx-lm's own path)."""
-    attention = _attention(mx.default_device() == mx.gpu and mx.cuda.is_available())
-    patched = 0
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is _ORIGINAL or getattr(current, "__module__", None) == __name__:
-            module.scaled_dot_product_attention = attention
-            patched += 1
-    return patched
+    """Routes the attention of the model's modules (mlx-lm's, or an earlier
+    install's) through this one; a plain cache still takes mlx-lm's own
+    path. Returns how many modules were rebound."""
+    attention = _attention(processor() == "cuda")
+    return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) == __name__)

@@ -22,12 +22,13 @@ space, so tiny gates underflow to zero instead of dividing 0 by 0.
 from __future__ import annotations
 
 import logging
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update as _ORIGINAL
+
+from worker.runtime.rebind import rebind
 
 log = logging.getLogger("worker")
 
@@ -193,17 +194,11 @@ def install(model: nn.Module) -> int:
     """Routes the model's gated-delta calls through the chunked prefill when
     Metal is absent (CPU, CUDA); returns how many modules were patched.
 
-    mlx-lm's model files import gated_delta_update by name, so the name is
-    rebound in each model module that uses it; mlx-lm's files stay untouched.
+    (worker.runtime.rebind says why a name is rebound per module.)
     """
     if mx.metal.is_available():
         return 0
-    patched = 0
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "gated_delta_update", None) is _ORIGINAL:
-            module.gated_delta_update = gated_delta_update
-            patched += 1
+    patched = rebind(model, "gated_delta_update", gated_delta_update, lambda current: current is _ORIGINAL)
     if patched:
         log.info("gated-delta prefill: chunked (%d tokens per chunk)", CHUNK)
     return patched
