@@ -54,6 +54,11 @@ def scheduler(loaded, draft: str | None = "ngram", **kw):
     kw.setdefault("batch_memory", 1 << 30)
     kw.setdefault("prefix_cache_bytes", 0)
     s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, draft=draft, **kw)
+    if s.speculator is not None:
+        # Every step takes one tick: which steps draft depends on the rows
+        # alone, not on this machine's speed (the worker's timing has tests
+        # of its own, and test_pace).
+        s.speculator._clock = itertools.count().__next__
     return s, lines
 
 
@@ -114,18 +119,19 @@ def test_greedy_rows_give_the_tokens_of_plain_decoding(which, request):
     assert figures["accepted_tokens"] == sum(d["accepted_tokens"] for d in done.values())
 
 
-def test_the_gated_delta_roll_back_by_feeding_kept_tokens_again_gives_the_same_tokens(hybrid):
+def test_the_gated_delta_roll_back_by_feeding_kept_tokens_again_gives_the_same_tokens(hybrid, second_model):
     """The roll-back used on Metal (state from before the step, kept tokens
-    fed again), run here on the CPU, which keeps per-position states."""
-    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None)
-    s, lines = scheduler(hybrid)
+    fed again), run here on the CPU, which keeps per-position states; the
+    drafts of a demo model of another seed are kept in part."""
+    plain, _, _, _ = generate(hybrid, PROMPTS, draft=None, max_tokens=24)
+    s, lines = scheduler(hybrid, str(second_model))
     s.speculator.per_position = False
     for i, prompt in enumerate(PROMPTS):
-        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=40, temperature=0.0, repetition_penalty=1.0), 0.0)
+        s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=24, temperature=0.0, repetition_penalty=1.0), 0.0)
     ids = s.drain()
     done = done_lines(lines)
-    assert_same_greedy(hybrid, PROMPTS, plain, ids, 40)
-    assert any(d["accepted_tokens"] < d["drafted_tokens"] for d in done.values()), "some draft was cut short"
+    assert_same_greedy(hybrid, PROMPTS, plain, ids, 24)
+    assert any(0 < d["accepted_tokens"] < d["drafted_tokens"] for d in done.values()), done
 
 
 @pytest.mark.parametrize("which", ["dense", "hybrid"])
@@ -270,9 +276,6 @@ def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, den
     the rest of the text comes from plain steps."""
     plain, _, _, _ = generate(hybrid, PROMPTS, draft=None, max_tokens=48)
     s, lines = scheduler(hybrid, str(dense_model))
-    # Every step takes one tick, so the rows' own pauses are what is tested
-    # (the worker's timing could also switch drafting off: its own test).
-    s.speculator._clock = itertools.count().__next__
     for i, prompt in enumerate(PROMPTS):
         s.submit(Generate(rid=i, prompt=prompt, id_json=str(i), max_tokens=48, temperature=0.0, repetition_penalty=1.0), 0.0)
     kinds: list[bool] = []
@@ -289,40 +292,50 @@ def test_a_drafter_that_never_matches_stops_drafting_and_steps_plain(hybrid, den
     assert_same_greedy(hybrid, PROMPTS, plain, s._ended_ids, 48)
 
 
-def test_a_worker_slower_with_drafts_than_without_stops_speculating_then_probes_again():
-    """The worker's own judgement, on step times it is given: speculative
-    steps that give fewer tokens per second than plain ones of the same
-    batch size switch speculation off; after the pause it tries again."""
-    from worker.engine.drafters import NgramDrafter
-    from worker.engine.speculate import WORKER_JUDGE_AFTER, WORKER_PAUSE, Speculator
+def test_the_worker_times_plain_steps_in_probes(dense, dense_model):
+    """A model drafted by itself keeps every draft from the first step, so
+    no plain step times its batch size: once the batch size has lasted, it
+    is probed (PROBE_STEPS plain steps in a row, all but the first timed as
+    its reference), and the rest of the steps speculate."""
+    from worker.engine.pace import JUDGE_AFTER, PROBE_STEPS
 
-    now = [0.0]
-    spec = Speculator(NgramDrafter(), 4, clock=lambda: now[0])
+    s, lines = scheduler(dense, str(dense_model))
+    s.submit(Generate(rid=0, prompt=LOOPY, id_json="0", max_tokens=96, temperature=0.0, repetition_penalty=1.0), 0.0)
+    kinds: list[str] = []
+    while s.has_work:
+        decoding = bool(s.generator.decoding)
+        before = s.speculator.verified
+        s.step()
+        if decoding:
+            kinds.append("s" if s.speculator.verified > before else "p")
+    assert done_lines(lines)[0]["accepted_tokens"] > 0
+    text = "".join(kinds)
+    at = text.find("p" * PROBE_STEPS, text.find("s"))
+    # Probed once the batch size had lasted JUDGE_AFTER speculative steps.
+    assert at >= 0 and text[:at].count("s") >= JUDGE_AFTER, text
+    assert text[at + PROBE_STEPS] == "s", text
+    assert len(s.speculator.pace._plain[1]) == PROBE_STEPS - 1
 
-    class Gen:
-        prefilling: list = []
-        decoding = [object()]
 
-    gen = Gen()
-
-    def step(kind: str, took: float, tokens: int) -> None:
-        spec._account(now[0], gen)
-        spec.steps += 1
-        spec._last = (now[0], kind, 1, tokens)
-        now[0] += took
-
-    for _ in range(3):
-        step("plain", 0.010, 1)
-    for _ in range(WORKER_JUDGE_AFTER):
-        assert spec.active
-        step("spec", 0.030, 2)  # 67 tokens/s against 100
-    spec._account(now[0], gen)
-    assert not spec.active
-    spec.steps += WORKER_PAUSE
-    assert spec.active  # probing again
-    for _ in range(3 * WORKER_JUDGE_AFTER):
-        step("spec", 0.015, 3)  # 200 tokens/s
-    assert spec.active
+def test_a_step_that_traced_a_new_shape_or_followed_an_idle_batch_is_not_timed(hybrid):
+    s, _ = scheduler(hybrid)
+    spec = s.speculator
+    gen = s.generator
+    gen.decoding = [object()]
+    spec._last = (0.0, "plain", 1, 1, "plain", spec._traces(gen))
+    s.compiled.traces += 1
+    spec._account(5.0, gen)
+    assert spec.pace.reference(1) is None
+    spec._last = (5.0, "plain", 1, 1, "plain", spec._traces(gen))
+    spec._account(5.01, gen)
+    assert spec.pace.reference(1) == pytest.approx(0.01)
+    # The batch emptied between the two steps.
+    spec._mark(6.0, gen, "plain", 1)
+    spec.idle()
+    spec._mark(9.0, gen, "plain", 1)
+    spec._account(9.01, gen)
+    assert spec.pace.reference(1) == pytest.approx(0.01)
+    gen.decoding = []
 
 
 class PolicyRow:

@@ -210,6 +210,8 @@ class CompiledDecode:
         # decode step's.
         self._block_shapes: set[tuple] = set()
         self.max_traces = MAX_TRACES
+        # Traces made so far: a step that made one is no measure of speed.
+        self.traces = 0
         self.failed: str | None = None  # why the model could not be traced
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
@@ -306,6 +308,7 @@ class CompiledDecode:
                 log.warning("this model's decode step cannot be compiled; building it op by op (%s)", self.failed)
                 return self.model(inputs[:, None], cache=layers)[:, -1, :]
             self._shapes.add(shape)
+            self.traces += 1
         # The old buffers must not be referenced past this call, so that the
         # compiled slice updates write in place instead of copying them.
         del states
@@ -340,6 +343,7 @@ class CompiledDecode:
                 log.warning("compiled %s: cannot be traced; building it op by op (%s)", name, self.failed_blocks[name])
                 return None
             self._block_shapes.add(shape)
+            self.traces += 1
         del states
         self._advance(layers, out, written)
         return outputs

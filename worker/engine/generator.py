@@ -289,6 +289,8 @@ class TokenGenerator:
                     self._ahead = self._ahead[index]
             else:
                 self._cache, self._next, self._ahead = None, None, None
+                if self.speculator is not None:
+                    self.speculator.idle()
         keep = [i for i, row in enumerate(self.prefilling) if row not in gone]
         if len(keep) < len(self.prefilling):
             self.prefilling = [self.prefilling[i] for i in keep]

@@ -46,8 +46,9 @@ was kept plus one after a miss); a row whose drafts are mostly rejected, or
 whose drafter keeps proposing nothing, stops drafting for a while and tries
 again later, each pause longer; and the
 worker compares the tokens per second of its speculative steps with those
-of plain steps of the same batch size, and stops speculating for a while
-when it is not faster.
+of plain steps of the same batch size, timed in probes of plain steps run
+as plain decoding runs, and stops speculating for a while when it is not
+faster (worker.engine.pace).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from worker.engine.constrain import RowConstraint
 from worker.engine.kv_quant import BatchLazyKV, BatchQuantKV, LazyKV, QuantKV
+from worker.engine.pace import PROBE_STEPS, Pace
 
 log = logging.getLogger("worker")
 
@@ -85,13 +87,6 @@ ROW_JUDGE_AFTER = 2
 # Drafting steps in a row with nothing proposed before a row pauses as one
 # that misses does (an empty proposal costs a step only its overlap).
 ROW_EMPTY_AFTER = 4
-# The worker stops speculating when its speculative steps give fewer tokens
-# per second than plain steps of the same batch size (a running mean over
-# the last steps), for WORKER_PAUSE plain steps, doubled on every pause.
-WORKER_JUDGE_AFTER = 8
-WORKER_PAUSE = 64
-WORKER_PAUSE_MAX = 8192
-EMA = 0.2
 
 
 def supported(layers: list) -> bool:
@@ -123,11 +118,8 @@ class Speculator:
         self._prompts: dict[object, list[tuple[int, mx.array]]] = {}
         self.steps = 0
         self.off_until = 0
-        self._pause = WORKER_PAUSE
-        # Seconds per decode step of plain steps, by batch size (running mean).
-        self._plain: dict[int, float] = {}
-        self._gain = 1.0  # speculative tokens/s over plain tokens/s, running
-        self._judged = 0
+        self.pace = Pace()
+        self._probe = 0  # plain steps left in a probe (worker.engine.pace)
         # The pause a joining row starts with while its drafter's last judged
         # row (any row) kept too little, doubled for each row that joins so,
         # up to ROW_PAUSE_MAX; 0 once a row drafts well, which also
@@ -139,7 +131,11 @@ class Speculator:
         # text, not on a model pair, so its rows start afresh.
         self._join_pause = 0
         self._inherits = not getattr(drafter, "per_request", False)
-        self._last: tuple[float, str, int, int] | None = None  # (start, kind, rows, tokens)
+        # The last decode step: (start, kind, rows, tokens, the kind of the
+        # step before it, traces made before it); kinds are "plain", "spec",
+        # or None for a step beside a prefill chunk.
+        self._last: tuple[float, str, int, int, str | None, int] | None = None
+        self._kind: str | None = None  # the last step's kind
         self.drafted = 0
         self.accepted = 0
         self.verified = 0  # speculative steps run
@@ -199,7 +195,11 @@ class Speculator:
         self.drafter.forget([spec.state for spec in self._rows.values()])
         self._rows.clear()
         self._prompts.clear()
-        self._last = None
+        self.idle()
+
+    def idle(self) -> None:
+        """The decode batch emptied: the next step's time is not this one's."""
+        self._last = self._kind = None
 
     def observe(self, out: list) -> None:
         """The tokens fed this step, in order (a row's history for drafting)."""
@@ -220,7 +220,7 @@ class Speculator:
         return spec is not None and self.steps >= spec.off_until and row.draft_limit > 0 and row.broken is None
 
     def wants(self, rows: list) -> bool:
-        return self.active and any(self._may_draft(row) for row in rows)
+        return self.active and not self._probe and any(self._may_draft(row) for row in rows)
 
     # -- a step -------------------------------------------------------------
 
@@ -231,26 +231,42 @@ class Speculator:
         self._account(now, gen)
         self.steps += 1
         rows = gen.decoding
-        if gen._ahead is not None or not self.wants(rows) or not self._measured(len(rows)):
-            self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
-            return None
+        if self._probe:
+            self._probe -= 1
+            return self._plain_step(now, gen)
+        if gen._ahead is not None or not self.wants(rows):
+            return self._plain_step(now, gen)
+        if not gen.prefilling and self.pace.probe_due(len(rows)):
+            # Plain steps in a row, overlapping as plain decoding does
+            # (wants() says no meanwhile).
+            self.pace.probed(len(rows))
+            self._probe = PROBE_STEPS - 1
+            log.debug("timing plain steps of %d rows", len(rows))
+            return self._plain_step(now, gen)
         gen._apply_forced()
         pending = gen._next.tolist()
         drafts = self._drafts(gen, rows, pending)
         if not any(drafts) and not self._capture(rows):
-            self._last = (now, "plain", len(rows), len(rows)) if not gen.prefilling else None
-            return None
+            return self._plain_step(now, gen)
         out = self._verify(gen, rows, pending, drafts)
         self.verified += 1
         # Every entry is one token a row advanced by (a fresh row's first
         # one is pending, still one step of that row).
-        self._last = (now, "spec", len(rows), len(out)) if not gen.prefilling else None
+        self._mark(now, gen, "spec", len(out))
         return out
 
-    def _measured(self, batch: int) -> bool:
-        """Plain steps of this batch size have been timed (else this one
-        runs plain, and is)."""
-        return batch in self._plain
+    def _plain_step(self, now: float, gen) -> None:
+        self._mark(now, gen, "plain", len(gen.decoding))
+        return None
+
+    def _mark(self, now: float, gen, kind: str, tokens: int) -> None:
+        before, self._kind = self._kind, (kind if not gen.prefilling else None)
+        self._last = (now, kind, len(gen.decoding), tokens, before, self._traces(gen)) if self._kind else None
+
+    def _traces(self, gen) -> int:
+        """Traces the target's and the drafter's compiled steps have made."""
+        own = getattr(self.drafter, "compiled", None)
+        return (gen.compiled.traces if gen.compiled is not None else 0) + (own.traces if own is not None else 0)
 
     def _capture(self, rows: list) -> bool:
         """A drafter that reads the target's hidden states (MTP) lacks some
@@ -491,31 +507,22 @@ class Speculator:
                         other.off_until, other.pause, other.inherited = 0, ROW_PAUSE, False
 
     def _account(self, now: float, gen) -> None:
-        """Times the previous decode step (up to this one's start) against
-        the plain steps of its batch size; steps beside a prefill chunk are
-        not counted (the chunk's time is not the step's)."""
+        """Times the previous decode step (up to this one's start) for the
+        worker's judgement (worker.engine.pace), which says what is timed
+        and why."""
         last, self._last = self._last, None
         if last is None or gen.prefilling or not gen.decoding:
             return
-        start, kind, batch, tokens = last
-        took = now - start
+        start, kind, batch, tokens, before, traces = last
+        took = now - start if self._traces(gen) == traces and before == kind else None
         if kind == "plain":
-            before = self._plain.get(batch)
-            self._plain[batch] = took if before is None else before + EMA * (took - before)
+            if took is not None:
+                self.pace.plain(batch, took)
             return
-        plain = self._plain.get(batch)
-        if plain is None or took <= 0:
-            return
-        gain = (tokens / took) / (batch / plain)
-        self._gain += EMA * (gain - self._gain)
-        self._judged += 1
-        if self._judged >= WORKER_JUDGE_AFTER and self._gain < 1.0:
-            self.off_until = self.steps + self._pause
-            log.info("speculative steps measured %.2fx plain decode; off for %d steps", self._gain, self._pause)
-            self._pause = min(WORKER_PAUSE_MAX, self._pause * 2)
-            self._gain, self._judged = 1.0, 0
-        elif self._judged >= WORKER_JUDGE_AFTER:
-            self._pause = WORKER_PAUSE
+        pause, gain = self.pace.spec(batch, took, tokens)
+        if pause:
+            self.off_until = self.steps + pause
+            log.info("speculative steps measured %.2fx plain decode; off for %d steps", gain, pause)
 
 
 def _allowed(constraint: RowConstraint, pending: int | None, draft: list[int]) -> list[int]:
