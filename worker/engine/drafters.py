@@ -117,38 +117,56 @@ class History:
 READ_PIECE = 256
 
 
-class ModelDrafter:
-    name = "model"
+class BatchRows:
+    """A drafter's rows in the order of its own batch cache: `_rows` holds
+    their states, `_cache` one row each (None while it has none)."""
 
-    def __init__(self, model):
-        self.model = model
-        # The draft's one-token forwards, compiled as the target's decode
-        # step is: a small draft model's step is bound by building its graph
-        # op by op (CPU, demo draft of 2 layers, 3 chained tokens: about
-        # half the time compiled; bench/speculative.py).
-        self.compiled = CompiledDecode(model)
-        self._rows: list[History] = []  # in the order of the batch cache
-        self._fed: list[int] = []  # tokens in the cache, per row
+    def __init__(self) -> None:
+        self._rows: list = []
         self._cache: BatchCache | None = None
-
-    def state(self, tokens: list[int]) -> History:
-        return History(tokens)
 
     @property
     def nbytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes
 
     def forget(self, states) -> None:
-        gone = {id(s) for s in states}
+        self._drop({id(s) for s in states})
+
+    def _drop(self, gone: set[int]) -> list[int] | None:
+        """Drops the rows whose state is in `gone` (by id); returns the kept
+        rows' indices, None when none was dropped."""
         keep = [i for i, s in enumerate(self._rows) if id(s) not in gone]
         if len(keep) == len(self._rows):
-            return
+            return None
         self._rows = [self._rows[i] for i in keep]
-        self._fed = [self._fed[i] for i in keep]
         if keep:
             self._cache.filter(keep)
         else:
             self._cache = None
+        return keep
+
+
+class ModelDrafter(BatchRows):
+    name = "model"
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        # The draft's one-token forwards, compiled as the target's decode
+        # step is: a small draft model's step is bound by building its graph
+        # op by op (CPU, demo draft of 2 layers, 3 chained tokens: about
+        # half the time compiled; bench/speculative.py).
+        self.compiled = CompiledDecode(model)
+        self._fed: list[int] = []  # tokens in the cache, per row
+
+    def state(self, tokens: list[int]) -> History:
+        return History(tokens)
+
+    def _drop(self, gone: set[int]) -> list[int] | None:
+        keep = super()._drop(gone)
+        if keep is not None:
+            self._fed = [self._fed[i] for i in keep]
+        return keep
 
     def propose(self, states: list[History], pendings: list[int | None], limits: list[int]) -> list[list[int]]:
         k = max(limits, default=0)

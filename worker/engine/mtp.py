@@ -43,6 +43,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from worker.engine.batch_cache import BatchCache
+from worker.engine.drafters import BatchRows
 from worker.runtime.parts import model_parts
 
 PREFIX = "mtp."
@@ -169,20 +170,15 @@ class MtpState:
         return self.end == len(self.tokens)
 
 
-class MtpDrafter:
+class MtpDrafter(BatchRows):
     name = "mtp"
     # worker.engine.speculate hands this drafter the target's hidden states.
     wants_hidden = True
 
     def __init__(self, model, head: MtpHead):
+        super().__init__()
         self.text, self.body, self.lm_head = model_parts(model)
         self.head = head
-        self._rows: list[MtpState] = []  # in the order of the batch cache
-        self._cache: BatchCache | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._cache is None else self._cache.nbytes
 
     def state(self, tokens: list[int]) -> MtpState:
         return MtpState(tokens)
@@ -221,19 +217,6 @@ class MtpDrafter:
     def waiting(self, states: list[MtpState]) -> bool:
         """Some row needs a verify forward to hand over its hidden state."""
         return any(not s.current for s in states)
-
-    def forget(self, states) -> None:
-        self._drop({id(s) for s in states})
-
-    def _drop(self, gone: set[int]) -> None:
-        keep = [i for i, s in enumerate(self._rows) if id(s) not in gone]
-        if len(keep) == len(self._rows):
-            return
-        self._rows = [self._rows[i] for i in keep]
-        if keep:
-            self._cache.filter(keep)
-        else:
-            self._cache = None
 
     def propose(self, states: list[MtpState], pendings: list[int | None], limits: list[int]) -> list[list[int]]:
         k = max(limits, default=0)
