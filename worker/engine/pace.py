@@ -56,7 +56,8 @@ PAUSE_MAX = 8192
 
 class Pace:
     def __init__(self) -> None:
-        # Seconds per plain step, the latest SAMPLES timed, by batch size.
+        # Seconds per plain step, the latest SAMPLES timed, by batch size
+        # (both tables hold at most the worker's max_batch keys).
         self._plain: dict[int, deque[float]] = {}
         # Speculative steps at each batch size since its last probe.
         self._since: dict[int, int] = {}
