@@ -18,7 +18,7 @@ A comparison is honest only if each side is timed as it runs on its own:
 - Plain steps after plain steps are references wherever they come (a
   pause, rows with nothing to draft). A batch size that keeps speculating
   has none, so it is timed in probes: PROBE_STEPS plain steps in a row,
-  run when it has lasted JUDGE_AFTER speculative steps and again every
+  run when it has had JUDGE_AFTER speculative steps and again every
   PROBE_EVERY, since machines drift (other work, thermal limits). The
   reference is the median of the latest SAMPLES.
 - The gain is the tokens of the latest WINDOW speculative steps over the
@@ -41,9 +41,11 @@ from statistics import median
 # Plain steps in a probe; all but the first are timed.
 PROBE_STEPS = 5
 # Speculative steps at a batch size between its probes; a batch size is
-# first probed once it has lasted JUDGE_AFTER speculative steps (a batch
-# that only passes through a size is never probed at it). At 5 plain steps
-# in 256 + 5, a probe costs a drafter that gains 1.5x about 0.6 % of it.
+# first probed once it has had JUDGE_AFTER speculative steps, counted over
+# every time the batch had that size (a size the batch only passes through
+# is not probed at once; until it is, its steps are not judged). At 5
+# plain steps in 256 + 5, a probe costs a drafter that gains 1.5x about
+# 0.6 % of it.
 PROBE_EVERY = 256
 SAMPLES = 5
 # Timed speculative steps before a judgement, and the most the gain is taken over.
