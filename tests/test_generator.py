@@ -182,9 +182,13 @@ def test_caches_without_batch_support_are_detected():
 
 
 def submit(s, n: int, start: int = 0, **kw) -> None:
+    """n requests sampled at the default temperature, each with a seed of its
+    own: unseeded, one could draw an end-of-turn token before max_tokens on
+    some run, and a test counting tokens would fail at random."""
     kw.setdefault("max_tokens", 12)
     for i in range(start, start + n):
-        s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **kw), 0.0)
+        fields = {"seed": 1000 + i} | kw
+        s.submit(Generate(rid=i, prompt=f"<|im_start|>user\nQuestion {i}<|im_end|>\n", id_json=str(i), **fields), 0.0)
 
 
 PROMPT_SHORT = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
