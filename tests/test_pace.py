@@ -82,3 +82,14 @@ def test_a_speculating_batch_size_is_probed_again_after_probe_every_steps():
     # The machine slowed down: the new probe's steps are the reference.
     probe(pace, 4, 0.030)
     assert pace.reference(4) == 0.030
+
+
+def test_plain_steps_outside_a_probe_refresh_the_reference_and_put_off_the_next_probe():
+    pace = Pace()
+    probe(pace, 4, 0.010)
+    for _ in range(PROBE_EVERY - 1):
+        pace.spec(4, 0.010, 8)
+    pace.plain(4, 0.012)  # a plain step after a plain one (a pause, say)
+    pace.spec(4, 0.010, 8)
+    assert not pace.probe_due(4)
+    assert pace.reference(4) == 0.010  # the median of the latest SAMPLES

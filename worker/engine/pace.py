@@ -40,12 +40,12 @@ from statistics import median
 
 # Plain steps in a probe; all but the first are timed.
 PROBE_STEPS = 5
-# Speculative steps at a batch size between its probes; a batch size is
-# first probed once it has had JUDGE_AFTER speculative steps, counted over
-# every time the batch had that size (a size the batch only passes through
-# is not probed at once; until it is, its steps are not judged). At 5
-# plain steps in 256 + 5, a probe costs a drafter that gains 1.5x about
-# 0.6 % of it.
+# Speculative steps at a batch size between its plain timings; a batch size
+# is first probed once it has had JUDGE_AFTER speculative steps, counted
+# over every time the batch had that size (a size the batch only passes
+# through is not probed at once; until it is, its steps are not judged).
+# At 5 plain steps in 256 + 5, a probe costs a drafter that gains 1.5x
+# about 0.6 % of it.
 PROBE_EVERY = 256
 SAMPLES = 5
 # Timed speculative steps before a judgement, and the most the gain is taken over.
@@ -61,7 +61,7 @@ class Pace:
         # Seconds per plain step, the latest SAMPLES timed, by batch size
         # (both tables hold at most the worker's max_batch keys).
         self._plain: dict[int, deque[float]] = {}
-        # Speculative steps at each batch size since its last probe.
+        # Speculative steps at each batch size since it last had a plain step timed.
         self._since: dict[int, int] = {}
         # The latest timed speculative steps: (tokens, tokens plain steps
         # would have given in the same time).
@@ -90,9 +90,12 @@ class Pace:
         self._since[batch] = 0
 
     def plain(self, batch: int, took: float) -> None:
-        """A plain step of `batch` rows after a plain step took `took` seconds."""
+        """A plain step of `batch` rows after a plain step took `took` seconds
+        (in a probe, or wherever plain steps come: either refreshes the
+        reference, so a batch size that pauses now and then needs no probe)."""
         if took > 0:
             self._plain.setdefault(batch, deque(maxlen=SAMPLES)).append(took)
+            self._since[batch] = 0
 
     def spec(self, batch: int, took: float | None, tokens: int) -> tuple[int, float]:
         """A speculative step of `batch` rows gave `tokens` tokens in `took`
