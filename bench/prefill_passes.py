@@ -46,12 +46,15 @@ def main() -> int:
     import worker.runtime.gated_delta as gd
     from bench.chat import user_messages
     from worker.cache.prefix_cache import message_starts
+    from worker.runtime.rebind import rebind
 
     model = loaded.model
-    modules = [
-        m for m in {sys.modules[type(x).__module__] for x in model.modules()} if getattr(m, "gated_delta_update", None) in (gd.gated_delta_update, gd._ORIGINAL)
-    ]
-    if not modules:
+
+    def bind(update) -> int:
+        """Points the model's gated-delta modules at `update`."""
+        return rebind(model, "gated_delta_update", update, lambda current: current in (gd.gated_delta_update, gd._ORIGINAL))
+
+    if not bind(gd.gated_delta_update):
         print("this model has no gated-delta layers", file=sys.stderr)
         return 2
     ids = codec.encode(f"<|im_start|>user\n{user_messages(codec.tokenizer, 1, 48)[0]}<|im_end|>\n<|im_start|>assistant\n")
@@ -63,8 +66,7 @@ def main() -> int:
     kinds = {"chunked": gd.gated_delta_update, "mlx-lm loop": gd._ORIGINAL}
 
     def run(kind: str, pieces: list[list[int]]) -> tuple[float, float]:
-        for m in modules:
-            m.gated_delta_update = kinds[kind]
+        bind(kinds[kind])
         cache = make_prompt_cache(model)
         mx.synchronize()
         t0 = time.perf_counter()
@@ -95,8 +97,7 @@ def main() -> int:
             write_result(name, result)
             print(f"round {r + 1}: {result['rounds'][-1]}", flush=True)
     finally:
-        for m in modules:
-            m.gated_delta_update = gd.gated_delta_update
+        bind(gd.gated_delta_update)
     for key, v in result["ms"].items():
         print(f"{key:38s} total {v['total']['median']:7.1f} ms ({v['total']['min']}-{v['total']['max']})  launch {v['launch']['median']:6.1f} ms")
     return 0
