@@ -8,11 +8,12 @@ matmul. On mlx's CPU backend that kernel is fast one way and slow the other:
 values are read) runs near a float matmul, while `x @ W.T` (`transpose=True`,
 as the keys are read: scores = q @ K.T) runs several times slower. So the
 8-bit cache's decode at 8 rows stays under the float cache's however the
-queries are laid out.
+queries are laid out, as long as the keys go through that kernel.
 
-Three layouts, each timed as the attention of one layer for one decode step
-(scores, softmax, values) on the same random cache, alternated, `--runs`
-rounds of `--reps` calls each after a warm-up:
+Three layouts (four where a group is a whole head), each timed as the
+attention of one layer for one decode step (scores, softmax, values) on the
+same random cache, alternated, `--runs` rounds of `--reps` calls each after
+a warm-up:
 
 - `float`: the cache in float32 (the CPU worker's dtype): the baseline.
 - `mlx-lm`: keys and values quantized along the head dimension, as mlx-lm's
@@ -23,9 +24,14 @@ rounds of `--reps` calls each after a warm-up:
   as KIVI quantizes keys), so that the scores take the fast direction too.
   Only the complete groups would be quantized in a cache that grows a token
   at a time; here the whole context is.
+- `bytes` (8 bits, a group per head only): the `mlx-lm` layout with the
+  scores as the worker's CPU path computes them there
+  (worker.engine.quant_attention): the packed keys read as bytes, one float
+  matmul, then each token's scale and bias.
 
 Shapes: `tiny` (the demo model: 2 KV heads of 32, 2 queries each, groups of
-32) and `8b` (Qwen3-8B: 8 KV heads of 128, 4 queries each, groups of 64).
+32), `8b` (Qwen3-8B: 8 KV heads of 128, 4 queries each, groups of 64) and
+`8b-g128` (the same heads, `kv_group_size = 128`: a group per head).
 Reported: milliseconds per call and each layout's time over `float`'s per
 round (median, min, max), and each layout's largest difference from the
 float scores. Results go to bench/results/kv-layouts-<backend>[-tag].json
@@ -42,13 +48,16 @@ SHAPES = {
     # (KV heads, queries per KV head, head dim, group size)
     "tiny": (2, 2, 32, 32),
     "8b": (8, 4, 128, 64),
+    "8b-g128": (8, 4, 128, 128),
 }
 
 
 def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> tuple[dict, dict]:
-    """The three attention functions over one random cache, and each one's
+    """The attention functions over one random cache, and each one's
     largest score difference from float."""
     import mlx.core as mx
+
+    from worker.engine.quant_attention import _byte_scores
 
     kv_heads, group, dim, group_size = shape
     mx.random.seed(seed)
@@ -66,6 +75,8 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
             return queries @ keys.swapaxes(-1, -2)
         if kind == "mlx-lm":
             return mx.quantized_matmul(queries, *qk, transpose=True, **q)
+        if kind == "bytes":
+            return _byte_scores(queries, qk)
         return mx.quantized_matmul(queries, *qk_t, transpose=False, **q)
 
     def attention(kind: str):
@@ -77,9 +88,10 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
 
         return run
 
+    kinds = ["float", "mlx-lm", "keys-per-channel"] + (["bytes"] if bits == 8 and group_size == dim else [])
     reference = scores("float")
-    errors = {kind: mx.abs(scores(kind) - reference).max().item() for kind in ("mlx-lm", "keys-per-channel")}
-    return {kind: attention(kind) for kind in ("float", "mlx-lm", "keys-per-channel")}, errors
+    errors = {kind: mx.abs(scores(kind) - reference).max().item() for kind in kinds[1:]}
+    return {kind: attention(kind) for kind in kinds}, errors
 
 
 def timed(fn, reps: int) -> float:
@@ -93,7 +105,7 @@ def timed(fn, reps: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="tiny,8b", help=f"comma-separated, of {sorted(SHAPES)} (default %(default)s)")
+    p.add_argument("--shapes", default="tiny,8b,8b-g128", help=f"comma-separated, of {sorted(SHAPES)} (default %(default)s)")
     p.add_argument("--rows", default="1,8", help="decode rows, comma-separated (default %(default)s)")
     p.add_argument("--context", type=int, default=2048, help="cached tokens per row (default %(default)s)")
     p.add_argument("--bits", type=int, default=8, choices=(4, 8))

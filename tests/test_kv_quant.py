@@ -322,11 +322,13 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 
 
 @pytest.mark.parametrize("queries", [1, 5, 40])
-@pytest.mark.parametrize("cuda", [False, True])
-def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, cuda):
+@pytest.mark.parametrize("where", ["cpu", "metal", "cuda"])
+@pytest.mark.parametrize("group_size, bits", [(32, 8), (64, 8), (64, 4)])
+def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, where, group_size, bits):
     """A prompt piece reads the cache dequantized through the fused kernel,
-    a step the packed values (on the CPU each KV head's queries as one
-    matmul's rows; for CUDA copied to one block, mlx-lm's way): all compute
+    a step the packed values (off CUDA each KV head's queries as one
+    matmul's rows, and on the CPU 8-bit keys grouped by the whole head read
+    as bytes; for CUDA copied to one block, mlx-lm's way): all compute
     mlx-lm's quantized attention, on a cache's view up to its offset (a
     slice of its buffer), with a causal, a boolean or an additive mask."""
     import mlx.core as mx
@@ -342,7 +344,7 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
-    cache = QuantKV(32, 8)
+    cache = QuantKV(group_size, bits)
     cache.update_and_fetch(normal(B, kv_heads, held - queries, dim), normal(B, kv_heads, held - queries, dim))
     keys, values = cache.update_and_fetch(normal(B, kv_heads, queries, dim), normal(B, kv_heads, queries, dim))
     assert keys[0].shape[2] == held and cache.keys[0].shape[2] > held  # a view into a bigger buffer
@@ -353,10 +355,30 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
         if isinstance(mask, str) and queries == 1:
             mask = None
         # (mlx-lm scales the queries in place: each call gets its own.)
-        want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=dim**-0.5, mask=mask, group_size=32, bits=8)
-        got = _attention(cuda)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
+        want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=dim**-0.5, mask=mask, group_size=group_size, bits=bits)
+        got = _attention(where)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
         assert got.shape == want.shape
         assert mx.abs(got - want).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("bound, read_as_bytes", [(None, True), (0, False)])
+def test_cpu_steps_read_8_bit_keys_as_bytes_only_while_they_stay_small(monkeypatch, bound, read_as_bytes):
+    import mlx.core as mx
+
+    from worker.engine import quant_attention
+    from worker.engine.kv_quant import QuantKV
+
+    if bound is not None:
+        monkeypatch.setattr(quant_attention, "BYTES_AT_MOST", bound)
+    calls = []
+    original = quant_attention._byte_scores
+    monkeypatch.setattr(quant_attention, "_byte_scores", lambda q, keys: calls.append(q.shape) or original(q, keys))
+    mx.random.seed(3)
+    cache = QuantKV(64, 8)
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 40, 64)), mx.random.normal((1, 2, 40, 64)))
+    out = quant_attention._attention("cpu")(mx.random.normal((1, 4, 1, 64)), keys, values, cache, scale=0.125, mask=None)
+    assert out.shape == (1, 4, 1, 64)
+    assert bool(calls) is read_as_bytes
 
 
 def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(tiny_model, plain):

@@ -19,7 +19,10 @@ matmul's rows (`_grouped`) instead of broadcasting the cache over them as
 mlx-lm does: one matmul of G rows per KV head in place of G of one row
 (2 KV heads of 32, 4 query heads, 2,304 tokens: 0.52 against 0.64 ms a
 call for one row, 3.7 against 4.4 ms for eight, medians of 8 alternated
-runs of 100, 8 bits).
+runs of 100, 8 bits). mlx's CPU kernel for the scores (`x @ W.T`) runs at
+2-3x a float matmul; 8-bit keys grouped by the whole head are scored from
+their bytes with a float matmul instead (`_byte_scores`) while they are
+few enough (`BYTES_AT_MOST`).
 """
 
 from __future__ import annotations
@@ -31,18 +34,46 @@ from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
 DEQUANTIZED_ABOVE = 8
+# The most cached key values (rows x KV heads x tokens x head dimension) that
+# `_byte_scores` reads as float32: its float copy of the keys pays while it
+# stays in cache. On a 2-core CPU with 32 MB of L3 (bench.kv_layouts, one
+# layer's attention over float32's): 1M values (8 rows of the demo model at
+# 2k tokens) 1.22x against mlx's kernel's 1.89x; 2M (one row of Qwen3-8B's
+# heads at 2k, one of the demo model's at 32k) 1.34x and 1.21x against 3.03x
+# and 1.74x; 16M (eight rows of either) 2.90x and 2.68x against 3.06x and
+# 1.72x.
+BYTES_AT_MOST = 1 << 21
 
 _ORIGINAL = base.scaled_dot_product_attention
 
 
-def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int) -> mx.array:
+def _byte_scores(q: mx.array, keys: tuple) -> mx.array:
+    """q @ K.T for 8-bit keys whose group is the whole head: the packed words
+    read as the bytes they hold (the quantized values, in order), one float
+    matmul, then each token's scale and bias: q . (s w + b) = s (q . w) +
+    b sum(q). In float32 whatever the model's dtype: q . w runs up to 255
+    times the score's size before the bias takes most of it back."""
+    packed, scales, biases = keys
+    w = packed.view(mx.uint8).astype(mx.float32)
+    q32 = q.astype(mx.float32)
+    raw = q32 @ w.swapaxes(-1, -2)
+    scores = raw * scales.swapaxes(-1, -2) + q32.sum(axis=-1, keepdims=True) * biases.swapaxes(-1, -2)
+    return scores.astype(q.dtype)
+
+
+def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False) -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
-    of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D)."""
+    of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D);
+    with `bytes_scores`, 8-bit keys grouped by the whole head are scored by
+    `_byte_scores`."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
     q = (queries * scale).reshape(B, kv_heads, G * L, D)
-    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
+    if bytes_scores and bits == 8 and group_size == D and keys[0].size * 4 <= BYTES_AT_MOST:
+        scores = _byte_scores(q, keys)
+    else:
+        scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
         S = scores.shape[-1]
         scores = scores.reshape(B, kv_heads, G, L, S)
@@ -60,7 +91,10 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     return out.reshape(B, heads, L, D)
 
 
-def _attention(cuda: bool):
+def _attention(where: str):
+    """The attention for a backend: `cpu`, `cuda` or `metal`."""
+    cuda, cpu = where == "cuda", where == "cpu"
+
     def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
         if not hasattr(cache, "bits"):
             return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
@@ -74,7 +108,7 @@ def _attention(cuda: bool):
             keys = tuple(mx.contiguous(x) for x in keys)
             values = tuple(mx.contiguous(x) for x in values)
             return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask)
-        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits)
+        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
 
     return scaled_dot_product_attention
 
@@ -83,5 +117,5 @@ def install(model) -> int:
     """Routes the attention of the model's modules (mlx-lm's, or an earlier
     install's) through this one; a plain cache still takes mlx-lm's own
     path. Returns how many modules were rebound."""
-    attention = _attention(processor() == "cuda")
+    attention = _attention(processor())
     return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) == __name__)
