@@ -327,8 +327,8 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, where, group_size, bits):
     """A prompt piece reads the cache dequantized through the fused kernel,
     a step the packed values (off CUDA each KV head's queries as one
-    matmul's rows, and on the CPU 8-bit keys grouped by the whole head read
-    as bytes; for CUDA copied to one block, mlx-lm's way): all compute
+    matmul's rows, and on the CPU 8-bit keys scored from their bytes; for
+    CUDA copied to one block, mlx-lm's way): all compute
     mlx-lm's quantized attention, on a cache's view up to its offset (a
     slice of its buffer), with a causal, a boolean or an additive mask."""
     import mlx.core as mx
@@ -361,24 +361,35 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
         assert mx.abs(got - want).max().item() < 1e-4
 
 
-@pytest.mark.parametrize("bound, read_as_bytes", [(None, True), (0, False)])
-def test_cpu_steps_read_8_bit_keys_as_bytes_only_while_they_stay_small(monkeypatch, bound, read_as_bytes):
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize(
+    "limits, blocks",
+    [
+        ({}, 1),  # 2 x 2 x 100 x 64 key values: at once
+        ({"BYTES_AT_ONCE": 0, "BYTES_BLOCK": 16 * 64}, 4 * 7),  # each row's KV head in blocks of 16 tokens
+        ({"BYTES_AT_ONCE": 0, "BYTES_BLOCK": 16 * 64, "BYTES_BLOCKS_AT_MOST": 27}, 0),  # too many: mlx's kernel
+    ],
+)
+def test_cpu_steps_score_8_bit_keys_from_their_bytes_at_once_or_in_blocks(monkeypatch, group_size, limits, blocks):
     import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from worker.engine import quant_attention
     from worker.engine.kv_quant import QuantKV
 
-    if bound is not None:
-        monkeypatch.setattr(quant_attention, "BYTES_AT_MOST", bound)
-    calls = []
-    original = quant_attention._byte_scores
-    monkeypatch.setattr(quant_attention, "_byte_scores", lambda q, keys: calls.append(q.shape) or original(q, keys))
+    for name, value in limits.items():
+        monkeypatch.setattr(quant_attention, name, value)
+    read = []
+    original = quant_attention._raw
+    monkeypatch.setattr(quant_attention, "_raw", lambda q, packed, g: read.append(packed.shape) or original(q, packed, g))
     mx.random.seed(3)
-    cache = QuantKV(64, 8)
-    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 40, 64)), mx.random.normal((1, 2, 40, 64)))
-    out = quant_attention._attention("cpu")(mx.random.normal((1, 4, 1, 64)), keys, values, cache, scale=0.125, mask=None)
-    assert out.shape == (1, 4, 1, 64)
-    assert bool(calls) is read_as_bytes
+    cache = QuantKV(group_size, 8)
+    keys, values = cache.update_and_fetch(mx.random.normal((2, 2, 100, 64)), mx.random.normal((2, 2, 100, 64)))
+    q = mx.random.normal((2, 4, 3, 64))
+    got = quant_attention._attention("cpu")(q + 0, keys, values, cache, scale=0.125, mask="causal")
+    want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=0.125, mask="causal", group_size=group_size, bits=8)
+    assert mx.abs(got - want).max().item() < 1e-4
+    assert len(read) == blocks
 
 
 def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(tiny_model, plain):

@@ -20,9 +20,8 @@ mlx-lm does: one matmul of G rows per KV head in place of G of one row
 (2 KV heads of 32, 4 query heads, 2,304 tokens: 0.52 against 0.64 ms a
 call for one row, 3.7 against 4.4 ms for eight, medians of 8 alternated
 runs of 100, 8 bits). mlx's CPU kernel for the scores (`x @ W.T`) runs at
-2-3x a float matmul; 8-bit keys grouped by the whole head are scored from
-their bytes with a float matmul instead (`_byte_scores`) while they are
-few enough (`BYTES_AT_MOST`).
+2-3x a float matmul; 8-bit keys are scored from their bytes with a float
+matmul instead (`_byte_scores`).
 """
 
 from __future__ import annotations
@@ -34,44 +33,84 @@ from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
 DEQUANTIZED_ABOVE = 8
-# The most cached key values (rows x KV heads x tokens x head dimension) that
-# `_byte_scores` reads as float32: its float copy of the keys pays while it
-# stays in cache. On a 2-core CPU with 32 MB of L3 (bench.kv_layouts, one
-# layer's attention over float32's): 1M values (8 rows of the demo model at
-# 2k tokens) 1.22x against mlx's kernel's 1.89x; 2M (one row of Qwen3-8B's
-# heads at 2k, one of the demo model's at 32k) 1.34x and 1.21x against 3.03x
-# and 1.74x; 16M (eight rows of either) 2.90x and 2.68x against 3.06x and
-# 1.72x.
-BYTES_AT_MOST = 1 << 21
+# `_byte_scores` converts the packed keys to float32 before its matmul; that
+# copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
+# KV heads x tokens x head dimension) it converts them at once; beyond, one
+# row's KV head at a time, in blocks of at most BYTES_BLOCK values (1 MB of
+# float32, the L2 of a core of the machine it was measured on), each
+# multiplied as soon as it is made; beyond BYTES_BLOCKS_AT_MOST blocks (a
+# few ops each, in every attention layer's part of a step's graph; 256 is 8
+# rows of Qwen3-8B's KV heads at 8k tokens, the largest measured) mlx's
+# kernel reads the keys. Measured on a 2-core CPU with 1 MB of L2 a core and
+# 32 MB of L3 (bench.kv_layouts): one layer's attention on Qwen3-8B's heads
+# 1.6-1.9x float32's time against the kernel's 2.9-3.8x; without blocks,
+# 8 rows of those heads at 2k tokens took as long as the kernel.
+BYTES_AT_ONCE = 1 << 21
+BYTES_BLOCK = 1 << 18
+BYTES_BLOCKS_AT_MOST = 256
 
 _ORIGINAL = base.scaled_dot_product_attention
 
 
-def _byte_scores(q: mx.array, keys: tuple) -> mx.array:
-    """q @ K.T for 8-bit keys whose group is the whole head: the packed words
-    read as the bytes they hold (the quantized values, in order), one float
-    matmul, then each token's scale and bias: q . (s w + b) = s (q . w) +
-    b sum(q). In float32 whatever the model's dtype: q . w runs up to 255
-    times the score's size before the bias takes most of it back."""
-    packed, scales, biases = keys
+def _byte_blocks(keys: tuple, dim: int) -> int:
+    """How many blocks `_byte_scores` reads these keys in (1: at once)."""
+    B, H, S, _ = keys[0].shape
+    if B * H * S * dim <= BYTES_AT_ONCE:
+        return 1
+    return B * H * -(-S // max(1, BYTES_BLOCK // dim))
+
+
+def _raw(q: mx.array, packed: mx.array, group_size: int) -> mx.array:
+    """Each query's dot product with each token's quantized values, group by
+    group: (..., L, D) float32 against (..., S, D / 4) packed 8-bit words
+    gives (..., L, D / group_size, S). The words hold the values as bytes in
+    order; the queries are spread over a block-diagonal matrix, a row per
+    (query, group), so that one matmul reads each key once."""
+    L, D = q.shape[-2:]
+    n = D // group_size
+    spread = mx.arange(D)[None, :] // group_size == mx.arange(n)[:, None]
+    rows = (q[..., :, None, :] * spread).reshape(*q.shape[:-2], L * n, D)
     w = packed.view(mx.uint8).astype(mx.float32)
+    return (rows @ w.swapaxes(-1, -2)).reshape(*q.shape[:-2], L, n, -1)
+
+
+def _byte_scores(q: mx.array, keys: tuple, group_size: int) -> mx.array:
+    """q @ K.T for 8-bit keys without mlx's CPU kernel for it (`x @ W.T`,
+    2-3x a float matmul): with a token's group g holding s_g w + b_g,
+    q . k = sum over g of s_g (q_g . w) + b_g sum(q_g), the dot products
+    from one float matmul over the keys' bytes (`_raw`). In float32
+    whatever the model's dtype: q_g . w runs up to 255 times the score's
+    size before the bias takes most of it back."""
+    packed, scales, biases = keys
+    B, H, S, _ = packed.shape
+    L, D = q.shape[-2:]
     q32 = q.astype(mx.float32)
-    raw = q32 @ w.swapaxes(-1, -2)
-    scores = raw * scales.swapaxes(-1, -2) + q32.sum(axis=-1, keepdims=True) * biases.swapaxes(-1, -2)
-    return scores.astype(q.dtype)
+    if _byte_blocks(keys, D) == 1:
+        raw = _raw(q32, packed, group_size)
+    else:
+        per = max(1, BYTES_BLOCK // D)
+        heads = []
+        for b in range(B):
+            for h in range(H):
+                blocks = [_raw(q32[b, h], packed[b, h, t : t + per], group_size) for t in range(0, S, per)]
+                heads.append(mx.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0])
+        raw = mx.stack(heads).reshape(B, H, L, D // group_size, S)
+    sums = q32.reshape(B, H, L, D // group_size, group_size).sum(axis=-1, keepdims=True)
+    scores = raw * mx.expand_dims(scales.swapaxes(-1, -2), 2) + sums * mx.expand_dims(biases.swapaxes(-1, -2), 2)
+    return scores.sum(axis=-2).astype(q.dtype)
 
 
 def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False) -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
     of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D);
-    with `bytes_scores`, 8-bit keys grouped by the whole head are scored by
-    `_byte_scores`."""
+    with `bytes_scores`, 8-bit keys are scored by `_byte_scores` where its
+    blocks stay few."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
     q = (queries * scale).reshape(B, kv_heads, G * L, D)
-    if bytes_scores and bits == 8 and group_size == D and keys[0].size * 4 <= BYTES_AT_MOST:
-        scores = _byte_scores(q, keys)
+    if bytes_scores and bits == 8 and _byte_blocks(keys, D) <= BYTES_BLOCKS_AT_MOST:
+        scores = _byte_scores(q, keys, group_size)
     else:
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
