@@ -10,7 +10,7 @@ as the keys are read: scores = q @ K.T) runs several times slower. So the
 8-bit cache's decode at 8 rows stays under the float cache's however the
 queries are laid out, as long as the keys go through that kernel.
 
-Three layouts (four with 8 bits), each timed as the
+Four layouts, each timed as the
 attention of one layer for one decode step (scores, softmax, values) on the
 same random cache, alternated, `--runs` rounds of `--reps` calls each after
 a warm-up:
@@ -24,7 +24,7 @@ a warm-up:
   as KIVI quantizes keys), so that the scores take the fast direction too.
   Only the complete groups would be quantized in a cache that grows a token
   at a time; here the whole context is.
-- `bytes` (8 bits): the `mlx-lm` layout with the scores as the worker's
+- `bytes`: the `mlx-lm` layout with the scores as the worker's
   CPU path computes them (worker.engine.quant_attention): the packed keys
   read as bytes and converted to float32, at once or a KV head and a block
   of tokens at a time, one float matmul against the queries spread over
@@ -77,7 +77,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
         if kind == "mlx-lm":
             return mx.quantized_matmul(queries, *qk, transpose=True, **q)
         if kind == "bytes":
-            return _byte_scores(queries, qk, group_size)
+            return _byte_scores(queries, qk, group_size, bits)
         return mx.quantized_matmul(queries, *qk_t, transpose=False, **q)
 
     def attention(kind: str):
@@ -89,7 +89,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
 
         return run
 
-    kinds = ["float", "mlx-lm", "keys-per-channel"] + (["bytes"] if bits == 8 else [])
+    kinds = ["float", "mlx-lm", "keys-per-channel", "bytes"]
     reference = scores("float")
     errors = {kind: mx.abs(scores(kind) - reference).max().item() for kind in kinds[1:]}
     return {kind: attention(kind) for kind in kinds}, errors

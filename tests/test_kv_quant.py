@@ -327,7 +327,7 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, where, group_size, bits):
     """A prompt piece reads the cache dequantized through the fused kernel,
     a step the packed values (off CUDA each KV head's queries as one
-    matmul's rows, and on the CPU 8-bit keys scored from their bytes; for
+    matmul's rows, and on the CPU keys scored from their bytes; for
     CUDA copied to one block, mlx-lm's way): all compute
     mlx-lm's quantized attention, on a cache's view up to its offset (a
     slice of its buffer), with a causal, a boolean or an additive mask."""
@@ -362,6 +362,7 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     "limits, blocks",
     [
@@ -370,7 +371,7 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
         ({"BYTES_AT_ONCE": 0, "BYTES_BLOCK": 16 * 64, "BYTES_BLOCKS_AT_MOST": 27}, 0),  # too many: mlx's kernel
     ],
 )
-def test_cpu_steps_score_8_bit_keys_from_their_bytes_at_once_or_in_blocks(monkeypatch, group_size, limits, blocks):
+def test_cpu_steps_score_keys_from_their_bytes_at_once_or_in_blocks(monkeypatch, group_size, bits, limits, blocks):
     import mlx.core as mx
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
@@ -381,13 +382,13 @@ def test_cpu_steps_score_8_bit_keys_from_their_bytes_at_once_or_in_blocks(monkey
         monkeypatch.setattr(quant_attention, name, value)
     read = []
     original = quant_attention._raw
-    monkeypatch.setattr(quant_attention, "_raw", lambda q, packed, g: read.append(packed.shape) or original(q, packed, g))
+    monkeypatch.setattr(quant_attention, "_raw", lambda q, packed, g, b: read.append(packed.shape) or original(q, packed, g, b))
     mx.random.seed(3)
-    cache = QuantKV(group_size, 8)
+    cache = QuantKV(group_size, bits)
     keys, values = cache.update_and_fetch(mx.random.normal((2, 2, 100, 64)), mx.random.normal((2, 2, 100, 64)))
     q = mx.random.normal((2, 4, 3, 64))
     got = quant_attention._attention("cpu")(q + 0, keys, values, cache, scale=0.125, mask="causal")
-    want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=0.125, mask="causal", group_size=group_size, bits=8)
+    want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=0.125, mask="causal", group_size=group_size, bits=bits)
     assert mx.abs(got - want).max().item() < 1e-4
     assert len(read) == blocks
 

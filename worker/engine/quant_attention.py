@@ -20,8 +20,8 @@ mlx-lm does: one matmul of G rows per KV head in place of G of one row
 (2 KV heads of 32, 4 query heads, 2,304 tokens: 0.52 against 0.64 ms a
 call for one row, 3.7 against 4.4 ms for eight, medians of 8 alternated
 runs of 100, 8 bits). mlx's CPU kernel for the scores (`x @ W.T`) runs at
-2-3x a float matmul; 8-bit keys are scored from their bytes with a float
-matmul instead (`_byte_scores`).
+2-3x a float matmul; keys are scored from their bytes with a float matmul
+instead (`_byte_scores`).
 """
 
 from __future__ import annotations
@@ -60,39 +60,49 @@ def _byte_blocks(keys: tuple, dim: int) -> int:
     return B * H * -(-S // max(1, BYTES_BLOCK // dim))
 
 
-def _raw(q: mx.array, packed: mx.array, group_size: int) -> mx.array:
+def _unpacked(packed: mx.array, bits: int) -> mx.array:
+    """Packed words as the float32 values they hold, in order: mlx packs
+    value i of a word at bits i * bits, and every machine mlx runs on is
+    little-endian, so byte j holds value j (8 bits), or values 2j and
+    2j + 1 in its low and high halves (4 bits)."""
+    b = packed.view(mx.uint8)
+    if bits == 4:
+        b = mx.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+    return b.astype(mx.float32)
+
+
+def _raw(q: mx.array, packed: mx.array, group_size: int, bits: int) -> mx.array:
     """Each query's dot product with each token's quantized values, group by
-    group: (..., L, D) float32 against (..., S, D / 4) packed 8-bit words
-    gives (..., L, D / group_size, S). The words hold the values as bytes in
-    order; the queries are spread over a block-diagonal matrix, a row per
-    (query, group), so that one matmul reads each key once."""
+    group: (..., L, D) float32 against (..., S, D * bits / 32) packed words
+    gives (..., L, D / group_size, S). The queries are spread over a
+    block-diagonal matrix, a row per (query, group), so that one matmul
+    reads each key once."""
     L, D = q.shape[-2:]
     n = D // group_size
     spread = mx.arange(D)[None, :] // group_size == mx.arange(n)[:, None]
     rows = (q[..., :, None, :] * spread).reshape(*q.shape[:-2], L * n, D)
-    w = packed.view(mx.uint8).astype(mx.float32)
-    return (rows @ w.swapaxes(-1, -2)).reshape(*q.shape[:-2], L, n, -1)
+    return (rows @ _unpacked(packed, bits).swapaxes(-1, -2)).reshape(*q.shape[:-2], L, n, -1)
 
 
-def _byte_scores(q: mx.array, keys: tuple, group_size: int) -> mx.array:
-    """q @ K.T for 8-bit keys without mlx's CPU kernel for it (`x @ W.T`,
-    2-3x a float matmul): with a token's group g holding s_g w + b_g,
-    q . k = sum over g of s_g (q_g . w) + b_g sum(q_g), the dot products
-    from one float matmul over the keys' bytes (`_raw`). In float32
-    whatever the model's dtype: q_g . w runs up to 255 times the score's
-    size before the bias takes most of it back."""
+def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int) -> mx.array:
+    """q @ K.T for 8- or 4-bit keys without mlx's CPU kernel for it
+    (`x @ W.T`, 2-3x a float matmul): with a token's group g holding
+    s_g w + b_g, q . k = sum over g of s_g (q_g . w) + b_g sum(q_g), the
+    dot products from one float matmul over the keys' bytes (`_raw`). In
+    float32 whatever the model's dtype: q_g . w runs up to 255 times the
+    score's size before the bias takes most of it back."""
     packed, scales, biases = keys
     B, H, S, _ = packed.shape
     L, D = q.shape[-2:]
     q32 = q.astype(mx.float32)
     if _byte_blocks(keys, D) == 1:
-        raw = _raw(q32, packed, group_size)
+        raw = _raw(q32, packed, group_size, bits)
     else:
         per = max(1, BYTES_BLOCK // D)
         heads = []
         for b in range(B):
             for h in range(H):
-                blocks = [_raw(q32[b, h], packed[b, h, t : t + per], group_size) for t in range(0, S, per)]
+                blocks = [_raw(q32[b, h], packed[b, h, t : t + per], group_size, bits) for t in range(0, S, per)]
                 heads.append(mx.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0])
         raw = mx.stack(heads).reshape(B, H, L, D // group_size, S)
     sums = q32.reshape(B, H, L, D // group_size, group_size).sum(axis=-1, keepdims=True)
@@ -103,14 +113,14 @@ def _byte_scores(q: mx.array, keys: tuple, group_size: int) -> mx.array:
 def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False) -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
     of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D);
-    with `bytes_scores`, 8-bit keys are scored by `_byte_scores` where its
-    blocks stay few."""
+    with `bytes_scores`, keys are scored by `_byte_scores` where its blocks
+    stay few."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
     q = (queries * scale).reshape(B, kv_heads, G * L, D)
-    if bytes_scores and bits == 8 and _byte_blocks(keys, D) <= BYTES_BLOCKS_AT_MOST:
-        scores = _byte_scores(q, keys, group_size)
+    if bytes_scores and _byte_blocks(keys, D) <= BYTES_BLOCKS_AT_MOST:
+        scores = _byte_scores(q, keys, group_size, bits)
     else:
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
