@@ -17,7 +17,9 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
 - `decode`: tokens per second of N = 1 and N = 8 rows at a
   `--decode-context`-token prompt, 8-bit KV against the model's dtype,
   both with the compiled decode step (the default), and the model's dtype
-  op by op too, alternated in one process.
+  op by op too, alternated in one process; on the CPU also 8-bit KV with
+  the keys read by mlx's quantized matmul rather than scored from their
+  bytes (`8k`).
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 UNIT = (
@@ -207,21 +210,32 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
+    from worker.runtime.memory import processor
 
     # "0": the model's dtype, decode step compiled (the default); "0e": the
-    # same, op by op; "8": 8 bits, compiled.
+    # same, op by op; "8": 8 bits, compiled; "8k" (CPU): the same with the
+    # scores from mlx's quantized matmul. The attention is rebound on the
+    # model's module, shared by every engine here, so the route is a
+    # module setting switched around each run (a trace keeps the route it
+    # was made with, and each engine traces its own).
+    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8")
     engines = {}
-    for key in ("0", "0e", "8"):
+    for key in keys:
         loaded = load(path)
-        if key == "8":
+        if key.startswith("8"):
             kv_quant.install(loaded.model, 8, args_group(loaded))
         s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key != "0e")
-        s.warm_up()
+        with scores_by(key):
+            s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
     greedy = Sampling(temperature=0.0)
 
-    def steps_per_s(s, n: int) -> float:
+    def steps_per_s(key: str, n: int) -> float:
+        with scores_by(key):
+            return timed_steps(engines[key], n)
+
+    def timed_steps(s, n: int) -> float:
         gen = s._generator(s.prefix_cache)
         rows = []
         for i in range(n):
@@ -245,20 +259,31 @@ def part_decode(args, path: Path, codec, record) -> None:
     for r in range(args.rounds):
         row = {}
         for n in (1, 8):
-            order = ("0", "0e", "8") if r % 2 == 0 else ("8", "0e", "0")
-            for key in order:
-                row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
+            for key in keys if r % 2 == 0 else keys[::-1]:
+                row[f"n{n}_{key}"] = round(steps_per_s(key, n), 1)
         rounds.append(row)
-        record(
-            "decode",
-            rounds,
-            {
-                f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds]
-                for n in (1, 8)
-                for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
-            },
-        )
+        ratios = {
+            f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in (1, 8) for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
+        }
+        if "8k" in keys:
+            ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in (1, 8)}
+        record("decode", rounds, ratios)
         print(f"decode round {r}: {row}", file=sys.stderr)
+
+
+@contextmanager
+def scores_by(key: str):
+    """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
+    of scored from their bytes (worker.engine.quant_attention)."""
+    from worker.engine import quant_attention
+
+    kept = quant_attention.BYTES_BLOCKS_AT_MOST
+    if key == "8k":
+        quant_attention.BYTES_BLOCKS_AT_MOST = -1
+    try:
+        yield
+    finally:
+        quant_attention.BYTES_BLOCKS_AT_MOST = kept
 
 
 # -- quality --------------------------------------------------------------------------
