@@ -10,7 +10,9 @@ goes.
 - fresh prompts (`--fresh`, of growing length, each new to both sides, then
   the same with one more character): the first token where the shapes of
   the prompt's passes are new, as a user's new message finds them (on CUDA
-  mlx builds kernels and attention graphs per new shape).
+  mlx builds kernels and attention graphs per new shape). Each side gets
+  its own text, so that neither finds the other's shapes built, of the
+  same number of tokens.
 - both sides run the same loaded model, whose modules the worker's loader
   has pointed at its chunked gated-delta prefill (mlx-lm's loop over the
   prompt's tokens is what a process of mlx-lm's own runs on CUDA and the
@@ -125,18 +127,33 @@ def main() -> int:
         write_result(name, result)
         print(f"round {r + 1}: {rounds[-1]} (decode rates over the first {tokens} tokens)", flush=True)
 
+    def as_long_as(text: str, n: int) -> str:
+        """A chat prompt of `text`, cut to n tokens (or as near as the
+        tokenizer's merges at the cut allow)."""
+        ids = codec.encode(text)
+        k = n
+        for _ in range(8):
+            prompt = chat(codec.tokenizer.decode(ids[:k]))
+            got = len(codec.encode(prompt))
+            if got == n:
+                break
+            k += n - got
+        return prompt
+
     if args.fresh:
         texts = user_messages(codec.tokenizer, 2 * args.fresh, 30)
         fresh = result["fresh"] = []
         for i in range(args.fresh):
             words = 1 + i % 6
-            mine, other = (chat(" ".join(texts[j : j + words]) + f" ({i})") for j in (2 * i, 2 * i + 1))
+            mine = chat(" ".join(texts[2 * i : 2 * i + words]) + f" ({i})")
+            other = as_long_as(" ".join(texts[2 * i + 1 :] + texts[: 2 * i + 1]) + f" ({i})", len(codec.encode(mine)))
             first = ((ours, mine), (theirs, other)) if i % 2 == 0 else ((theirs, other), (ours, mine))
             ms = {side.__name__: side(prompt, 1)[0] * 1000 for side, prompt in first}
             again = {side.__name__: side(prompt + " ", 1)[0] * 1000 for side, prompt in first}
             fresh.append(
                 {
                     "tokens": len(codec.encode(mine)),
+                    "mlx_lm_tokens": len(codec.encode(other)),
                     "ours_ms": round(ms["ours"], 1),
                     "mlx_lm_ms": round(ms["theirs"], 1),
                     "ours_again_ms": round(again["ours"], 1),
