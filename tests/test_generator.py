@@ -455,6 +455,54 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     assert lengths[:3] == [31, 37, 3] and set(lengths[3:]) == {1}
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_model, qwen35, kind):
+    """The last layer of a lone prompt's last chunk takes the positions before
+    the last and then the last in two calls (mlx never runs the first one's
+    output); the last position's hidden state and every cache are those of
+    one call over the whole chunk. An array mask (a padded batch) is left
+    whole."""
+    from mlx.utils import tree_flatten
+
+    from worker.runtime.loader import load
+    from worker.runtime.parts import last_position_only, model_parts
+
+    model = load(dense_model).model if kind == "dense" else qwen35[0].model
+    _, body, _ = model_parts(model)
+    ids = mx.array(np.random.default_rng(3).integers(10, 200, size=(1, 41)))
+    want_cache = make_prompt_cache(model)
+    want = body(ids, cache=want_cache)[:, -1]
+    layer = body.layers[-1]
+    seen = []
+    original = type(layer).__call__
+
+    def spied(self, x, *args, **kwargs):
+        if self is layer:
+            seen.append(x.shape[1])
+        return original(self, x, *args, **kwargs)
+
+    type(layer).__call__ = spied  # Python looks a call up on the type
+    try:
+        got_cache = make_prompt_cache(model)
+        with last_position_only(body):
+            got = body(ids, cache=got_cache)
+        assert body.layers[-1] is layer
+        with last_position_only(body):
+            body.layers[-1](mx.zeros((1, 3, got.shape[-1])), mx.zeros((1, 1, 3, 3), dtype=mx.bool_), None)
+    finally:
+        type(layer).__call__ = original
+    assert seen == [40, 1, 3]
+    assert got.shape[1] == 1
+    assert mx.abs(got[:, -1] - want).max().item() <= LOGIT_TOLERANCE
+    def arrays(cache) -> list[mx.array]:
+        return [v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
+
+    for a, b in zip(want_cache, got_cache):
+        assert len(arrays(a)) == len(arrays(b)) > 0
+        for x, y in zip(arrays(a), arrays(b)):
+            assert x.shape == y.shape and mx.abs(x - y).max().item() <= LOGIT_TOLERANCE
+
+
 def test_prompts_arriving_together_are_read_in_one_pass(dense_model):
     """32 prompts of 53-80 tokens start together: each row's piece is 64
     tokens, and the few left past it fold into the same pass, so every row

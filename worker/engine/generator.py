@@ -77,7 +77,7 @@ from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstrai
 from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
 from worker.runtime.gated_delta import CHUNK
-from worker.runtime.parts import model_parts, text_model
+from worker.runtime.parts import last_position_only, model_parts, text_model
 
 log = logging.getLogger("worker")
 
@@ -533,7 +533,9 @@ class TokenGenerator:
         first = None
         if folded:
             body, head = self._parts
-            first = head(body(tokens, cache=group.layers)[:, -1:, :])[:, -1, :]
+            with last_position_only(body):
+                hidden = body(tokens, cache=group.layers)
+            first = head(hidden[:, -1:, :])[:, -1, :]
         elif self.speculator is not None and self.speculator.reads_hidden:
             self.speculator.read_prompt(rows, [row.pos for row in rows], lengths, tokens, group.layers)
         else:

@@ -5,6 +5,8 @@ over them (the tied embedding where there is no `lm_head`)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.nn as nn
 
 
@@ -18,3 +20,42 @@ def model_parts(model) -> tuple[nn.Module, object, object]:
     body = text.model
     head = text.lm_head if "lm_head" in text else body.embed_tokens.as_linear
     return text, body, head
+
+
+class _LastPositionOnly:
+    """A decoder layer that computes its output at its input's last position
+    only, the cache still taking every position's keys and values (or
+    recurrent state): two calls, the positions before the last and then the
+    last. Nothing reads the first call's output, and mlx computes lazily, so
+    that call's queries, attention and MLP are never run, as mlx-lm's
+    prefill never runs them for a forward whose output it does not read.
+    Other attributes are the layer's (a hybrid body asks `is_linear`)."""
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)
+
+    def __call__(self, x, mask=None, cache=None):
+        # Only an unpadded forward's masks ("causal", or none) say the same
+        # for any split; an array mask would have to be cut to each call.
+        if x.shape[1] == 1 or not (mask is None or isinstance(mask, str)):
+            return self._layer(x, mask, cache)
+        self._layer(x[:, :-1], mask, cache)
+        return self._layer(x[:, -1:], None, cache)
+
+
+@contextmanager
+def last_position_only(body):
+    """While it lasts, the body's last layer is a _LastPositionOnly: for a
+    forward whose output is read at the last position only, which spares
+    that layer's work at every other position (on a model of N layers, 1/N
+    of the forward's)."""
+    layers = body.layers
+    last = layers[-1]
+    layers[-1] = _LastPositionOnly(last)
+    try:
+        yield
+    finally:
+        layers[-1] = last
