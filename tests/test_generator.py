@@ -494,6 +494,7 @@ def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_
     assert seen == [40, 1, 3]
     assert got.shape[1] == 1
     assert mx.abs(got[:, -1] - want).max().item() <= LOGIT_TOLERANCE
+
     def arrays(cache) -> list[mx.array]:
         return [v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
 
