@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -399,29 +400,35 @@ class Passes(Recorder):
         return super().__call__(inputs, cache=cache)
 
 
+@contextmanager
+def positions_read(module):
+    """The lengths (positions per row) of the module's calls while it lasts."""
+    lengths: list[int] = []
+    original = type(module).__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        if self is module:
+            lengths.append(inputs.shape[1])
+        return original(self, inputs, *args, **kwargs)
+
+    type(module).__call__ = counted  # Python looks a call up on the type
+    try:
+        yield lengths
+    finally:
+        type(module).__call__ = original
+
+
 def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int) -> tuple[list[int], list[int]]:
     """A lone greedy row of the model itself: its first `steps` tokens and
     the passes it took (tokens read per row in each call of the model's
     body, which a lone prompt's last chunk calls without the head)."""
-    body = getattr(model, "language_model", model).model
-    lengths: list[int] = []
-    original = type(body).__call__
-
-    def counted(self, inputs, *args, **kwargs):
-        if self is body:
-            lengths.append(inputs.shape[1])
-        return original(self, inputs, *args, **kwargs)
-
-    type(body).__call__ = counted  # Python looks a call up on the type
-    try:
+    with positions_read(getattr(model, "language_model", model).model) as lengths:
         gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, marker)
         row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
         gen.start([row])
         tokens: list[int] = []
         while len(tokens) < steps:
             tokens += [token for _, token in gen.step() if token is not None]
-    finally:
-        type(body).__call__ = original
     return tokens, lengths
 
 
@@ -473,24 +480,13 @@ def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_
     want_cache = make_prompt_cache(model)
     want = body(ids, cache=want_cache)[:, -1]
     layer = body.layers[-1]
-    seen = []
-    original = type(layer).__call__
-
-    def spied(self, x, *args, **kwargs):
-        if self is layer:
-            seen.append(x.shape[1])
-        return original(self, x, *args, **kwargs)
-
-    type(layer).__call__ = spied  # Python looks a call up on the type
-    try:
+    with positions_read(layer) as seen:
         got_cache = make_prompt_cache(model)
         with last_position_only(body):
             got = body(ids, cache=got_cache)
         assert body.layers[-1] is layer
         with last_position_only(body):
             body.layers[-1](mx.zeros((1, 3, got.shape[-1])), mx.zeros((1, 1, 3, 3), dtype=mx.bool_), None)
-    finally:
-        type(layer).__call__ = original
     assert seen == [40, 1, 3]
     assert got.shape[1] == 1
     assert mx.abs(got[:, -1] - want).max().item() <= LOGIT_TOLERANCE
