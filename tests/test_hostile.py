@@ -111,6 +111,17 @@ def read_all(client: socket.socket) -> bytes:
     return data
 
 
+def metrics_served(port: int) -> bool:
+    """Whether the metrics port serves a whole scrape now (a connection
+    refused or cut: not yet)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        try:
+            client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            return b"lattice_supervisor_rss_bytes" in read_all(client)
+        except ConnectionError:
+            return False
+
+
 def test_control_clients_are_bounded_and_idle_ones_closed(fakes, spawn_pool, ctl):
     fakes.add("a")
     config = fakes.config(f'control_socket = "{ctl}"\nmax_control_clients = 3\ncontrol_idle_timeout = "1s"', preload=False)
@@ -179,15 +190,7 @@ def test_slow_control_and_metrics_clients_are_cut_off_and_ps_still_works(fakes, 
         assert closed_after is not None and closed_after < 15, f"the slow {name} client was not cut off ({closed_after})"
     assert b"control_request_timeout" in results["control"][0]
 
-    def scrape() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
-            try:
-                client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-                return b"lattice_supervisor_rss_bytes" in read_all(client)
-            except ConnectionError:
-                return False
-
-    wait_for(scrape, 30, interval=0.2, message="a scrape to be served")
+    wait_for(lambda: metrics_served(port), 30, interval=0.2, message="a scrape to be served")
     for client in silent:  # quiet, but within control_idle_timeout: still served
         client.sendall(b'{"op":"status"}\n')
         assert b'"ev":"status"' in client.recv(65536)
@@ -279,16 +282,8 @@ def test_metrics_connections_are_bounded(fakes, spawn_pool):
         for client in idle:
             client.close()
 
-    def scrape() -> bool:
-        # Refused (closed at once) until the threads serving the idle ones see them go.
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
-            try:
-                client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-                return b"lattice_supervisor_rss_bytes" in read_all(client)
-            except ConnectionError:
-                return False
-
-    wait_for(scrape, 30, interval=0.2, message="a scrape to be served again")
+    # Refused (closed at once) until the threads serving the idle ones see them go.
+    wait_for(lambda: metrics_served(port), 30, interval=0.2, message="a scrape to be served again")
     assert pool.close() == 0
 
 
