@@ -231,11 +231,7 @@ def part_decode(args, path: Path, codec, record) -> None:
     text = long_text(codec, args.decode_context)
     greedy = Sampling(temperature=0.0)
 
-    def steps_per_s(key: str, n: int) -> float:
-        with scores_by(key):
-            return timed_steps(engines[key], n)
-
-    def timed_steps(s, n: int) -> float:
+    def steps_per_s(s, n: int) -> float:
         gen = s._generator(s.prefix_cache)
         rows = []
         for i in range(n):
@@ -260,7 +256,8 @@ def part_decode(args, path: Path, codec, record) -> None:
         row = {}
         for n in (1, 8):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                row[f"n{n}_{key}"] = round(steps_per_s(key, n), 1)
+                with scores_by(key):
+                    row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
         rounds.append(row)
         ratios = {
             f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in (1, 8) for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
