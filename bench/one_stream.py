@@ -19,9 +19,14 @@ goes.
   CPU), so for a hybrid model the comparison is of the engines over the
   same prefill arithmetic; `bench.batch --through serve` runs mlx-lm in a
   process of its own.
-- with `--profile`: cProfile of one run of each side and of one fresh
-  first token, the top functions by own time (on a GPU a function's own time
-  includes the mlx calls it makes, whose kernel launches happen there).
+- with `--traced`: a third side, the worker's scheduler with a lone row's
+  decode step kept in the compiled trace (on CUDA a lone row of an
+  attention-only model otherwise steps with the model's own forward;
+  docs/engine.md), in the same rounds.
+- with `--profile`: cProfile of one run of each side, of one fresh first
+  token and of the first token of the same prompt with one more character
+  right after it, the top functions by own time (on a GPU a function's own
+  time includes the mlx calls it makes, whose kernel launches happen there).
 
 Results go to bench/results/one-stream-<backend>-<size>[-tag].json after
 every round: medians and ranges of the ratios ours / mlx-lm.
@@ -53,6 +58,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--fresh", type=int, default=8, help="fresh prompts for the first-token series (0: none)")
+    p.add_argument("--traced", action="store_true", help="a third side: a lone row's decode step in the compiled trace")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--tag", default="")
     args = p.parse_args()
@@ -70,24 +76,35 @@ def main() -> int:
 
     tokenizer = load_tokenizer(loaded.path)
     stamps: list[float] = []
-    scheduler = Scheduler(loaded, codec, lambda data: stamps.append(time.perf_counter()), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
-    scheduler.warm_up()
+
+    def scheduler_of(lone_eager: bool) -> Scheduler:
+        made = Scheduler(loaded, codec, lambda data: stamps.append(time.perf_counter()), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
+        if made.compiled is not None:
+            made.compiled.lone_attention_eager = lone_eager and made.compiled.lone_attention_eager
+        made.warm_up()
+        return made
+
+    scheduler = scheduler_of(True)
+    traced_scheduler = scheduler_of(False) if args.traced else None
     rid = 0
 
     def chat(text: str) -> str:
         return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
-    def ours(prompt: str, n: int) -> list[float]:
+    def ours(prompt: str, n: int, through: Scheduler = scheduler) -> list[float]:
         """The times of the request's tokens, from its submission (the last
         token's line comes with the final line, in one write)."""
         nonlocal rid
         rid += 1
         stamps.clear()
         t0 = time.perf_counter()
-        scheduler.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
-        while scheduler.has_work:
-            scheduler.step()
+        through.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
+        while through.has_work:
+            through.step()
         return [t - t0 for t in stamps]
+
+    def traced(prompt: str, n: int) -> list[float]:
+        return ours(prompt, n, traced_scheduler)
 
     def theirs(prompt: str, n: int) -> list[float]:
         t0 = time.perf_counter()
@@ -98,7 +115,8 @@ def main() -> int:
         return (tokens - 1) / (times[tokens - 1] - times[0]) if tokens > 1 else 0.0
 
     base = chat(user_messages(codec.tokenizer, 1, 48)[0])
-    for side in (ours, theirs):
+    sides = (ours, theirs, traced) if args.traced else (ours, theirs)
+    for side in sides:
         side(base, 32)
         side(base, 32)
     result = {
@@ -111,18 +129,19 @@ def main() -> int:
     }
     name = tagged(f"one-stream-{backend()}-{size}", args.tag)
     for r in range(args.runs):
-        got = {side.__name__: side(base, args.max_tokens) for side in ((ours, theirs) if r % 2 == 0 else (theirs, ours))}
-        mine, other = got["ours"], got["theirs"]
-        tokens = min(len(mine), len(other))
+        got = {side.__name__: side(base, args.max_tokens) for side in (sides if r % 2 == 0 else sides[::-1])}
+        tokens = min(len(times) for times in got.values())
         result["rounds"].append(
             {
-                "ours": {"ttft_ms": round(mine[0] * 1000, 2), "tok_s": round(rate(mine, tokens), 1), "tokens": len(mine)},
-                "mlx_lm": {"ttft_ms": round(other[0] * 1000, 2), "tok_s": round(rate(other, tokens), 1), "tokens": len(other)},
+                ("mlx_lm" if name == "theirs" else name): {"ttft_ms": round(times[0] * 1000, 2), "tok_s": round(rate(times, tokens), 1), "tokens": len(times)}
+                for name, times in got.items()
             }
         )
         rounds = result["rounds"]
         result["decode_ratio"] = summary([x["ours"]["tok_s"] / x["mlx_lm"]["tok_s"] for x in rounds])
         result["ttft_ratio"] = summary([x["ours"]["ttft_ms"] / x["mlx_lm"]["ttft_ms"] for x in rounds])
+        if args.traced:
+            result["traced_decode_ratio"] = summary([x["traced"]["tok_s"] / x["mlx_lm"]["tok_s"] for x in rounds])
         result["load_average"] = load_average()
         write_result(name, result)
         print(f"round {r + 1}: {rounds[-1]} (decode rates over the first {tokens} tokens)", flush=True)
@@ -170,13 +189,15 @@ def main() -> int:
             ("ours", lambda: ours(base, args.max_tokens)),
             ("mlx_lm", lambda: theirs(base, args.max_tokens)),
             ("ours_fresh_first_token", lambda: ours(chat(texts[0] + " profiled"), 1) if args.fresh else None),
+            ("ours_first_token_one_character_more", lambda: ours(chat(texts[0] + " profiled") + " ", 1) if args.fresh else None),
         ):
             profile = cProfile.Profile()
             profile.enable()
             fn()
             profile.disable()
             print(f"== {label}\n{_top(profile)}", flush=True)
-    print(f"decode ours / mlx-lm: {result['decode_ratio']}; first token: {result['ttft_ratio']}")
+    traced_line = f"; the lone step traced: {result['traced_decode_ratio']}" if args.traced else ""
+    print(f"decode ours / mlx-lm: {result['decode_ratio']}; first token: {result['ttft_ratio']}{traced_line}")
     return 0
 
 
