@@ -7,12 +7,15 @@ goes.
   and decode tokens/s of each side. mlx-lm stops at the tokenizer's EOS
   only, the worker at every end-of-turn token too, so both decode rates are
   taken over the first tokens of as many as the shorter reply has.
-- fresh prompts (`--fresh`, of growing length, each new to both sides, then
-  the same with one more character): the first token where the shapes of
-  the prompt's passes are new, as a user's new message finds them (on CUDA
-  mlx builds kernels and attention graphs per new shape). Each side gets
-  its own text, so that neither finds the other's shapes built, of the
-  same number of tokens.
+- fresh prompts (`--fresh`, of growing length, each new to both sides):
+  the first token where the shapes of the prompt's passes are new, as a
+  user's new message finds them (on CUDA mlx builds kernels and attention
+  graphs per new shape). Each side gets its own text of the same number of
+  tokens. Then another new text of that many tokens for each side: the
+  first token where the shapes are built and the content is new (a prompt
+  with one more character would not do: mlx-lm reads a prompt's last token
+  in a pass of its own, so its first pass over n + 1 tokens has the shape
+  of the n-token prompt's, while the worker's one pass has a new one).
 - both sides run the same loaded model, whose modules the worker's loader
   has pointed at its chunked gated-delta prefill (mlx-lm's loop over the
   prompt's tokens is what a process of mlx-lm's own runs on CUDA and the
@@ -24,8 +27,8 @@ goes.
   attention-only model otherwise steps with the model's own forward;
   docs/engine.md), in the same rounds.
 - with `--profile`: cProfile of one run of each side, of one fresh first
-  token and of the first token of the same prompt with one more character
-  right after it, the top functions by own time (on a GPU a function's own
+  token and of another new prompt's of the same length right after it, the
+  top functions by own time (on a GPU a function's own
   time includes the mlx calls it makes, whose kernel launches happen there).
 
 Results go to bench/results/one-stream-<backend>-<size>[-tag].json after
@@ -168,20 +171,24 @@ def main() -> int:
             other = as_long_as(" ".join(texts[2 * i + 1 :] + texts[: 2 * i + 1]) + f" ({i})", len(codec.encode(mine)))
             first = ((ours, mine), (theirs, other)) if i % 2 == 0 else ((theirs, other), (ours, mine))
             ms = {side.__name__: side(prompt, 1)[0] * 1000 for side, prompt in first}
-            again = {side.__name__: side(prompt + " ", 1)[0] * 1000 for side, prompt in first}
+            n = len(codec.encode(mine))
+            same = {
+                side.__name__: side(as_long_as(" ".join(texts[2 * i + j :] + texts[: 2 * i + j]) + f" [{i}]", n), 1)[0] * 1000
+                for j, (side, _) in enumerate(first, 2)
+            }
             fresh.append(
                 {
                     "tokens": len(codec.encode(mine)),
                     "mlx_lm_tokens": len(codec.encode(other)),
                     "ours_ms": round(ms["ours"], 1),
                     "mlx_lm_ms": round(ms["theirs"], 1),
-                    "ours_again_ms": round(again["ours"], 1),
-                    "mlx_lm_again_ms": round(again["theirs"], 1),
+                    "ours_same_length_ms": round(same["ours"], 1),
+                    "mlx_lm_same_length_ms": round(same["theirs"], 1),
                 }
             )
             print(f"fresh {fresh[-1]}", flush=True)
         result["fresh_ratio"] = summary([x["ours_ms"] / x["mlx_lm_ms"] for x in fresh])
-        result["fresh_again_ratio"] = summary([x["ours_again_ms"] / x["mlx_lm_again_ms"] for x in fresh])
+        result["same_length_ratio"] = summary([x["ours_same_length_ms"] / x["mlx_lm_same_length_ms"] for x in fresh])
         write_result(name, result)
 
     if args.profile:
@@ -189,7 +196,10 @@ def main() -> int:
             ("ours", lambda: ours(base, args.max_tokens)),
             ("mlx_lm", lambda: theirs(base, args.max_tokens)),
             ("ours_fresh_first_token", lambda: ours(chat(texts[0] + " profiled"), 1) if args.fresh else None),
-            ("ours_first_token_one_character_more", lambda: ours(chat(texts[0] + " profiled") + " ", 1) if args.fresh else None),
+            (
+                "ours_first_token_same_length",
+                lambda: ours(as_long_as(texts[1] + " profiled", len(codec.encode(chat(texts[0] + " profiled")))), 1) if args.fresh else None,
+            ),
         ):
             profile = cProfile.Profile()
             profile.enable()
