@@ -134,7 +134,14 @@ def test_cancel_one_row_while_the_others_go_on(pool, greedy_margins):
     pool.send({"op": "cancel", "id": batch[1]["id"]})
     ends = ended(pool, batch)
     assert ends[batch[1]["id"]]["finish_reason"] == "cancelled" and ends[batch[1]["id"]]["gen_tokens"] < 60
-    assert expected[1].startswith(pool.text(batch[1]["id"]))
+    cut = pool.text(batch[1]["id"])
+    if not expected[1].startswith(cut):
+        # The cancel landed inside a character of several bytes: the
+        # request's end flushes the bytes it has as one U+FFFD, as any
+        # ending does.
+        assert cut.endswith("\ufffd")
+        cut = cut[:-1]
+    assert expected[1].startswith(cut)
     for i in (0, 2):
         assert ends[batch[i]["id"]]["gen_tokens"] == 60 and pool.text(batch[i]["id"]) == expected[i]
     assert min(greedy_margins(PROMPTS[:3], 60)) > GREEDY_MARGIN
