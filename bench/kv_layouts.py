@@ -58,7 +58,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
     largest score difference from float."""
     import mlx.core as mx
 
-    from worker.engine.quant_attention import _byte_scores
+    from worker.engine.quant_attention import _byte_blocks, _byte_scores
 
     kv_heads, group, dim, group_size = shape
     mx.random.seed(seed)
@@ -77,7 +77,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
         if kind == "mlx-lm":
             return mx.quantized_matmul(queries, *qk, transpose=True, **q)
         if kind == "bytes":
-            return _byte_scores(queries, qk, group_size, bits)
+            return _byte_scores(queries, qk, group_size, bits, _byte_blocks(qk, dim))
         return mx.quantized_matmul(queries, *qk_t, transpose=False, **q)
 
     def attention(kind: str):

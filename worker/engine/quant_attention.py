@@ -84,18 +84,19 @@ def _raw(q: mx.array, packed: mx.array, group_size: int, bits: int) -> mx.array:
     return (rows @ _unpacked(packed, bits).swapaxes(-1, -2)).reshape(*q.shape[:-2], L, n, -1)
 
 
-def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int) -> mx.array:
+def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int, blocks: int) -> mx.array:
     """q @ K.T for 8- or 4-bit keys without mlx's CPU kernel for it
     (`x @ W.T`, 2-3x a float matmul): with a token's group g holding
     s_g w + b_g, q . k = sum over g of s_g (q_g . w) + b_g sum(q_g), the
     dot products from one float matmul over the keys' bytes (`_raw`). In
     float32 whatever the model's dtype: q_g . w runs up to 255 times the
-    score's size before the bias takes most of it back."""
+    score's size before the bias takes most of it back. `blocks` is
+    `_byte_blocks(keys, D)`, which the caller has already counted."""
     packed, scales, biases = keys
     B, H, S, _ = packed.shape
     L, D = q.shape[-2:]
     q32 = q.astype(mx.float32)
-    if _byte_blocks(keys, D) == 1:
+    if blocks == 1:
         raw = _raw(q32, packed, group_size, bits)
     else:
         per = max(1, BYTES_BLOCK // D)
@@ -119,8 +120,8 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
     q = (queries * scale).reshape(B, kv_heads, G * L, D)
-    if bytes_scores and _byte_blocks(keys, D) <= BYTES_BLOCKS_AT_MOST:
-        scores = _byte_scores(q, keys, group_size, bits)
+    if bytes_scores and (blocks := _byte_blocks(keys, D)) <= BYTES_BLOCKS_AT_MOST:
+        scores = _byte_scores(q, keys, group_size, bits, blocks)
     else:
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
