@@ -168,17 +168,17 @@ def main() -> int:
         for i in range(args.fresh):
             words = 1 + i % 6
             mine = chat(" ".join(texts[2 * i : 2 * i + words]) + f" ({i})")
-            other = as_long_as(" ".join(texts[2 * i + 1 :] + texts[: 2 * i + 1]) + f" ({i})", len(codec.encode(mine)))
+            n = len(codec.encode(mine))
+            other = as_long_as(" ".join(texts[2 * i + 1 :] + texts[: 2 * i + 1]) + f" ({i})", n)
             first = ((ours, mine), (theirs, other)) if i % 2 == 0 else ((theirs, other), (ours, mine))
             ms = {side.__name__: side(prompt, 1)[0] * 1000 for side, prompt in first}
-            n = len(codec.encode(mine))
             same = {
                 side.__name__: side(as_long_as(" ".join(texts[2 * i + j :] + texts[: 2 * i + j]) + f" [{i}]", n), 1)[0] * 1000
                 for j, (side, _) in enumerate(first, 2)
             }
             fresh.append(
                 {
-                    "tokens": len(codec.encode(mine)),
+                    "tokens": n,
                     "mlx_lm_tokens": len(codec.encode(other)),
                     "ours_ms": round(ms["ours"], 1),
                     "mlx_lm_ms": round(ms["theirs"], 1),
