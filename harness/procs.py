@@ -17,7 +17,7 @@ from supervisor.child import PACKAGE_ROOT, child_env
 
 ROOT = PACKAGE_ROOT
 TAG_VAR = "LATTICE_TEST_TAG"
-__all__ = ["ROOT", "child_env", "build_demo_model", "install_tag", "tagged_processes", "wait_for", "pid_alive", "close_stdin"]
+__all__ = ["ROOT", "child_env", "build_demo_model", "install_tag", "tagged_processes", "wait_for", "said", "pid_alive", "close_stdin"]
 
 
 def build_demo_model(path: Path, *args: str) -> Path:
@@ -62,6 +62,16 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, message: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message}")
         time.sleep(interval)
+
+
+def said(stderr: bytearray, text: bytes, timeout: float = 30.0) -> bool:
+    """Waits until `text` is in a process's stderr as read so far. The pool
+    writes its workers' stderr from a thread of its own, and a reader thread
+    collects it here: a line can land after events the process wrote later."""
+    try:
+        return wait_for(lambda: text in stderr, timeout, message=f"{text!r} on stderr")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its last lines:\n{bytes(stderr[-3000:]).decode(errors='replace')}") from None
 
 
 async def async_wait_for(predicate, timeout: float, interval: float = 0.01, message: str = "condition"):

@@ -4,6 +4,7 @@ model's dtype, batched like any other, with the prefix cache."""
 import pytest
 
 from harness.engine import run
+from harness.procs import said
 from harness.prompts import chatml
 from ipc.messages import Generate
 from tests.conftest import LOGIT_TOLERANCE
@@ -144,7 +145,7 @@ def test_a_pool_serves_quantized_and_plain_models_side_by_side(tiny_model, tmp_p
     assert rows["q8"]["pid"] != rows["plain"]["pid"]
     assert rows["q8"]["max_batch"] == rows["plain"]["max_batch"] == 8
     # quantized_kv_start = 40: the prompts (30 to 195 tokens) batch on both sides of it.
-    assert b"attention caches quantized: 8 bits, groups of 32, from 40 tokens on" in pool.stderr
+    assert said(pool.stderr, b"attention caches quantized: 8 bits, groups of 32, from 40 tokens on")
     assert pool.close() == 0
 
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from harness.fakes import FAKE_ENV, FakeModels
-from harness.procs import wait_for
+from harness.procs import said, wait_for
 from supervisor.policy import DEFAULT_MEMORY_SHARE, MAX_FAILED_ROWS
 
 
@@ -37,7 +37,7 @@ def test_with_no_max_loaded_the_workers_that_fit_in_memory_stay_loaded(fakes, sp
     for name in "abc":
         pool.send({"model": name, "id": name, "prompt": "x", "max_tokens": 1})
         assert pool.terminal(name)["ev"] == "gen_token"
-    assert b"evicted to make room for 'c'" in pool.stderr
+    assert said(pool.stderr, b"evicted to make room for 'c'")
     assert pool.wait_ev("unloaded", model="a")
     assert sorted(status(pool)) == ["b", "c"]
     assert pool.close() == 0
