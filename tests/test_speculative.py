@@ -356,6 +356,24 @@ class ModelLike:
         return list(tokens)
 
 
+def test_prompt_lookup_copies_what_followed_and_goes_round_a_loop():
+    from worker.engine.drafters import NgramDrafter
+
+    lookup = NgramDrafter()
+    # What followed the latest earlier (1, 2): a copy from the prompt.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    assert lookup.propose([lookup.state(prompt)], [2], [4]) == [[3, 4, 5, 6]]
+    assert lookup.propose([lookup.state(prompt + [2])], [None], [3]) == [[3, 4, 5]]
+    # A reply repeating (5, 6, 7): the match is 3 tokens back, and the draft
+    # goes on round the loop past the known tokens, up to the limit.
+    loop = [9, 5, 6, 7, 5, 6, 7, 5, 6]
+    assert lookup.propose([lookup.state(loop)], [7], [7]) == [[5, 6, 7, 5, 6, 7, 5]]
+    assert lookup.propose([lookup.state(loop + [7])], [None], [5]) == [[5, 6, 7, 5, 6]]
+    # Nothing to follow, or no room: no draft.
+    assert lookup.propose([lookup.state([1, 2, 3])], [4], [4]) == [[]]
+    assert lookup.propose([lookup.state(prompt)], [2], [0]) == [[]]
+
+
 def test_a_row_is_judged_on_its_last_drafting_steps_and_new_rows_inherit_a_failing_drafters_pause():
     from worker.engine.drafters import NgramDrafter
     from worker.engine.speculate import ROW_JUDGE_AFTER, ROW_PAUSE, Speculator

@@ -91,13 +91,20 @@ class NgramDrafter:
             key = tuple(tokens[len(tokens) - (n - len(tail)) :] + tail) if n > len(tail) else tuple(tail[-n:])
             start = state.follows.get(key)
             if start is not None:
-                # A loop may run into the tokens just proposed: the draft
-                # then stops where the known tokens end.
-                draft = tokens[start : start + k]
-                if len(draft) < k and tail:
-                    draft += tail[: k - len(draft)]
-                return draft
+                return _continued(tokens, tail, start, k)
         return []
+
+
+def _continued(tokens: list[int], tail: list[int], start: int, k: int) -> list[int]:
+    """k tokens from `start` on in tokens + tail, then on in the draft
+    itself: a match within the last few tokens is a loop (text repeating a
+    short piece), and a loop's next tokens are its own earlier ones, so the
+    draft goes round it again rather than stop where the known tokens end."""
+    known = len(tokens) + len(tail)
+    draft: list[int] = []
+    for i in range(start, start + k):
+        draft.append(tokens[i] if i < len(tokens) else tail[i - len(tokens)] if i < known else draft[i - known])
+    return draft
 
 
 class History:
