@@ -65,8 +65,12 @@ def probe(code: str, *args: str, **env: str):
 
 def test_openblas_serves_mlx_float32_matmuls():
     fast = probe(SGEMM_PROBE)
-    assert fast["loaded"] and "openblas" in fast["provider"]
+    # libmlx's cblas_sgemm is the one-row forwarding library, which hands
+    # this 64-row product to OpenBLAS's own sgemm: the same bits.
+    assert fast["loaded"] and "gemv-forward-" in fast["provider"]
     assert fast["same_as_direct"] and fast["close"]
+    alone = probe(SGEMM_PROBE, LATTICE_CPU_GEMV="off")
+    assert "openblas" in alone["provider"] and alone["bits"] == fast["bits"]
     bundled = probe(SGEMM_PROBE, LATTICE_CPU_BLAS="bundled")
     assert bundled["loaded"] is None and bundled["provider"] is None
     assert bundled["same_as_direct"] and bundled["close"]
@@ -110,6 +114,114 @@ def test_float32_path_keeps_the_results(model, request):
     assert rel(fast, stored) < 3e-2
 
 
+# The forwarding library's cblas_sgemm called directly, row-major, every
+# transposition, with padded leading dimensions, against float64 numpy; and
+# mlx's own one-row and one-column products, counted.
+FORWARD_PROBE = textwrap.dedent(
+    """
+    import ctypes, json, sys
+    import numpy as np
+    from worker.runtime.cpu_backend import load_openblas, one_row_products_forwarded, sgemm_provider
+    load_openblas()
+    import mlx.core as mx
+
+    forwarded = one_row_products_forwarded()
+    out = {"provider": sgemm_provider(), "forwarded": forwarded}
+    if forwarded is not None:
+        fn = ctypes.CDLL(None).cblas_sgemm
+        rng = np.random.default_rng(1)
+        worst = 0.0
+        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (3, 5, 7)):
+            for ta in (111, 112):
+                for tb in (111, 112):
+                    for beta in (0.0, 0.5):
+                        a = rng.standard_normal((k, m) if ta == 112 else (m, k)).astype(np.float32)
+                        b = rng.standard_normal((n, k) if tb == 112 else (k, n)).astype(np.float32)
+                        pad = 3  # leading dimensions wider than the rows
+                        ap = np.zeros((a.shape[0], a.shape[1] + pad), np.float32); ap[:, : a.shape[1]] = a
+                        bp = np.zeros((b.shape[0], b.shape[1] + pad), np.float32); bp[:, : b.shape[1]] = b
+                        c0 = rng.standard_normal((m, n + pad)).astype(np.float32)
+                        if beta == 0.0:
+                            c0[:] = np.nan  # unread when beta is 0
+                        c = c0.copy()
+                        fn(101, ta, tb, m, n, k, ctypes.c_float(1.5), ap.ctypes.data_as(ctypes.c_void_p), ap.shape[1],
+                           bp.ctypes.data_as(ctypes.c_void_p), bp.shape[1], ctypes.c_float(beta), c.ctypes.data_as(ctypes.c_void_p), c.shape[1])
+                        opa = a.T if ta == 112 else a
+                        opb = b.T if tb == 112 else b
+                        want = 1.5 * opa.astype(np.float64) @ opb + (beta * c0[:, :n] if beta else 0)
+                        worst = max(worst, float(np.max(np.abs(c[:, :n] - want)) / np.max(np.abs(want))))
+                        assert np.array_equal(c[:, n:], c0[:, n:], equal_nan=True), "wrote past the row"
+        out["worst_rel"] = worst
+        before = one_row_products_forwarded()
+        w = mx.array(rng.standard_normal((48, 32)).astype(np.float32))
+        x = mx.array(rng.standard_normal((1, 32)).astype(np.float32))
+        mx.eval(x @ w.T)
+        out["one_row"] = one_row_products_forwarded() - before
+        mx.eval(mx.concatenate([x, x]) @ w.T)
+        out["two_rows"] = one_row_products_forwarded() - before - out["one_row"]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_one_row_products_go_to_sgemv_and_stay_exact(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    on = probe(FORWARD_PROBE, **env)
+    assert "gemv-forward-" in on["provider"] and str(tmp_path) in on["provider"]
+    assert on["worst_rel"] < 1e-5
+    assert on["one_row"] == 1 and on["two_rows"] == 0
+    off = probe(FORWARD_PROBE, LATTICE_CPU_GEMV="off", **env)
+    assert off["forwarded"] is None and "openblas" in off["provider"]
+
+
+def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product(tmp_path):
+    fresh = tmp_path / "fresh"
+    none = probe(FORWARD_PROBE, CC="/bin/false", XDG_CACHE_HOME=str(fresh))
+    assert none["forwarded"] is None and "openblas" in none["provider"]
+    assert not list(fresh.rglob("*.so")) and not list(fresh.rglob("*.tmp"))
+    # Built once, then damaged on disk: opened, refused, built again.
+    built = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"]
+    with open(built, "r+b") as f:
+        f.write(b"not a library")
+    again = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))
+    assert again["provider"] == built and again["one_row"] == 1
+
+
+# A decode step's logits (one row: every matmul forwarded) with and without
+# the forwarding.
+DECODE_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from worker.runtime.cpu_backend import load_openblas, one_row_products_forwarded
+    load_openblas()
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from worker.runtime.loader import load
+    from worker.text.tokenizer import TextCodec
+
+    path = Path(sys.argv[1])
+    loaded = load(path)
+    ids = TextCodec(path, loaded.config).encode(
+        "<|im_start|>user\\nTell me about the river and the mill.<|im_end|>\\n<|im_start|>assistant\\n")
+    cache = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array(ids)[None], cache=cache))
+    before = one_row_products_forwarded() or 0
+    logits = loaded.model(mx.array([[ids[-1]]]), cache=cache)[0, -1]
+    mx.eval(logits)
+    print(json.dumps({"logits": logits.tolist(), "forwarded": (one_row_products_forwarded() or 0) - before}))
+    """
+)
+
+
+def test_a_decode_step_through_sgemv_gives_the_logits_of_sgemm(tiny_model):
+    on = probe(DECODE_PROBE, str(tiny_model))
+    off = probe(DECODE_PROBE, str(tiny_model), LATTICE_CPU_GEMV="off")
+    assert on["forwarded"] > 0 and off["forwarded"] == 0
+    a, b = np.array(on["logits"]), np.array(off["logits"])
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
+
+
 def test_worker_maps_openblas(tiny_model):
     w = WorkerProc(tiny_model)
     try:
@@ -119,4 +231,4 @@ def test_worker_maps_openblas(tiny_model):
         assert "libopenblas" in maps
     finally:
         assert w.close() == 0
-    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr
+    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr and b"one-row products through its sgemv" in w.stderr

@@ -16,7 +16,17 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   biases included) to float32 on CPU. Memory: bf16/fp16 weights double;
   4-bit weights grow about 11% (fp32 scales and biases per group of 64).
 
+- One-row products go to sgemv: OpenBLAS's sgemm packs the weight matrix
+  before every multiplication, so a lone request's decode step (one row per
+  matmul) cost about what eight rows cost. `gemv_forward.c`, compiled once
+  with the system's C compiler into the pool's cache dir and opened ahead
+  of OpenBLAS, provides libmlx's `cblas_sgemm`: calls with one row or one
+  column go to OpenBLAS's `cblas_sgemv`, the rest to its `cblas_sgemm`.
+  Without a C compiler (mlx needs one on Linux for its compiled kernels
+  anyway) every call goes to sgemm, as before.
+
 `LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
+`LATTICE_CPU_GEMV=off` sends one-row products to sgemm too;
 `OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1; workers
 that run at the same time should split the cores between them).
 """
@@ -25,16 +35,27 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import hashlib
 import importlib.metadata
 import logging
 import os
+import platform
+import shlex
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from ipc.paths import pool_cache_dir
+
 log = logging.getLogger("worker")
 
 BLAS_ENV = "LATTICE_CPU_BLAS"
+GEMV_ENV = "LATTICE_CPU_GEMV"
+GEMV_SOURCE = Path(__file__).with_name("gemv_forward.c")
+# A compiler that hangs must not hold a worker's start for long.
+COMPILE_TIMEOUT_S = 60
 
 
 def _dist_file(dist: str, pattern: str) -> Path | None:
@@ -77,12 +98,86 @@ def load_openblas() -> str | None:
         for lib in bundled.iterdir():  # gfortran's own mangled dependencies
             if not (links / lib.name).exists():
                 (links / lib.name).symlink_to(lib)
+        library = str(links / "libopenblas.so.0")
         try:
-            ctypes.CDLL(str(links / "libopenblas.so.0"), mode=ctypes.RTLD_GLOBAL)
+            # Opened privately first: the forwarding library must enter the
+            # global scope before OpenBLAS does, and only once OpenBLAS is
+            # known to load (it calls into it).
+            own = ctypes.CDLL(library)
         except OSError as exc:
             log.warning("OpenBLAS not loaded (%s); using mlx's bundled BLAS", exc)
             return None
+        if os.environ.get(GEMV_ENV, "on") != "off":
+            forward_one_row_products(own, pool_cache_dir(os.environ) / "cpu-blas")
+        # Already open: this adds it to the global scope, after the forwarding library.
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     return str(openblas)
+
+
+def forward_one_row_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL | None:
+    """Opens gemv_forward.c's library (compiled into `directory` when it is
+    not there yet) in the global scope, wired to `openblas`; None when it
+    cannot be built or opened (then sgemm serves every product)."""
+    for attempt in range(2):
+        built = _gemv_library(directory)
+        if built is None:
+            return None
+        try:
+            forward = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+            forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p))
+        except (OSError, AttributeError) as exc:
+            # A damaged file in the cache: built again once.
+            log.warning("cannot open %s (%s)%s", built, exc, "; building it again" if attempt == 0 else "")
+            built.unlink(missing_ok=True)
+            continue
+        forward.lattice_gemv_forwarded.restype = ctypes.c_ulonglong
+        return forward
+    return None
+
+
+def _gemv_library(directory: Path) -> Path | None:
+    """The compiled gemv_forward.c in `directory`, named by its source and
+    the machine, compiled there when missing; None without a C compiler."""
+    source = GEMV_SOURCE.read_bytes()
+    digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    built = directory / f"gemv-forward-{digest}.so"
+    if built.is_file():
+        return built
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        log.info("no C compiler: one-row float32 products go through sgemm")
+        return None
+    tmp = directory / f".{built.name}.{os.getpid()}.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Compiled to a file of its own, then renamed into place: workers
+        # starting together never open a half-written library.
+        subprocess.run(
+            [*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", str(tmp), str(GEMV_SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=COMPILE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+        os.replace(tmp, built)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        detail = exc.stderr.decode(errors="replace").strip()[-300:] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else str(exc)
+        log.warning("cannot compile %s with %s (%s): one-row float32 products go through sgemm", GEMV_SOURCE.name, compiler, detail)
+        tmp.unlink(missing_ok=True)
+        return None
+    return built
+
+
+def one_row_products_forwarded() -> int | None:
+    """One-row products sent to sgemv so far in this process; None when
+    they are not forwarded (libmlx's sgemm is OpenBLAS's or mlx's own)."""
+    process = ctypes.CDLL(None)
+    try:
+        count = process.lattice_gemv_forwarded
+    except AttributeError:
+        return None
+    count.restype = ctypes.c_ulonglong
+    return int(count())
 
 
 class _DlInfo(ctypes.Structure):

@@ -1,0 +1,70 @@
+/* cblas_sgemm for libmlx on a CPU: a product with one row or one column
+ * goes to OpenBLAS's sgemv, everything else to its sgemm.
+ *
+ * Why: OpenBLAS's sgemm packs both matrices into blocks before it
+ * multiplies, so a one-row product (a lone request's decode step) copies
+ * every weight matrix once per call and costs about what eight rows cost;
+ * sgemv reads the matrix once. OpenBLAS forwards such calls itself only on
+ * ARM64, RISC-V and POWER builds; mlx calls sgemm for every float32 matmul.
+ *
+ * worker/runtime/cpu_backend.py compiles this file with the system's C
+ * compiler, opens the result before OpenBLAS in the global symbol scope (so
+ * libmlx's cblas_sgemm binds here) and hands it OpenBLAS's own functions
+ * through lattice_gemv_init before mlx is imported.
+ */
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+static sgemm_fn real_sgemm;
+static sgemv_fn real_sgemv;
+static unsigned long long forwarded;
+
+void lattice_gemv_init(void *sgemm, void *sgemv) {
+    real_sgemm = (sgemm_fn)sgemm;
+    real_sgemv = (sgemv_fn)sgemv;
+}
+
+/* Calls sent to sgemv so far (for tests and logs). */
+unsigned long long lattice_gemv_forwarded(void) { return forwarded; }
+
+static void gemv(int trans, int rows, int cols, float alpha, const float *a, int lda, const float *x, int incx, float beta, float *y,
+                 int incy, int n) {
+    if (beta == 0.0f) {
+        /* BLAS leaves y unread when beta is 0, and mlx hands over an
+         * uninitialised buffer; some OpenBLAS versions scale y by beta
+         * anyway, which would turn a stale NaN into a result. */
+        for (int i = 0; i < n; i++) y[(long)i * incy] = 0.0f;
+        beta = 1.0f;
+    }
+    real_sgemv(ROW_MAJOR, trans, rows, cols, alpha, a, lda, x, incx, beta, y, incy);
+    forwarded++;
+}
+
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+                 float beta, float *c, int ldc) {
+    int plain = order == ROW_MAJOR && (ta == NO_TRANS || ta == TRANS) && (tb == NO_TRANS || tb == TRANS);
+    if (plain && real_sgemv && m > 0 && n > 0 && k > 0) {
+        if (m == 1) {
+            /* c (1 x n) = op(a) (1 x k) op(b) (k x n): the row of a times op(b). */
+            int incx = ta == NO_TRANS ? 1 : lda;
+            if (tb == TRANS)
+                gemv(NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1, n);
+            else
+                gemv(TRANS, k, n, alpha, b, ldb, a, incx, beta, c, 1, n);
+            return;
+        }
+        if (n == 1) {
+            /* c (m x 1) = op(a) (m x k) op(b) (k x 1): op(a) times the column of b. */
+            int incx = tb == NO_TRANS ? ldb : 1;
+            if (ta == NO_TRANS)
+                gemv(NO_TRANS, m, k, alpha, a, lda, b, incx, beta, c, ldc, m);
+            else
+                gemv(TRANS, k, m, alpha, a, lda, b, incx, beta, c, ldc, m);
+            return;
+        }
+    }
+    real_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
