@@ -32,7 +32,7 @@ def terminal(events: list[dict]) -> dict:
 
 
 class WorkerProc:
-    def __init__(self, model: Path, *args: str, profile: Path | None = None):
+    def __init__(self, model: Path, *args: str, profile: Path | None = None, env: dict[str, str] | None = None):
         # profile: the worker's main thread runs under cProfile, whose
         # figures go to that file when the worker exits after a Shutdown
         # (closing its stdin ends it at once, writing nothing).
@@ -42,7 +42,7 @@ class WorkerProc:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=child_env(),
+            env=child_env(**(env or {})),
             cwd=ROOT,
             # In a session of its own, as the pool starts its workers: with
             # autogroup scheduling that decides its share of a busy CPU.
@@ -57,9 +57,9 @@ class WorkerProc:
             t.start()
 
     @classmethod
-    def started(cls, model: Path, *args: str, profile: Path | None = None) -> WorkerProc:
+    def started(cls, model: Path, *args: str, profile: Path | None = None, env: dict[str, str] | None = None) -> WorkerProc:
         """A worker that has said `ready`."""
-        w = cls(model, *args, profile=profile)
+        w = cls(model, *args, profile=profile, env=env)
         w.wait_ready()
         return w
 
