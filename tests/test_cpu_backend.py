@@ -2,9 +2,11 @@
 
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,7 +186,17 @@ def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product
     with open(built, "r+b") as f:
         f.write(b"not a library")
     again = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))
-    assert again["provider"] == built and again["one_row"] == 1
+    assert "gemv-forward-" in again["provider"] and again["one_row"] == 1
+    assert probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"] == built
+    # A sound library of another kind under its name (here the C maths
+    # library) never enters the global scope: refused, built again.
+    with open("/proc/self/maps") as f:
+        libm = next(line.split()[-1] for line in f if "/libm.so" in line or "/libm-" in line)
+    shutil.copyfile(libm, built)
+    other = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))
+    assert "gemv-forward-" in other["provider"] and other["one_row"] == 1
+    assert sorted(p.name for p in (tmp_path / "lattice-pool" / "cpu-blas").iterdir()) == [Path(built).name]
+    assert probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"] == built
 
 
 # A decode step's logits (one row: every matmul forwarded) with and without

@@ -108,7 +108,10 @@ def load_openblas() -> str | None:
             log.warning("OpenBLAS not loaded (%s); using mlx's bundled BLAS", exc)
             return None
         if os.environ.get(GEMV_ENV, "on") != "off":
-            forward_one_row_products(own, pool_cache_dir(os.environ) / "cpu-blas")
+            try:
+                forward_one_row_products(own, pool_cache_dir(os.environ) / "cpu-blas")
+            except Exception as exc:  # a speed-up: it never stops a start
+                log.warning("one-row float32 products go through sgemm: %s", exc)
         # Already open: this adds it to the global scope, after the forwarding library.
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     return str(openblas)
@@ -122,15 +125,27 @@ def forward_one_row_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.C
         built = _gemv_library(directory)
         if built is None:
             return None
+        # The dynamic loader knows a library by the path it was opened by:
+        # a file built again after a failed open is opened by another one.
+        path = built if attempt == 0 else built.with_name(f".{built.name}.{os.getpid()}.so")
         try:
-            forward = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+            if path != built:
+                path.unlink(missing_ok=True)
+                os.link(built, path)
+            # Opened privately and wired first: only a library that is what
+            # it should be enters the global scope, where libmlx binds to it.
+            forward = ctypes.CDLL(str(path))
             forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p))
+            forward.lattice_gemv_forwarded.restype = ctypes.c_ulonglong
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except (OSError, AttributeError) as exc:
             # A damaged file in the cache: built again once.
             log.warning("cannot open %s (%s)%s", built, exc, "; building it again" if attempt == 0 else "")
             built.unlink(missing_ok=True)
             continue
-        forward.lattice_gemv_forwarded.restype = ctypes.c_ulonglong
+        finally:
+            if path != built:
+                path.unlink(missing_ok=True)  # mapped already; the cache keeps `built`
         return forward
     return None
 
