@@ -370,10 +370,17 @@ class Pool:
         loop = asyncio.get_running_loop()
         deadline = None if grace is None else loop.time() + grace
         waits = [asyncio.ensure_future(self._all_idle.wait()), asyncio.ensure_future(self.hurry.wait())]
+        was_loading = False
         try:
             while True:
-                if deadline is not None and any(slot.state in (State.LOADING, State.RESTARTING) for slot in self.slots.values()):
+                loading = any(slot.state in (State.LOADING, State.RESTARTING) for slot in self.slots.values())
+                # Loads are looked at once a second, so the grace restarts
+                # at the first look that finds them all ended too: from the
+                # last look during a load, a load ending just before the
+                # next one would leave its requests none of it.
+                if deadline is not None and (loading or was_loading):
                     deadline = loop.time() + grace
+                was_loading = loading
                 left = None if deadline is None else deadline - loop.time()
                 if left is not None and left <= 0:
                     return
