@@ -123,17 +123,17 @@ FORWARD_PROBE = textwrap.dedent(
     """
     import ctypes, json, sys
     import numpy as np
-    from worker.runtime.cpu_backend import load_openblas, one_row_products_forwarded, sgemm_provider
+    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded, sgemm_provider
     load_openblas()
     import mlx.core as mx
 
-    forwarded = one_row_products_forwarded()
+    forwarded = thin_products_forwarded()
     out = {"provider": sgemm_provider(), "forwarded": forwarded}
     if forwarded is not None:
         fn = ctypes.CDLL(None).cblas_sgemm
         rng = np.random.default_rng(1)
         worst = 0.0
-        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (3, 5, 7)):
+        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (2, 40, 24), (3, 5, 7), (5, 6, 9)):
             for ta in (111, 112):
                 for tb in (111, 112):
                     for beta in (0.0, 0.5):
@@ -154,24 +154,31 @@ FORWARD_PROBE = textwrap.dedent(
                         worst = max(worst, float(np.max(np.abs(c[:, :n] - want)) / np.max(np.abs(want))))
                         assert np.array_equal(c[:, n:], c0[:, n:], equal_nan=True), "wrote past the row"
         out["worst_rel"] = worst
-        before = one_row_products_forwarded()
+        before = thin_products_forwarded()
         w = mx.array(rng.standard_normal((48, 32)).astype(np.float32))
         x = mx.array(rng.standard_normal((1, 32)).astype(np.float32))
         mx.eval(x @ w.T)
-        out["one_row"] = one_row_products_forwarded() - before
-        mx.eval(mx.concatenate([x, x]) @ w.T)
-        out["two_rows"] = one_row_products_forwarded() - before - out["one_row"]
+        out["one_row"] = thin_products_forwarded() - before
+        mx.eval(mx.concatenate([x, x, x]) @ w.T)
+        out["three_rows"] = thin_products_forwarded() - before - out["one_row"]
+        mx.eval(mx.concatenate([x, x, x, x]) @ w.T)
+        out["four_rows"] = thin_products_forwarded() - before - out["one_row"] - out["three_rows"]
+        # Row by row, a row of a thin product is the row alone, bit for bit.
+        rows = mx.array(rng.standard_normal((3, 32)).astype(np.float32))
+        alone = mx.concatenate([rows[i : i + 1] @ w.T for i in range(3)])
+        out["rows_as_alone"] = bool(mx.array_equal(rows @ w.T, alone).item())
     print(json.dumps(out))
     """
 )
 
 
-def test_one_row_products_go_to_sgemv_and_stay_exact(tmp_path):
+def test_thin_products_go_to_sgemv_and_stay_exact(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     on = probe(FORWARD_PROBE, **env)
     assert "gemv-forward-" in on["provider"] and str(tmp_path) in on["provider"]
     assert on["worst_rel"] < 1e-5
-    assert on["one_row"] == 1 and on["two_rows"] == 0
+    assert on["one_row"] == 1 and on["three_rows"] == 1 and on["four_rows"] == 0
+    assert on["rows_as_alone"]
     off = probe(FORWARD_PROBE, LATTICE_CPU_GEMV="off", **env)
     assert off["forwarded"] is None and "openblas" in off["provider"]
 
@@ -205,7 +212,7 @@ DECODE_PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from worker.runtime.cpu_backend import load_openblas, one_row_products_forwarded
+    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded
     load_openblas()
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -218,10 +225,10 @@ DECODE_PROBE = textwrap.dedent(
         "<|im_start|>user\\nTell me about the river and the mill.<|im_end|>\\n<|im_start|>assistant\\n")
     cache = make_prompt_cache(loaded.model)
     mx.eval(loaded.model(mx.array(ids)[None], cache=cache))
-    before = one_row_products_forwarded() or 0
+    before = thin_products_forwarded() or 0
     logits = loaded.model(mx.array([[ids[-1]]]), cache=cache)[0, -1]
     mx.eval(logits)
-    print(json.dumps({"logits": logits.tolist(), "forwarded": (one_row_products_forwarded() or 0) - before}))
+    print(json.dumps({"logits": logits.tolist(), "forwarded": (thin_products_forwarded() or 0) - before}))
     """
 )
 
@@ -243,4 +250,4 @@ def test_worker_maps_openblas(tiny_model):
         assert "libopenblas" in maps
     finally:
         assert w.close() == 0
-    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr and b"one-row products through its sgemv" in w.stderr
+    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr and b"products of up to 3 rows through its sgemv" in w.stderr

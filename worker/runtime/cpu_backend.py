@@ -16,17 +16,18 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   biases included) to float32 on CPU. Memory: bf16/fp16 weights double;
   4-bit weights grow about 11% (fp32 scales and biases per group of 64).
 
-- One-row products go to sgemv: OpenBLAS's sgemm packs the weight matrix
+- Thin products go to sgemv: OpenBLAS's sgemm packs the weight matrix
   before every multiplication, so a lone request's decode step (one row per
   matmul) cost about what eight rows cost. `gemv_forward.c`, compiled once
   with the system's C compiler into the pool's cache dir and opened ahead
-  of OpenBLAS, provides libmlx's `cblas_sgemm`: calls with one row or one
-  column go to OpenBLAS's `cblas_sgemv`, the rest to its `cblas_sgemm`.
-  Without a C compiler (mlx needs one on Linux for its compiled kernels
-  anyway) every call goes to sgemm, as before.
+  of OpenBLAS, provides libmlx's `cblas_sgemm`: calls with at most 3 rows
+  or one column (thin products) go to OpenBLAS's `cblas_sgemv` a row at a
+  time, the rest to its `cblas_sgemm`. Without a C compiler (mlx needs one
+  on Linux for its compiled kernels anyway) every call goes to sgemm, as
+  before.
 
 `LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
-`LATTICE_CPU_GEMV=off` sends one-row products to sgemm too;
+`LATTICE_CPU_GEMV=off` sends thin products to sgemm too;
 `OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1; workers
 that run at the same time should split the cores between them).
 """
@@ -109,15 +110,15 @@ def load_openblas() -> str | None:
             return None
         if os.environ.get(GEMV_ENV, "on") != "off":
             try:
-                forward_one_row_products(own, pool_cache_dir(os.environ) / "cpu-blas")
+                forward_thin_products(own, pool_cache_dir(os.environ) / "cpu-blas")
             except Exception as exc:  # a speed-up: it never stops a start
-                log.warning("one-row float32 products go through sgemm: %s", exc)
+                log.warning("thin float32 products go through sgemm: %s", exc)
         # Already open: this adds it to the global scope, after the forwarding library.
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     return str(openblas)
 
 
-def forward_one_row_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL | None:
+def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL | None:
     """Opens gemv_forward.c's library (compiled into `directory` when it is
     not there yet) in the global scope, wired to `openblas`; None when it
     cannot be built or opened (then sgemm serves every product)."""
@@ -160,7 +161,7 @@ def _gemv_library(directory: Path) -> Path | None:
         return built
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
-        log.info("no C compiler: one-row float32 products go through sgemm")
+        log.info("no C compiler: thin float32 products go through sgemm")
         return None
     tmp = directory / f".{built.name}.{os.getpid()}.tmp"
     try:
@@ -175,17 +176,20 @@ def _gemv_library(directory: Path) -> Path | None:
             stdin=subprocess.DEVNULL,
         )
         os.replace(tmp, built)
+        for old in directory.glob("gemv-forward-*.so"):
+            if old != built:
+                old.unlink(missing_ok=True)  # another source's (a process using it keeps its mapping)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         detail = exc.stderr.decode(errors="replace").strip()[-300:] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else str(exc)
-        log.warning("cannot compile %s with %s (%s): one-row float32 products go through sgemm", GEMV_SOURCE.name, compiler, detail)
+        log.warning("cannot compile %s with %s (%s): thin float32 products go through sgemm", GEMV_SOURCE.name, compiler, detail)
         tmp.unlink(missing_ok=True)
         return None
     return built
 
 
-def one_row_products_forwarded() -> int | None:
-    """One-row products sent to sgemv so far in this process; None when
-    they are not forwarded (libmlx's sgemm is OpenBLAS's or mlx's own)."""
+def thin_products_forwarded() -> int | None:
+    """sgemm calls sent to sgemv so far in this process; None when thin
+    products are not forwarded (libmlx's sgemm is OpenBLAS's or mlx's own)."""
     process = ctypes.CDLL(None)
     try:
         count = process.lattice_gemv_forwarded
