@@ -514,12 +514,13 @@ class Speculator:
         if last is None or gen.prefilling or not gen.decoding:
             return
         start, kind, batch, tokens, before, traces = last
-        took = now - start if self._traces(gen) == traces and before == kind else None
+        steady = self._traces(gen) == traces
         if kind == "plain":
-            if took is not None:
-                self.pace.plain(batch, took)
+            if steady and before == "plain":
+                self.pace.plain(batch, now - start)
             return
-        pause, gain = self.pace.spec(batch, took, tokens)
+        took = now - start if steady and before in ("spec", "plain") else None
+        pause, gain = self.pace.spec(batch, took, tokens, resumed=before == "plain")
         if pause:
             self.off_until = self.steps + pause
             log.info("speculative steps measured %.2fx plain decode; off for %d steps", gain, pause)
