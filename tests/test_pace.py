@@ -93,18 +93,3 @@ def test_plain_steps_outside_a_probe_refresh_the_reference_and_put_off_the_next_
     pace.spec(4, 0.010, 8)
     assert not pace.probe_due(4)
     assert pace.reference(4) == 0.010  # the median of the latest SAMPLES
-
-
-def test_a_step_after_plain_steps_counts_without_the_plain_forward_it_waited_for():
-    """The first speculative step after plain ones also waits for the last
-    plain step's forward (not its own cost: one plain step is taken off),
-    and a draft model's read of the plain steps' tokens (its own cost)."""
-    pace = Pace()
-    probe(pace, 8, 0.010)
-    for _ in range(JUDGE_AFTER - 1):
-        assert pace.spec(8, 0.020, 16)[0] == 0  # 2 tokens a row in two plain steps' time: even
-    # Waiting 10 ms for the plain forward, then a steady step: still even.
-    assert pace.spec(8, 0.030, 16, resumed=True) == (0, 1.0)
-    # A resumed step that also read the pause's tokens (20 ms more) loses.
-    pause, gain = pace.spec(8, 0.050, 16, resumed=True)
-    assert pause == PAUSE and round(gain, 3) == round(9 * 16 / (8 * 16 + 32), 3)

@@ -11,13 +11,10 @@ A comparison is honest only if each side is timed as it runs on its own:
 - Steps overlap: a plain step builds its forward before it reads the token
   of the step before (as mlx-lm's generate_step does), while a speculative
   step reads its rows' pending tokens first. So the first plain step after
-  a speculative one only builds, and is not timed; the first speculative
-  step after a plain one also waits for that plain step's forward, which
-  is not its own cost, and a draft model reads the tokens the plain steps
-  made, which is: that step counts with one plain step taken off. Left
-  out, a draft model that barely beat plain steps once caught up (at 8
-  rows on a CPU, 1.07x its steady steps) ran at 0.91x over whole
-  requests, its reads after every pause unseen.
+  a speculative one only builds, and the first speculative step after a
+  plain one also waits for that plain step's forward (and a draft model
+  reads the tokens the plain steps made): neither is timed. That read is
+  the cost of a pause, and pauses double.
 - Plain steps after plain steps are references wherever they come (a
   pause, rows with nothing to draft). A batch size that keeps speculating
   has none, so it is timed in probes: PROBE_STEPS plain steps in a row,
@@ -100,18 +97,13 @@ class Pace:
             self._plain.setdefault(batch, deque(maxlen=SAMPLES)).append(took)
             self._since[batch] = 0
 
-    def spec(self, batch: int, took: float | None, tokens: int, resumed: bool = False) -> tuple[int, float]:
+    def spec(self, batch: int, took: float | None, tokens: int) -> tuple[int, float]:
         """A speculative step of `batch` rows gave `tokens` tokens in `took`
-        seconds (None: not timed); `resumed`: it came after a plain step,
-        whose forward it waited for. Returns the steps to pause speculation
+        seconds (None: not timed). Returns the steps to pause speculation
         for (0: go on) and the gain it was judged on."""
         self._since[batch] = self._since.get(batch, 0) + 1
         plain = self.reference(batch)
-        if plain is None or took is None:
-            return 0, self.gain
-        if resumed:
-            took -= plain
-        if took <= 0:
+        if plain is None or took is None or took <= 0:
             return 0, self.gain
         self._window.append((tokens, took * batch / plain))
         if len(self._window) < JUDGE_AFTER:

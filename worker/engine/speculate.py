@@ -514,13 +514,12 @@ class Speculator:
         if last is None or gen.prefilling or not gen.decoding:
             return
         start, kind, batch, tokens, before, traces = last
-        steady = self._traces(gen) == traces
+        took = now - start if self._traces(gen) == traces and before == kind else None
         if kind == "plain":
-            if steady and before == "plain":
-                self.pace.plain(batch, now - start)
+            if took is not None:
+                self.pace.plain(batch, took)
             return
-        took = now - start if steady and before in ("spec", "plain") else None
-        pause, gain = self.pace.spec(batch, took, tokens, resumed=before == "plain")
+        pause, gain = self.pace.spec(batch, took, tokens)
         if pause:
             self.off_until = self.steps + pause
             log.info("speculative steps measured %.2fx plain decode; off for %d steps", gain, pause)
