@@ -118,10 +118,10 @@ def load_openblas() -> str | None:
     return str(openblas)
 
 
-def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL | None:
+def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> None:
     """Opens gemv_forward.c's library (compiled into `directory` when it is
-    not there yet) in the global scope, wired to `openblas`; None when it
-    cannot be built or opened (then sgemm serves every product)."""
+    not there yet) in the global scope, wired to `openblas`; where it
+    cannot be built or opened, sgemm goes on serving every product."""
     for attempt in range(2):
         built = _gemv_library(directory)
         if built is None:
@@ -137,7 +137,6 @@ def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL
             # it should be enters the global scope, where libmlx binds to it.
             forward = ctypes.CDLL(str(path))
             forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p))
-            forward.lattice_gemv_forwarded.restype = ctypes.c_ulonglong
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except (OSError, AttributeError) as exc:
             # A damaged file in the cache: built again once.
@@ -147,13 +146,13 @@ def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> ctypes.CDLL
         finally:
             if path != built:
                 path.unlink(missing_ok=True)  # mapped already; the cache keeps `built`
-        return forward
-    return None
+        return
 
 
 def _gemv_library(directory: Path) -> Path | None:
     """The compiled gemv_forward.c in `directory`, named by its source and
-    the machine, compiled there when missing; None without a C compiler."""
+    the machine, compiled there when missing; None when it cannot be
+    compiled (no C compiler, or one that fails)."""
     source = GEMV_SOURCE.read_bytes()
     digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
     built = directory / f"gemv-forward-{digest}.so"

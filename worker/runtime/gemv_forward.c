@@ -34,16 +34,21 @@ void lattice_gemv_init(void *sgemm, void *sgemv) {
 /* sgemm calls sent to sgemv so far (for tests and logs). */
 unsigned long long lattice_gemv_forwarded(void) { return forwarded; }
 
-static void gemv(int trans, int rows, int cols, float alpha, const float *a, int lda, const float *x, int incx, float beta, float *y,
-                 int incy, int n) {
+/* y (out) = alpha op(a) x (in) + beta y, where a is stored row-major as
+ * out x in (NO_TRANS) or in x out (TRANS). */
+static void gemv(int trans, int out, int in, float alpha, const float *a, int lda, const float *x, int incx, float beta, float *y,
+                 int incy) {
     if (beta == 0.0f) {
         /* BLAS leaves y unread when beta is 0, and mlx hands over an
          * uninitialised buffer; some OpenBLAS versions scale y by beta
          * anyway, which would turn a stale NaN into a result. */
-        for (int i = 0; i < n; i++) y[(long)i * incy] = 0.0f;
+        for (int i = 0; i < out; i++) y[(long)i * incy] = 0.0f;
         beta = 1.0f;
     }
-    real_sgemv(ROW_MAJOR, trans, rows, cols, alpha, a, lda, x, incx, beta, y, incy);
+    if (trans == NO_TRANS)
+        real_sgemv(ROW_MAJOR, NO_TRANS, out, in, alpha, a, lda, x, incx, beta, y, incy);
+    else
+        real_sgemv(ROW_MAJOR, TRANS, in, out, alpha, a, lda, x, incx, beta, y, incy);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
@@ -51,26 +56,18 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int plain = order == ROW_MAJOR && (ta == NO_TRANS || ta == TRANS) && (tb == NO_TRANS || tb == TRANS);
     if (plain && real_sgemv && m > 0 && n > 0 && k > 0) {
         if (m <= THIN_ROWS) {
-            /* Row i of c (1 x n) = row i of op(a) (1 x k) times op(b) (k x n). */
+            /* Row i of c (1 x n) = op(b)^T (n x k) times row i of op(a) (k). */
             int incx = ta == NO_TRANS ? 1 : lda;
             for (int i = 0; i < m; i++) {
                 const float *x = ta == NO_TRANS ? a + (long)i * lda : a + i;
-                float *y = c + (long)i * ldc;
-                if (tb == TRANS)
-                    gemv(NO_TRANS, n, k, alpha, b, ldb, x, incx, beta, y, 1, n);
-                else
-                    gemv(TRANS, k, n, alpha, b, ldb, x, incx, beta, y, 1, n);
+                gemv(tb == TRANS ? NO_TRANS : TRANS, n, k, alpha, b, ldb, x, incx, beta, c + (long)i * ldc, 1);
             }
             forwarded++;
             return;
         }
         if (n == 1) {
-            /* c (m x 1) = op(a) (m x k) op(b) (k x 1): op(a) times the column of b. */
-            int incx = tb == NO_TRANS ? ldb : 1;
-            if (ta == NO_TRANS)
-                gemv(NO_TRANS, m, k, alpha, a, lda, b, incx, beta, c, ldc, m);
-            else
-                gemv(TRANS, k, m, alpha, a, lda, b, incx, beta, c, ldc, m);
+            /* c (m x 1) = op(a) (m x k) times the column of b (k). */
+            gemv(ta, m, k, alpha, a, lda, b, tb == NO_TRANS ? ldb : 1, beta, c, ldc);
             forwarded++;
             return;
         }
