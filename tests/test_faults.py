@@ -14,7 +14,7 @@ import pytest
 
 from harness.fakes import FAKE_ENV, FakeModels
 from harness.pool import RawPool, stalled
-from harness.procs import pid_alive, wait_for
+from harness.procs import pid_alive, said, wait_for
 
 PARTIAL = '@@lattice {"ev":"gen_token","token":"cut off'
 
@@ -264,7 +264,7 @@ class TestFloods:
 
             reader = threading.Thread(target=read_stderr)
             reader.start()
-            wait_for(lambda: b"stderr writes dropped" in stderr, 30, message="the drop notice")
+            said(stderr, b"stderr writes dropped", 30)
             assert pool.close() == 0
             reader.join(30)
         finally:
@@ -394,7 +394,7 @@ class TestNoOrphans:
         pool.send({"model": "a", "id": "r1", "prompt": "x", "max_tokens": 1})
         pool.terminal("r1")
         pool.send({"model": "b", "id": "r2", "prompt": "x", "max_tokens": 1})
-        wait_for(lambda: b"evicted to make room" in pool.stderr, 30, message="the eviction to begin")
+        said(pool.stderr, b"evicted to make room", 30)
         pool.send({"op": "unload", "model": "b"})
         assert pool.terminal("r2")["code"] == "unloaded"
         pool.wait_ev("unloaded", model="a", timeout=30)

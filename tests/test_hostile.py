@@ -23,7 +23,7 @@ from harness.cli import cli
 from harness.fakes import FAKE_ENV, FakeModels
 from harness.http import NEVER, drip
 from harness.pool import RawPool
-from harness.procs import ROOT, child_env, wait_for
+from harness.procs import ROOT, child_env, said, wait_for
 from supervisor.config import Config, ModelEntry
 from supervisor.control import CONTROL_RESERVE
 from supervisor.endpoint import dispatch
@@ -126,7 +126,7 @@ def test_control_clients_are_bounded_and_idle_ones_closed(fakes, spawn_pool, ctl
     fakes.add("a")
     config = fakes.config(f'control_socket = "{ctl}"\nmax_control_clients = 3\ncontrol_idle_timeout = "1s"', preload=False)
     pool = spawn_pool("--config", config, env=FAKE_ENV)
-    wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
+    said(pool.stderr, b"control socket at", 60)
     idle = [connect(ctl) for _ in range(3 + CONTROL_RESERVE)]  # the last two in the room kept for ps and stop
     for client in idle:  # each is in: it gets answers
         client.sendall(b'{"op":"status"}\n')
@@ -158,7 +158,7 @@ def test_slow_control_and_metrics_clients_are_cut_off_and_ps_still_works(fakes, 
     pool = spawn_pool("--config", fakes.config(settings, preload=False), "--metrics-port", "0", env=FAKE_ENV)
     found = wait_for(lambda: re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", pool.stderr), 60, message="the metrics port")
     port = int(found.group(1))
-    wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
+    said(pool.stderr, b"control socket at", 60)
     results: dict[str, tuple[bytes, float | None]] = {}
 
     def drip_on(name: str, sock: socket.socket, data: bytes) -> None:
@@ -203,7 +203,7 @@ def test_many_clients_connecting_at_once_are_not_refused_by_the_backlog(fakes, s
     non-blocking connect) got EAGAIN when more arrived at once."""
     fakes.add("a")
     pool = spawn_pool("--config", fakes.config(f'control_socket = "{ctl}"', preload=False), env=FAKE_ENV)
-    wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
+    said(pool.stderr, b"control socket at", 60)
     clients = []
     try:
         for _ in range(200):
@@ -233,7 +233,7 @@ def test_a_worker_start_at_the_file_limit_is_retried_and_recovers(fakes, spawn_p
         resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     pool = spawn_pool("--config", config, env=FAKE_ENV, preexec_fn=low_limit)
-    wait_for(lambda: b"control socket at" in pool.stderr, 60, message="the control socket")
+    said(pool.stderr, b"control socket at", 60)
     supervisor = psutil.Process(pool.proc.pid)
     clients = []
     try:

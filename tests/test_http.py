@@ -22,7 +22,7 @@ import pytest
 
 from harness.http import NEVER, drip, post, split_thinking, with_http
 from harness.metrics import metrics_port, scrape
-from harness.procs import ROOT, child_env, wait_for
+from harness.procs import ROOT, child_env, said, wait_for
 from tests.conftest import shared_http_pool
 
 HI = [{"role": "user", "content": "Tell me about the river."}]
@@ -179,7 +179,7 @@ def test_a_reader_too_slow_is_cut_off(served):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     sock.settimeout(60)
     assert sock.recv(12) == b"HTTP/1.1 200"
-    wait_for(lambda: b"http_stream_buffer" in served.stderr, 120, interval=0.2, message="the slow reader to be cut off")
+    said(served.stderr, b"http_stream_buffer", 120)
     wait_row_gone(served)
     sock.settimeout(30)
     received = b""

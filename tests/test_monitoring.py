@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.cli import cli, ps_table
 from harness.metrics import metrics_port, scrape, series
-from harness.procs import ROOT, child_env, pid_alive, wait_for
+from harness.procs import ROOT, child_env, pid_alive, said, wait_for
 from supervisor.screen import Screen
 from supervisor.terminal import LoadProgress
 from tests.lora_files import lora_pairs, targets_of, write_mlx
@@ -352,7 +352,7 @@ def test_no_load_once_shutdown_began(tiny_model, second_model, tmp_path, spawn_p
     pool.wait_for(lambda e: e.get("id") == "long")
     with ControlClient(path) as client:
         pool.proc.stdin.close()  # the grace period now waits for "long"
-        wait_for(lambda: b"shutting down (stdin closed)" in pool.stderr, 30, message="shutdown to begin")
+        said(pool.stderr, b"shutting down (stdin closed)", 30)
         client.send({"op": "load", "model": "b"})
         assert client.wait_ev("error")["code"] == "shutting_down"
         client.send({"op": "cancel", "id": "long"})

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from harness.pool import is_terminal
-from harness.procs import pid_alive, wait_for
+from harness.procs import pid_alive, said, wait_for
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -380,7 +380,7 @@ def test_stdout_gone_during_the_grace_period_ends_the_pool_at_once(config_file, 
     # Ctrl-C on `lattice-pool serve | grep x`: the pool starts its grace
     # period with "x" still running, then grep's end closes the pipe.
     pool.proc.send_signal(signal.SIGINT)
-    wait_for(lambda: b"shutting down (signal); grace 600s" in pool.stderr, 30, message="the grace period to begin")
+    said(pool.stderr, b"shutting down (signal); grace 600s", 30)
     pool.proc.stdout.close()
     assert pool.proc.wait(timeout=2) == 0  # a deadline: the grace period is 600 s
     wait_for(lambda: not any(pid_alive(p) for p in pids), 10)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness.procs import ROOT, child_env, pid_alive, wait_for
+from harness.procs import ROOT, child_env, pid_alive, said, wait_for
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Cancel, Generate, Message, Stats
 from tests.conftest import keep_alive_across_tests, release
@@ -250,7 +250,7 @@ def test_bad_model_dir_exits_78(tmp_path, tiny_model, breakage):
     w = WorkerProc(bad)
     assert w.proc.wait(timeout=60) == 78
     w.close()
-    assert b"bad model dir" in w.stderr or wait_for(lambda: b"bad model dir" in w.stderr, 5)
+    assert said(w.stderr, b"bad model dir", 5)
 
 
 def test_stray_output_goes_to_stderr():
