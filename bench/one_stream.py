@@ -136,8 +136,8 @@ def main() -> int:
         tokens = min(len(times) for times in got.values())
         result["rounds"].append(
             {
-                ("mlx_lm" if name == "theirs" else name): {"ttft_ms": round(times[0] * 1000, 2), "tok_s": round(rate(times, tokens), 1), "tokens": len(times)}
-                for name, times in got.items()
+                ("mlx_lm" if side == "theirs" else side): {"ttft_ms": round(times[0] * 1000, 2), "tok_s": round(rate(times, tokens), 1), "tokens": len(times)}
+                for side, times in got.items()
             }
         )
         rounds = result["rounds"]
