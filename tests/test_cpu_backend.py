@@ -84,7 +84,7 @@ LOGITS_PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from worker.runtime.cpu_backend import load_openblas
+    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded
     load_openblas()
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -95,8 +95,15 @@ LOGITS_PROBE = textwrap.dedent(
     loaded = load(path, cpu_float32=sys.argv[2] == "float32")
     ids = TextCodec(path, loaded.config).encode(
         "<|im_start|>user\\nTell me about the river and the mill.<|im_end|>\\n<|im_start|>assistant\\n")
-    logits = loaded.model(mx.array(ids)[None], cache=make_prompt_cache(loaded.model))
-    print(json.dumps(logits[0].astype(mx.float32).tolist()))
+    cache = make_prompt_cache(loaded.model)
+    prompt = loaded.model(mx.array(ids)[None], cache=cache)[0].astype(mx.float32)
+    mx.eval(prompt)
+    # Then a decode step: one row, every matmul a thin product.
+    before = thin_products_forwarded() or 0
+    step = loaded.model(mx.array([[ids[-1]]]), cache=cache)[0, -1].astype(mx.float32)
+    mx.eval(step)
+    forwarded = (thin_products_forwarded() or 0) - before
+    print(json.dumps({"prompt": prompt.tolist(), "step": step.tolist(), "forwarded": forwarded}))
     """
 )
 
@@ -104,9 +111,9 @@ LOGITS_PROBE = textwrap.dedent(
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_q4_model"])
 def test_float32_path_keeps_the_results(model, request):
     path = str(request.getfixturevalue(model))
-    fast = np.array(probe(LOGITS_PROBE, path, "float32"))
-    reference_blas = np.array(probe(LOGITS_PROBE, path, "float32", LATTICE_CPU_BLAS="bundled"))
-    stored = np.array(probe(LOGITS_PROBE, path, "stored"))
+    fast = np.array(probe(LOGITS_PROBE, path, "float32")["prompt"])
+    reference_blas = np.array(probe(LOGITS_PROBE, path, "float32", LATTICE_CPU_BLAS="bundled")["prompt"])
+    stored = np.array(probe(LOGITS_PROBE, path, "stored")["prompt"])
 
     def rel(a, b):
         return np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -206,38 +213,11 @@ def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product
     assert probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"] == built
 
 
-# A decode step's logits (one row: every matmul forwarded) with and without
-# the forwarding.
-DECODE_PROBE = textwrap.dedent(
-    """
-    import json, sys
-    from pathlib import Path
-    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded
-    load_openblas()
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from worker.runtime.loader import load
-    from worker.text.tokenizer import TextCodec
-
-    path = Path(sys.argv[1])
-    loaded = load(path)
-    ids = TextCodec(path, loaded.config).encode(
-        "<|im_start|>user\\nTell me about the river and the mill.<|im_end|>\\n<|im_start|>assistant\\n")
-    cache = make_prompt_cache(loaded.model)
-    mx.eval(loaded.model(mx.array(ids)[None], cache=cache))
-    before = thin_products_forwarded() or 0
-    logits = loaded.model(mx.array([[ids[-1]]]), cache=cache)[0, -1]
-    mx.eval(logits)
-    print(json.dumps({"logits": logits.tolist(), "forwarded": (thin_products_forwarded() or 0) - before}))
-    """
-)
-
-
 def test_a_decode_step_through_sgemv_gives_the_logits_of_sgemm(tiny_model):
-    on = probe(DECODE_PROBE, str(tiny_model))
-    off = probe(DECODE_PROBE, str(tiny_model), LATTICE_CPU_GEMV="off")
+    on = probe(LOGITS_PROBE, str(tiny_model), "float32")
+    off = probe(LOGITS_PROBE, str(tiny_model), "float32", LATTICE_CPU_GEMV="off")
     assert on["forwarded"] > 0 and off["forwarded"] == 0
-    a, b = np.array(on["logits"]), np.array(off["logits"])
+    a, b = np.array(on["step"]), np.array(off["step"])
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
 
 
