@@ -87,10 +87,11 @@ class PoolProc:
             self.events.append(event)
         return event
 
-    def wait_for(self, predicate, timeout: float = 120.0) -> dict:
-        """The earliest event matching predicate that no earlier call returned."""
+    def wait_for(self, predicate, timeout: float = 120.0, since: int = 0) -> dict:
+        """The earliest event from events[since] on matching predicate that
+        no earlier call returned."""
         deadline = time.monotonic() + timeout
-        scanned = self._low
+        scanned = max(self._low, since)
         while True:
             for i in range(scanned, len(self.events)):
                 if i not in self._returned and predicate(self.events[i]):
