@@ -84,7 +84,7 @@ LOGITS_PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded
+    from worker.runtime.cpu_backend import load_openblas, thin_kernel_products, thin_products_forwarded
     load_openblas()
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -103,7 +103,12 @@ LOGITS_PROBE = textwrap.dedent(
     step = loaded.model(mx.array([[ids[-1]]]), cache=cache)[0, -1].astype(mx.float32)
     mx.eval(step)
     forwarded = (thin_products_forwarded() or 0) - before
-    print(json.dumps({"prompt": prompt.tolist(), "step": step.tolist(), "forwarded": forwarded}))
+    # Then 4 tokens at once (a speculative verify's shape): the thin kernel's.
+    before = thin_kernel_products() or 0
+    block = loaded.model(mx.array([ids[-4:]]), cache=cache)[0].astype(mx.float32)
+    mx.eval(block)
+    in_kernel = (thin_kernel_products() or 0) - before
+    print(json.dumps({"prompt": prompt.tolist(), "step": step.tolist(), "block": block.tolist(), "forwarded": forwarded, "in_kernel": in_kernel}))
     """
 )
 
@@ -124,23 +129,24 @@ def test_float32_path_keeps_the_results(model, request):
 
 
 # The forwarding library's cblas_sgemm called directly, row-major, every
-# transposition, with padded leading dimensions, against float64 numpy; and
-# mlx's own one-row and one-column products, counted.
+# transposition, with padded leading dimensions, against float64 numpy (the
+# thin kernel's shapes among them: 2 to 16 rows, k and n not multiples of
+# its blocks); and mlx's own products of several sizes, counted.
 FORWARD_PROBE = textwrap.dedent(
     """
     import ctypes, json, sys
     import numpy as np
-    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded, sgemm_provider
+    from worker.runtime.cpu_backend import load_openblas, thin_kernel_products, thin_products_forwarded, thin_routes, sgemm_provider
     load_openblas()
     import mlx.core as mx
 
     forwarded = thin_products_forwarded()
-    out = {"provider": sgemm_provider(), "forwarded": forwarded}
+    out = {"provider": sgemm_provider(), "forwarded": forwarded, "kernel": thin_kernel_products(), "routes": thin_routes()}
     if forwarded is not None:
         fn = ctypes.CDLL(None).cblas_sgemm
         rng = np.random.default_rng(1)
         worst = 0.0
-        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (2, 40, 24), (3, 5, 7), (5, 6, 9)):
+        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (2, 40, 24), (3, 5, 7), (5, 6, 9), (4, 41, 64), (13, 7, 35), (16, 2, 8), (17, 6, 9)):
             for ta in (111, 112):
                 for tb in (111, 112):
                     for beta in (0.0, 0.5):
@@ -161,33 +167,43 @@ FORWARD_PROBE = textwrap.dedent(
                         worst = max(worst, float(np.max(np.abs(c[:, :n] - want)) / np.max(np.abs(want))))
                         assert np.array_equal(c[:, n:], c0[:, n:], equal_nan=True), "wrote past the row"
         out["worst_rel"] = worst
-        before = thin_products_forwarded()
-        w = mx.array(rng.standard_normal((48, 32)).astype(np.float32))
-        x = mx.array(rng.standard_normal((1, 32)).astype(np.float32))
-        mx.eval(x @ w.T)
-        out["one_row"] = thin_products_forwarded() - before
-        mx.eval(mx.concatenate([x, x, x]) @ w.T)
-        out["three_rows"] = thin_products_forwarded() - before - out["one_row"]
-        mx.eval(mx.concatenate([x, x, x, x]) @ w.T)
-        out["four_rows"] = thin_products_forwarded() - before - out["one_row"] - out["three_rows"]
-        # Row by row, a row of a thin product is the row alone, bit for bit.
-        rows = mx.array(rng.standard_normal((3, 32)).astype(np.float32))
+        w = mx.array(rng.standard_normal((48, 40)).astype(np.float32))
+        for rows in (1, 3, 4, 16, 17):
+            x = mx.array(rng.standard_normal((rows, 40)).astype(np.float32))
+            before, kernel_before = thin_products_forwarded(), thin_kernel_products()
+            mx.eval(x @ w.T)
+            out[f"rows_{rows}"] = [thin_products_forwarded() - before, None if kernel_before is None else thin_kernel_products() - kernel_before]
+        # Rows of a product through sgemv a row at a time are the rows alone,
+        # and rows through the kernel are the same rows in any other such
+        # product, bit for bit.
+        rows = mx.array(rng.standard_normal((16, 40)).astype(np.float32))
         alone = mx.concatenate([rows[i : i + 1] @ w.T for i in range(3)])
-        out["rows_as_alone"] = bool(mx.array_equal(rows @ w.T, alone).item())
+        out["rows_as_alone"] = bool(mx.array_equal(rows[:3] @ w.T, alone).item())
+        pairs = mx.concatenate([rows[i : i + 2] @ w.T for i in range(0, 16, 2)])
+        out["rows_as_in_pairs"] = bool(mx.array_equal(rows @ w.T, pairs).item())
     print(json.dumps(out))
     """
 )
 
 
-def test_thin_products_go_to_sgemv_and_stay_exact(tmp_path):
+def test_thin_products_skip_sgemm_and_stay_exact(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     on = probe(FORWARD_PROBE, **env)
     assert "gemv-forward-" in on["provider"] and str(tmp_path) in on["provider"]
     assert on["worst_rel"] < 1e-5
-    assert on["one_row"] == 1 and on["three_rows"] == 1 and on["four_rows"] == 0
-    assert on["rows_as_alone"]
+    # [forwarded, through the kernel] for mlx's products of 1 to 17 rows.
+    avx2 = {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
+    assert on["rows_1"] == [1, 0 if avx2 else None]
+    if avx2:
+        assert on["rows_3"] == on["rows_4"] == on["rows_16"] == [1, 1] and on["rows_17"] == [0, 0]
+        assert "through the thin kernel" in on["routes"] and on["rows_as_in_pairs"]
+    # Without the kernel: sgemv a row at a time up to 3 rows, sgemm beyond.
+    for without in (probe(FORWARD_PROBE, LATTICE_CPU_GEMV="sgemv", **env), probe(FORWARD_PROBE, OPENBLAS_NUM_THREADS="2", **env)):
+        assert without["kernel"] is None and without["worst_rel"] < 1e-5
+        assert without["rows_3"] == [1, None] and without["rows_4"] == [0, None]
+        assert without["rows_as_alone"] and without["routes"] == "; products of up to 3 rows through its sgemv"
     off = probe(FORWARD_PROBE, LATTICE_CPU_GEMV="off", **env)
-    assert off["forwarded"] is None and "openblas" in off["provider"]
+    assert off["forwarded"] is None and off["kernel"] is None and "openblas" in off["provider"]
 
 
 def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product(tmp_path):
@@ -200,7 +216,7 @@ def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product
     with open(built, "r+b") as f:
         f.write(b"not a library")
     again = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))
-    assert "gemv-forward-" in again["provider"] and again["one_row"] == 1
+    assert "gemv-forward-" in again["provider"] and again["rows_1"][0] == 1
     assert probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"] == built
     # A sound library of another kind under its name (here the C maths
     # library) never enters the global scope: refused, built again.
@@ -208,17 +224,20 @@ def test_without_a_compiler_or_with_a_damaged_library_sgemm_serves_every_product
         libm = next(line.split()[-1] for line in f if "/libm.so" in line or "/libm-" in line)
     shutil.copyfile(libm, built)
     other = probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))
-    assert "gemv-forward-" in other["provider"] and other["one_row"] == 1
+    assert "gemv-forward-" in other["provider"] and other["rows_1"][0] == 1
     assert sorted(p.name for p in (tmp_path / "lattice-pool" / "cpu-blas").iterdir()) == [Path(built).name]
     assert probe(FORWARD_PROBE, XDG_CACHE_HOME=str(tmp_path))["provider"] == built
 
 
-def test_a_decode_step_through_sgemv_gives_the_logits_of_sgemm(tiny_model):
+def test_thin_products_give_the_logits_of_sgemm(tiny_model):
     on = probe(LOGITS_PROBE, str(tiny_model), "float32")
     off = probe(LOGITS_PROBE, str(tiny_model), "float32", LATTICE_CPU_GEMV="off")
-    assert on["forwarded"] > 0 and off["forwarded"] == 0
-    a, b = np.array(on["step"]), np.array(off["step"])
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
+    assert on["forwarded"] > 0 and off["forwarded"] == 0 and off["in_kernel"] == 0
+    if {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split()):
+        assert on["in_kernel"] > 0
+    for part in ("step", "block"):
+        a, b = np.array(on[part]), np.array(off[part])
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
 
 
 def test_worker_maps_openblas(tiny_model):
@@ -230,4 +249,4 @@ def test_worker_maps_openblas(tiny_model):
         assert "libopenblas" in maps
     finally:
         assert w.close() == 0
-    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr and b"products of up to 3 rows through its sgemv" in w.stderr
+    assert b"BLAS: " in w.stderr and b"openblas" in w.stderr and b"one-row products through its sgemv" in w.stderr

@@ -293,11 +293,11 @@ def set_up_process(args: argparse.Namespace):
     cpu_kernels = keep_cpu_kernels(os.environ)
     if cpu_kernels:
         log.info("CPU kernels compiled at run time are kept in %s", cpu_kernels)
-    from worker.runtime.cpu_backend import load_openblas, thin_products_forwarded
+    from worker.runtime.cpu_backend import load_openblas, thin_routes
 
     openblas = load_openblas()
     if openblas:
-        log.info("BLAS: %s%s", openblas, "; products of up to 3 rows through its sgemv" if thin_products_forwarded() is not None else "")
+        log.info("BLAS: %s%s", openblas, thin_routes())
     from worker.runtime.kernel_cache import keep_kernels
 
     kernels = keep_kernels()

@@ -16,20 +16,25 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   biases included) to float32 on CPU. Memory: bf16/fp16 weights double;
   4-bit weights grow about 11% (fp32 scales and biases per group of 64).
 
-- Thin products go to sgemv: OpenBLAS's sgemm packs the weight matrix
+- Thin products skip sgemm: OpenBLAS's sgemm packs the weight matrix
   before every multiplication, so a lone request's decode step (one row per
   matmul) cost about what eight rows cost. `gemv_forward.c`, compiled once
   with the system's C compiler into the pool's cache dir and opened ahead
-  of OpenBLAS, provides libmlx's `cblas_sgemm`: calls with at most 3 rows
-  or one column (thin products) go to OpenBLAS's `cblas_sgemv` a row at a
-  time, the rest to its `cblas_sgemm`. Without a C compiler (mlx needs one
-  on Linux for its compiled kernels anyway) every call goes to sgemm, as
-  before.
+  of OpenBLAS, provides libmlx's `cblas_sgemm`: one-row (and one-column)
+  products go to OpenBLAS's `cblas_sgemv`; 2 to 16 rows times a weight
+  matrix (a small batch's decode step, a speculative verify) to a kernel
+  of its own that reads the matrix once (x86-64 with AVX2 and FMA, while
+  OpenBLAS runs one thread); other products of up to 3 rows to sgemv a row
+  at a time; the rest to `cblas_sgemm`. Without a C compiler (mlx needs
+  one on Linux for its compiled kernels anyway) every call goes to sgemm,
+  as before.
 
 `LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
-`LATTICE_CPU_GEMV=off` sends thin products to sgemm too;
+`LATTICE_CPU_GEMV=off` sends thin products to sgemm too, and
+`LATTICE_CPU_GEMV=sgemv` keeps sgemv but not the kernel;
 `OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1; workers
-that run at the same time should split the cores between them).
+that run at the same time should split the cores between them; the kernel
+runs only with one).
 """
 
 from __future__ import annotations
@@ -136,7 +141,10 @@ def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> None:
             # Opened privately and wired first: only a library that is what
             # it should be enters the global scope, where libmlx binds to it.
             forward = ctypes.CDLL(str(path))
-            forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p))
+            # The kernel runs on one core: where OpenBLAS has several, its
+            # sgemm splits a large product across them.
+            kernel = os.environ.get(GEMV_ENV, "on") != "sgemv" and openblas.openblas_get_num_threads() == 1
+            forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p), int(kernel))
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except (OSError, AttributeError) as exc:
             # A damaged file in the cache: built again once.
@@ -187,15 +195,36 @@ def _gemv_library(directory: Path) -> Path | None:
 
 
 def thin_products_forwarded() -> int | None:
-    """sgemm calls sent to sgemv so far in this process; None when thin
-    products are not forwarded (libmlx's sgemm is OpenBLAS's or mlx's own)."""
-    process = ctypes.CDLL(None)
+    """sgemm calls served by sgemv or the thin kernel so far in this
+    process; None when thin products are not forwarded (libmlx's sgemm is
+    OpenBLAS's or mlx's own)."""
+    return _forwarding_count("lattice_gemv_forwarded")
+
+
+def thin_kernel_products() -> int | None:
+    """Of those, the products the thin kernel computed; None when the
+    kernel is not in use (not forwarded, no AVX2 and FMA, several OpenBLAS
+    threads, or `LATTICE_CPU_GEMV=sgemv`)."""
+    on = _forwarding_count("lattice_gemv_kernel_on")
+    return _forwarding_count("lattice_gemv_in_kernel") if on else None
+
+
+def thin_routes() -> str:
+    """Where thin products go, for the worker's log line."""
+    if thin_products_forwarded() is None:
+        return ""
+    if thin_kernel_products() is None:
+        return "; products of up to 3 rows through its sgemv"
+    return "; one-row products through its sgemv, 2 to 16 rows times a weight matrix through the thin kernel"
+
+
+def _forwarding_count(name: str) -> int | None:
     try:
-        count = process.lattice_gemv_forwarded
+        fn = getattr(ctypes.CDLL(None), name)
     except AttributeError:
         return None
-    count.restype = ctypes.c_ulonglong
-    return int(count())
+    fn.restype = ctypes.c_ulonglong
+    return int(fn())
 
 
 class _DlInfo(ctypes.Structure):
