@@ -146,7 +146,10 @@ FORWARD_PROBE = textwrap.dedent(
         fn = ctypes.CDLL(None).cblas_sgemm
         rng = np.random.default_rng(1)
         worst = 0.0
-        for m, n, k in ((1, 40, 24), (24, 1, 40), (1, 1, 33), (2, 40, 24), (3, 5, 7), (5, 6, 9), (4, 41, 64), (13, 7, 35), (16, 2, 8), (17, 6, 9)):
+        shapes = ((1, 40, 24), (24, 1, 40), (1, 1, 33), (2, 40, 24), (3, 5, 7), (5, 6, 9), (4, 41, 64), (13, 7, 35), (16, 2, 8), (17, 6, 9))
+        # 4 x 1000 x 1100: enough multiply-adds for the kernel to split the
+        # product among threads where OpenBLAS has several.
+        for m, n, k in shapes + ((4, 1000, 1100),):
             for ta in (111, 112):
                 for tb in (111, 112):
                     for beta in (0.0, 0.5):
@@ -165,6 +168,8 @@ FORWARD_PROBE = textwrap.dedent(
                         opb = b.T if tb == 112 else b
                         want = 1.5 * opa.astype(np.float64) @ opb + (beta * c0[:, :n] if beta else 0)
                         worst = max(worst, float(np.max(np.abs(c[:, :n] - want)) / np.max(np.abs(want))))
+                        if (m, ta, tb, beta) == (4, 111, 112, 0.0):
+                            out["split_bits"] = c[:, :n].tobytes().hex()
                         assert np.array_equal(c[:, n:], c0[:, n:], equal_nan=True), "wrote past the row"
         out["worst_rel"] = worst
         w = mx.array(rng.standard_normal((48, 40)).astype(np.float32))
@@ -188,7 +193,7 @@ FORWARD_PROBE = textwrap.dedent(
 
 def test_thin_products_skip_sgemm_and_stay_exact(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
-    on = probe(FORWARD_PROBE, **env)
+    on = probe(FORWARD_PROBE, OPENBLAS_NUM_THREADS="1", **env)
     assert "gemv-forward-" in on["provider"] and str(tmp_path) in on["provider"]
     assert on["worst_rel"] < 1e-5
     # [forwarded, through the kernel] for mlx's products of 1 to 17 rows.
@@ -197,11 +202,17 @@ def test_thin_products_skip_sgemm_and_stay_exact(tmp_path):
     if avx2:
         assert on["rows_3"] == on["rows_4"] == on["rows_16"] == [1, 1] and on["rows_17"] == [0, 0]
         assert "through the thin kernel" in on["routes"] and on["rows_as_in_pairs"]
+        # With 2 OpenBLAS threads: up to 4 rows, a large product split
+        # between two threads to the same bits.
+        split = probe(FORWARD_PROBE, OPENBLAS_NUM_THREADS="2", **env)
+        assert split["worst_rel"] < 1e-5 and split["split_bits"] == on["split_bits"]
+        assert split["rows_4"] == [1, 1] and split["rows_16"] == [0, 0]
+        assert "2 to 4 rows" in split["routes"]
     # Without the kernel: sgemv a row at a time up to 3 rows, sgemm beyond.
-    for without in (probe(FORWARD_PROBE, LATTICE_CPU_GEMV="sgemv", **env), probe(FORWARD_PROBE, OPENBLAS_NUM_THREADS="2", **env)):
-        assert without["kernel"] is None and without["worst_rel"] < 1e-5
-        assert without["rows_3"] == [1, None] and without["rows_4"] == [0, None]
-        assert without["rows_as_alone"] and without["routes"] == "; products of up to 3 rows through its sgemv"
+    without = probe(FORWARD_PROBE, LATTICE_CPU_GEMV="sgemv", **env)
+    assert without["kernel"] is None and without["worst_rel"] < 1e-5
+    assert without["rows_3"] == [1, None] and without["rows_4"] == [0, None]
+    assert without["rows_as_alone"] and without["routes"] == "; products of up to 3 rows through its sgemv"
     off = probe(FORWARD_PROBE, LATTICE_CPU_GEMV="off", **env)
     assert off["forwarded"] is None and off["kernel"] is None and "openblas" in off["provider"]
 

@@ -23,18 +23,18 @@ worker computes in float32 and makes OpenBLAS provide the BLAS symbols:
   of OpenBLAS, provides libmlx's `cblas_sgemm`: one-row (and one-column)
   products go to OpenBLAS's `cblas_sgemv`; 2 to 16 rows times a weight
   matrix (a small batch's decode step, a speculative verify) to a kernel
-  of its own that reads the matrix once (x86-64 with AVX2 and FMA, while
-  OpenBLAS runs one thread); other products of up to 3 rows to sgemv a row
-  at a time; the rest to `cblas_sgemm`. Without a C compiler (mlx needs
-  one on Linux for its compiled kernels anyway) every call goes to sgemm,
-  as before.
+  of its own that reads the matrix once (x86-64 with AVX2 and FMA; where
+  OpenBLAS runs several threads, 2 to 4 rows, a large product split among
+  as many); other products of up to 3 rows to sgemv a row at a time; the
+  rest to `cblas_sgemm`. Without a C compiler (mlx needs one on Linux for
+  its compiled kernels anyway) every call goes to sgemm, as before.
 
 `LATTICE_CPU_BLAS=bundled` keeps mlx's own BLAS (for comparisons);
 `LATTICE_CPU_GEMV=off` sends thin products to sgemm too, and
 `LATTICE_CPU_GEMV=sgemv` keeps sgemv but not the kernel;
-`OPENBLAS_NUM_THREADS` sets OpenBLAS's threads (default: cores - 1; workers
-that run at the same time should split the cores between them; the kernel
-runs only with one).
+`OPENBLAS_NUM_THREADS` sets OpenBLAS's threads, and the kernel's (default:
+cores - 1; workers that run at the same time should split the cores
+between them).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ GEMV_ENV = "LATTICE_CPU_GEMV"
 GEMV_SOURCE = Path(__file__).with_name("gemv_forward.c")
 # A compiler that hangs must not hold a worker's start for long.
 COMPILE_TIMEOUT_S = 60
+COMPILE_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 
 def _dist_file(dist: str, pattern: str) -> Path | None:
@@ -141,10 +142,9 @@ def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> None:
             # Opened privately and wired first: only a library that is what
             # it should be enters the global scope, where libmlx binds to it.
             forward = ctypes.CDLL(str(path))
-            # The kernel runs on one core: where OpenBLAS has several, its
-            # sgemm splits a large product across them.
-            kernel = os.environ.get(GEMV_ENV, "on") != "sgemv" and openblas.openblas_get_num_threads() == 1
-            forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p), int(kernel))
+            # The kernel splits a product among as many threads as OpenBLAS has.
+            kernel_threads = 0 if os.environ.get(GEMV_ENV, "on") == "sgemv" else max(1, int(openblas.openblas_get_num_threads()))
+            forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p), kernel_threads)
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except (OSError, AttributeError) as exc:
             # A damaged file in the cache: built again once.
@@ -162,7 +162,7 @@ def _gemv_library(directory: Path) -> Path | None:
     the machine, compiled there when missing; None when it cannot be
     compiled (no C compiler, or one that fails)."""
     source = GEMV_SOURCE.read_bytes()
-    digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
     built = directory / f"gemv-forward-{digest}.so"
     if built.is_file():
         return built
@@ -176,7 +176,7 @@ def _gemv_library(directory: Path) -> Path | None:
         # Compiled to a file of its own, then renamed into place: workers
         # starting together never open a half-written library.
         subprocess.run(
-            [*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", str(tmp), str(GEMV_SOURCE)],
+            [*shlex.split(compiler), *COMPILE_FLAGS, "-o", str(tmp), str(GEMV_SOURCE)],
             check=True,
             capture_output=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -203,10 +203,9 @@ def thin_products_forwarded() -> int | None:
 
 def thin_kernel_products() -> int | None:
     """Of those, the products the thin kernel computed; None when the
-    kernel is not in use (not forwarded, no AVX2 and FMA, several OpenBLAS
-    threads, or `LATTICE_CPU_GEMV=sgemv`)."""
-    on = _forwarding_count("lattice_gemv_kernel_on")
-    return _forwarding_count("lattice_gemv_in_kernel") if on else None
+    kernel is not in use (not forwarded, no AVX2 and FMA, or
+    `LATTICE_CPU_GEMV=sgemv`)."""
+    return _forwarding_count("lattice_gemv_in_kernel") if _forwarding_count("lattice_gemv_kernel_rows") else None
 
 
 def thin_routes() -> str:
@@ -215,7 +214,7 @@ def thin_routes() -> str:
         return ""
     if thin_kernel_products() is None:
         return "; products of up to 3 rows through its sgemv"
-    return "; one-row products through its sgemv, 2 to 16 rows times a weight matrix through the thin kernel"
+    return f"; one-row products through its sgemv, 2 to {_forwarding_count('lattice_gemv_kernel_rows')} rows times a weight matrix through the thin kernel"
 
 
 def _forwarding_count(name: str) -> int | None:

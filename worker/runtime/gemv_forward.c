@@ -9,12 +9,13 @@
  * - one row, or one column: OpenBLAS's sgemv, which reads the matrix once;
  * - 2 to THIN_KERNEL_ROWS rows times a matrix stored by its rows (x W^T,
  *   every linear layer's product): the kernel below, which reads the matrix
- *   once too and keeps the rows in cache. Measured on an AMD EPYC against
- *   sgemm, 256x768 to 9728x2560: 2-3x sgemm's speed at 2-4 rows, 1.3-2x at
- *   8, 1.0-1.6x at 16, 0.8-1.2x at 40. It runs on one core, so only where
- *   OpenBLAS does too (with several threads sgemm splits a large product
- *   across cores), and only on x86-64 with AVX2 and FMA (checked at run
- *   time; elsewhere the rule below serves);
+ *   once and keeps the rows in cache. Measured on an AMD EPYC against
+ *   sgemm, 256x768 to 9728x2560, one thread each: 2-3x sgemm's speed at
+ *   2-4 rows, 1.4-2x at 8, 1.1-1.5x at 16, 0.8-1.2x at 40. Where OpenBLAS
+ *   runs several threads the kernel splits a large product among as many
+ *   and takes up to THIN_KERNEL_ROWS_THREADED rows (2 threads each:
+ *   1.7-3.3x at 2-4 rows, 0.65-2x at 8-16). x86-64 with AVX2 and FMA only
+ *   (checked at run time; elsewhere the rule below serves);
  * - other products of up to THIN_ROWS rows: sgemv a row at a time (2 rows
  *   0.5-0.8x sgemm's time, 3 rows 0.6-0.8x, 4 rows 1.0-1.7x);
  * - the rest: sgemm.
@@ -31,15 +32,16 @@
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, THIN_ROWS = 3, THIN_KERNEL_ROWS = 16 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, THIN_ROWS = 3, THIN_KERNEL_ROWS = 16, THIN_KERNEL_ROWS_THREADED = 4 };
 
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static unsigned long long forwarded, in_kernel;
-static int kernel_on;
+static int kernel_on, kernel_rows;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include <pthread.h>
 #define HAVE_KERNEL 1
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -139,25 +141,122 @@ AVX2 static void rows_times_rows(int m, int n, int k, float alpha, const float *
         if (i < m) tile2(m - i, nr, k, alpha, a + (long)i * lda, lda, bj, ldb, beta, c + (long)i * ldc + j, ldc);
     }
 }
+
+/* The kernel's threads: with OpenBLAS's thread count, the columns (rows of
+ * b) are split among as many threads, in blocks of 3, so every output is
+ * computed as it would be by one thread. Products under THREADED_FROM
+ * multiply-adds stay on the calling thread (waking the others costs more).
+ * The helpers sleep on a condition variable between products rather than
+ * spin: OpenBLAS's own threads spin, and the two pools must not fight over
+ * the cores. */
+enum { MAX_THREADS = 64, THREADED_FROM = 1 << 22 };
+static int threads = 1;
+static int helpers_started; /* helper threads made in this process (see fork_child) */
+static struct {
+    int parts, m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+} job;
+static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER; /* one threaded product at a time */
+static pthread_cond_t job_ready = PTHREAD_COND_INITIALIZER, job_done = PTHREAD_COND_INITIALIZER;
+static unsigned long generation;              /* products posted to the helpers so far */
+static unsigned long start_generation[MAX_THREADS]; /* a helper's first look: the count when it was made */
+static int pending;
+
+static void part_of_job(int part, int parts) {
+    int blocks = (job.n + 2) / 3;
+    int lo = (int)((long)blocks * part / parts) * 3, hi = (int)((long)blocks * (part + 1) / parts) * 3;
+    if (hi > job.n) hi = job.n;
+    if (lo < hi)
+        rows_times_rows(job.m, hi - lo, job.k, job.alpha, job.a, job.lda, job.b + (long)lo * job.ldb, job.ldb, job.beta, job.c + lo, job.ldc);
+}
+
+static void *helper(void *arg) {
+    int part = (int)(long)arg;
+    pthread_mutex_lock(&job_lock);
+    /* Not the current count: the product it was made for may be posted
+     * before this thread first runs. */
+    unsigned long seen = start_generation[part];
+    for (;;) {
+        while (generation == seen) pthread_cond_wait(&job_ready, &job_lock);
+        seen = generation;
+        pthread_mutex_unlock(&job_lock);
+        part_of_job(part, job.parts);
+        pthread_mutex_lock(&job_lock);
+        if (--pending == 0) pthread_cond_signal(&job_done);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's helpers: it starts its own. */
+static void fork_child(void) {
+    helpers_started = 0;
+    pthread_mutex_init(&job_lock, NULL);
+    pthread_mutex_init(&caller_lock, NULL);
+    pthread_cond_init(&job_ready, NULL);
+    pthread_cond_init(&job_done, NULL);
+}
+
+static int start_helpers(void) {
+    static int fork_handled;
+    if (!fork_handled) {
+        pthread_atfork(NULL, NULL, fork_child);
+        fork_handled = 1;
+    }
+    while (helpers_started < threads - 1) {
+        pthread_t t;
+        /* Part numbers start at 1: the caller takes part 0. */
+        start_generation[helpers_started + 1] = generation;
+        if (pthread_create(&t, NULL, helper, (void *)(long)(helpers_started + 1)) != 0) break;
+        pthread_detach(t);
+        helpers_started++;
+    }
+    return helpers_started;
+}
+
+static void thin_product(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+    if (threads < 2 || (long)m * n * k < THREADED_FROM || pthread_mutex_trylock(&caller_lock) != 0) {
+        rows_times_rows(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    pthread_mutex_lock(&job_lock);
+    int helpers = start_helpers();
+    job.parts = helpers + 1, job.m = m, job.n = n, job.k = k, job.lda = lda, job.ldb = ldb, job.ldc = ldc;
+    job.alpha = alpha, job.beta = beta, job.a = a, job.b = b, job.c = c;
+    pending = helpers;
+    generation++;
+    pthread_cond_broadcast(&job_ready);
+    pthread_mutex_unlock(&job_lock);
+    part_of_job(0, helpers + 1);
+    pthread_mutex_lock(&job_lock);
+    while (pending > 0) pthread_cond_wait(&job_done, &job_lock);
+    pthread_mutex_unlock(&job_lock);
+    pthread_mutex_unlock(&caller_lock);
+}
 #endif
 
-/* want_kernel: OpenBLAS runs one thread and the caller allows the kernel. */
-void lattice_gemv_init(void *sgemm, void *sgemv, int want_kernel) {
+/* kernel_threads: 0 keeps the kernel off; otherwise the threads it may use
+ * (OpenBLAS's count). */
+void lattice_gemv_init(void *sgemm, void *sgemv, int kernel_threads) {
     real_sgemm = (sgemm_fn)sgemm;
     real_sgemv = (sgemv_fn)sgemv;
 #ifdef HAVE_KERNEL
     __builtin_cpu_init();
-    kernel_on = want_kernel && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    kernel_on = kernel_threads > 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    threads = kernel_threads < 1 ? 1 : kernel_threads > MAX_THREADS ? MAX_THREADS : kernel_threads;
+    kernel_rows = threads == 1 ? THIN_KERNEL_ROWS : THIN_KERNEL_ROWS_THREADED;
 #else
-    (void)want_kernel;
+    (void)kernel_threads;
 #endif
 }
 
 /* sgemm calls not sent to sgemm so far, and those the kernel computed (for
- * tests and logs); whether the kernel is in use. */
+ * tests and logs); the most rows the kernel takes (0: it is off). */
 unsigned long long lattice_gemv_forwarded(void) { return forwarded; }
 unsigned long long lattice_gemv_in_kernel(void) { return in_kernel; }
-int lattice_gemv_kernel_on(void) { return kernel_on; }
+unsigned long long lattice_gemv_kernel_rows(void) { return kernel_on ? (unsigned long long)kernel_rows : 0; }
 
 /* y (out) = alpha op(a) x (in) + beta y, where a is stored row-major as
  * out x in (NO_TRANS) or in x out (TRANS). */
@@ -181,8 +280,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int plain = order == ROW_MAJOR && (ta == NO_TRANS || ta == TRANS) && (tb == NO_TRANS || tb == TRANS);
     if (plain && real_sgemv && m > 0 && n > 0 && k > 0) {
 #ifdef HAVE_KERNEL
-        if (kernel_on && m >= 2 && m <= THIN_KERNEL_ROWS && n > 1 && ta == NO_TRANS && tb == TRANS) {
-            rows_times_rows(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        if (kernel_on && m >= 2 && m <= kernel_rows && n > 1 && ta == NO_TRANS && tb == TRANS) {
+            thin_product(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
             forwarded++;
             in_kernel++;
             return;
