@@ -71,60 +71,44 @@ AVX2 __attribute__((always_inline)) static inline void store(int mr, int nr, __m
     s[1] = _mm256_fmadd_ps(xv, v1, s[1]);        \
     s[2] = _mm256_fmadd_ps(xv, v2, s[2]);
 
-/* c's rows i..i+mr, columns j..j+nr (mr <= 4, nr <= 3) from rows of a and
- * b; 12 sums in registers, 3 of b's rows loaded once per 8 columns of k for
- * 4 of a's. Tiles short of rows or columns repeat their first one. */
-AVX2 static void tile4(int mr, int nr, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta, float *c,
-                       int ldc) {
+/* c's rows i..i+mr, columns j..j+nr (mr <= rows, nr <= 3) from rows of a
+ * and b, rows 4 or 2: up to 12 sums in registers, 3 of b's rows loaded once
+ * per 8 columns of k for `rows` of a's. Tiles short of rows or columns
+ * repeat their first one. Inlined with `rows` a constant, so the sums stay
+ * in registers. */
+AVX2 __attribute__((always_inline)) static inline void tile(const int rows, int mr, int nr, int k, float alpha, const float *a, int lda,
+                                                             const float *b, int ldb, float beta, float *c, int ldc) {
     const float *x[4], *w[3];
-    for (int u = 0; u < 4; u++) x[u] = a + (long)(u < mr ? u : 0) * lda;
+    for (int u = 0; u < rows; u++) x[u] = a + (long)(u < mr ? u : 0) * lda;
     for (int t = 0; t < 3; t++) w[t] = b + (long)(t < nr ? t : 0) * ldb;
     __m256 z = _mm256_setzero_ps();
-    __m256 s0[3] = {z, z, z}, s1[3] = {z, z, z}, s2[3] = {z, z, z}, s3[3] = {z, z, z};
+    __m256 s[4][3] = {{z, z, z}, {z, z, z}, {z, z, z}, {z, z, z}};
     int k8 = k & ~7;
     for (int p = 0; p < k8; p += 8) {
         __m256 v0 = _mm256_loadu_ps(w[0] + p), v1 = _mm256_loadu_ps(w[1] + p), v2 = _mm256_loadu_ps(w[2] + p);
         __m256 xv = _mm256_loadu_ps(x[0] + p);
-        FMA3(s0, xv)
+        FMA3(s[0], xv)
         xv = _mm256_loadu_ps(x[1] + p);
-        FMA3(s1, xv)
-        xv = _mm256_loadu_ps(x[2] + p);
-        FMA3(s2, xv)
-        xv = _mm256_loadu_ps(x[3] + p);
-        FMA3(s3, xv)
-    }
-    __m256 s[4][3];
-    for (int t = 0; t < 3; t++) {
-        s[0][t] = s0[t];
-        s[1][t] = s1[t];
-        s[2][t] = s2[t];
-        s[3][t] = s3[t];
+        FMA3(s[1], xv)
+        if (rows == 4) {
+            xv = _mm256_loadu_ps(x[2] + p);
+            FMA3(s[2], xv)
+            xv = _mm256_loadu_ps(x[3] + p);
+            FMA3(s[3], xv)
+        }
     }
     store(mr, nr, s, x, w, k8, k, alpha, beta, c, ldc);
 }
 
-/* The same for the last one or two rows. */
+AVX2 static void tile4(int mr, int nr, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                       int ldc) {
+    tile(4, mr, nr, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+/* The last one or two rows. */
 AVX2 static void tile2(int mr, int nr, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                        int ldc) {
-    const float *x[2], *w[3];
-    for (int u = 0; u < 2; u++) x[u] = a + (long)(u < mr ? u : 0) * lda;
-    for (int t = 0; t < 3; t++) w[t] = b + (long)(t < nr ? t : 0) * ldb;
-    __m256 z = _mm256_setzero_ps();
-    __m256 s0[3] = {z, z, z}, s1[3] = {z, z, z};
-    int k8 = k & ~7;
-    for (int p = 0; p < k8; p += 8) {
-        __m256 v0 = _mm256_loadu_ps(w[0] + p), v1 = _mm256_loadu_ps(w[1] + p), v2 = _mm256_loadu_ps(w[2] + p);
-        __m256 xv = _mm256_loadu_ps(x[0] + p);
-        FMA3(s0, xv)
-        xv = _mm256_loadu_ps(x[1] + p);
-        FMA3(s1, xv)
-    }
-    __m256 s[2][3];
-    for (int t = 0; t < 3; t++) {
-        s[0][t] = s0[t];
-        s[1][t] = s1[t];
-    }
-    store(mr, nr, s, x, w, k8, k, alpha, beta, c, ldc);
+    tile(2, mr, nr, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* c (m x n) = alpha a b^T + beta c, a (m x k) and b (n x k) stored by rows.
