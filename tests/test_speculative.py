@@ -563,6 +563,9 @@ def test_the_mtp_head_drafts_and_rows_give_the_tokens_of_plain_decoding(which, m
     drafted, done, _, s = generate(loaded, PROMPTS, draft="mtp")
     assert_same_greedy(loaded, PROMPTS, plain, drafted, 40)
     assert sum(d["accepted_tokens"] for d in done.values()) > 20
+    # The head's chained steps ran compiled (drafts it got wrong would have
+    # been rejected, and the kept count above would fall).
+    assert s.speculator.drafter.compiled.traces > 0
     assert all(0 <= d["accepted_tokens"] <= d["drafted_tokens"] for d in done.values())
     assert s.speculator.weights_bytes > 0
     # A seed gives its tokens with the head's drafts as without them.

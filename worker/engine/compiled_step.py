@@ -315,9 +315,10 @@ class CompiledDecode:
         self._advance(layers, out, 1)
         return logits
 
-    def block(self, name: str, run, inputs: mx.array, layers: list, written: int | None = None) -> list | None:
+    def block(self, name: str, run, inputs: mx.array | tuple, layers: list, written: int | None = None) -> list | None:
         """`run(inputs, layers)` (a list of arrays: its outputs) over (B, W)
-        inputs and the batch's caches, compiled; the caches advance by the
+        inputs (or a tuple of arrays, the first (B, W) token ids, the others
+        (B, W, ...) beside them) and the batch's caches, compiled; the caches advance by the
         tokens it writes per row (`written`, default W: one forward; more
         when `run` chains forwards). `name` is the kind of block; each
         name's first `run` is the one traced. None when this kind cannot be
@@ -327,15 +328,16 @@ class CompiledDecode:
         if name not in self._blocks:
             self._runs[name] = run
             self._blocks[name] = mx.compile(partial(self._block, name))
-        written = inputs.shape[1] if written is None else written
+        ids = inputs[0] if isinstance(inputs, tuple) else inputs
+        written = ids.shape[1] if written is None else written
         states, capacities = self._states(layers, written)
-        shape = (name, inputs.shape, capacities)
+        shape = (name, tuple(x.shape for x in inputs) if isinstance(inputs, tuple) else inputs.shape, capacities)
         if self._full(self._block_shapes, shape):
             self._blocks = {name: mx.compile(partial(self._block, name)) for name in self._blocks}
         if shape in self._block_shapes:
             outputs, out = self._blocks[name](inputs, states)
         else:
-            log.debug("compiled %s: tracing %d rows of %d tokens, capacities %s", name, *inputs.shape, capacities)
+            log.debug("compiled %s: tracing %d rows of %d tokens, capacities %s", name, *ids.shape, capacities)
             try:
                 outputs, out = self._blocks[name](inputs, states)
             except Exception as exc:
