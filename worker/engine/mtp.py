@@ -45,7 +45,6 @@ from mlx_lm.models.cache import KVCache
 from worker.engine.batch_cache import BatchCache
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.drafters import BatchRows
-from worker.lora.layers import AdaptedLinear
 from worker.runtime.parts import model_parts
 
 PREFIX = "mtp."
@@ -271,14 +270,13 @@ class MtpDrafter(BatchRows):
     def _drafted_compiled(self, pieces: tuple, k: int) -> list[list[int]]:
         """`_drafted` for the rows in the head's cache as one compiled block
         (their waiting positions read, then k - 1 chained steps), when every
-        row reads the same number of positions, no more than a step keeps,
-        and the LM head carries no adapter (whose routing a trace would
-        freeze); else `_drafted` on the same pieces."""
+        row reads the same number of positions, no more than a step keeps
+        (adapters never wrap the head or the LM head: nothing here is routed
+        per row); else `_drafted` on the same pieces."""
         tokens, hidden = pieces
         widths = {len(t) for t in tokens}
         layers = self._cache.layers
-        usable = not isinstance(self.lm_head, AdaptedLinear) and self.compiled.steppable(layers)
-        if len(widths) != 1 or not 0 < (width := widths.pop()) <= k + 1 or not usable:
+        if len(widths) != 1 or not 0 < (width := widths.pop()) <= k + 1 or not self.compiled.steppable(layers):
             return self._drafted([], {}, k, pieces)
         x = mx.array(tokens, dtype=mx.uint32)
         outputs = self.compiled.block(f"mtp-{k}", self._chained(k), (x, mx.stack(hidden)), layers, written=width + k - 1)
