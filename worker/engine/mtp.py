@@ -258,14 +258,7 @@ class MtpDrafter(BatchRows):
             self._cache = cache if self._cache is None else self._cache.extend(cache)
             self._rows.append(s)
         h = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-        layers = self._cache.layers
-        tokens = mx.argmax(self.lm_head(h), axis=-1)
-        drafted = [tokens]
-        for _ in range(k - 1):
-            h = self.head(self.body.embed_tokens(tokens[:, None]), h[:, None], layers[0])[:, -1]
-            tokens = mx.argmax(self.lm_head(h), axis=-1)
-            drafted.append(tokens)
-        return mx.stack(drafted, axis=1).tolist()
+        return self._chain(h, self._cache.layers, k).tolist()
 
     def _drafted_compiled(self, pieces: tuple, k: int) -> list[list[int]]:
         """`_drafted` for the rows in the head's cache as one compiled block
@@ -287,16 +280,21 @@ class MtpDrafter(BatchRows):
     def _chained(self, k: int):
         def run(inputs: tuple, layers: list) -> list:
             x, hidden = inputs
-            h = self.head(self.body.embed_tokens(x), hidden, layers[0])[:, -1]
-            tokens = mx.argmax(self.lm_head(h), axis=-1)
-            drafted = [tokens]
-            for _ in range(k - 1):
-                h = self.head(self.body.embed_tokens(tokens[:, None]), h[:, None], layers[0])[:, -1]
-                tokens = mx.argmax(self.lm_head(h), axis=-1)
-                drafted.append(tokens)
-            return [mx.stack(drafted, axis=1)]
+            return [self._chain(self.head(self.body.embed_tokens(x), hidden, layers[0])[:, -1], layers, k)]
 
         return run
+
+    def _chain(self, h: mx.array, layers: list, k: int) -> mx.array:
+        """(rows, k) drafted tokens: the LM head's pick from the head's
+        output `h` (rows, hidden) after each row's last read position, then
+        k - 1 steps of the head fed its own output and pick."""
+        tokens = mx.argmax(self.lm_head(h), axis=-1)
+        drafted = [tokens]
+        for _ in range(k - 1):
+            h = self.head(self.body.embed_tokens(tokens[:, None]), h[:, None], layers[0])[:, -1]
+            tokens = mx.argmax(self.lm_head(h), axis=-1)
+            drafted.append(tokens)
+        return mx.stack(drafted, axis=1)
 
     def _pieces(self, rows: list[MtpState], pending: dict) -> tuple[list[list[int]], list[mx.array]]:
         """Each row's waiting hidden states (n, hidden) and the tokens that
