@@ -191,13 +191,18 @@ FORWARD_PROBE = textwrap.dedent(
 )
 
 
+def _has_avx2_fma() -> bool:
+    """Whether this CPU can run the thin kernel."""
+    return {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
+
+
 def test_thin_products_skip_sgemm_and_stay_exact(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     on = probe(FORWARD_PROBE, OPENBLAS_NUM_THREADS="1", **env)
     assert "gemv-forward-" in on["provider"] and str(tmp_path) in on["provider"]
     assert on["worst_rel"] < 1e-5
     # [forwarded, through the kernel] for mlx's products of 1 to 17 rows.
-    avx2 = {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
+    avx2 = _has_avx2_fma()
     assert on["rows_1"] == [1, 0 if avx2 else None]
     if avx2:
         assert on["rows_3"] == on["rows_4"] == on["rows_16"] == [1, 1] and on["rows_17"] == [0, 0]
@@ -244,7 +249,7 @@ def test_thin_products_give_the_logits_of_sgemm(tiny_model):
     on = probe(LOGITS_PROBE, str(tiny_model), "float32")
     off = probe(LOGITS_PROBE, str(tiny_model), "float32", LATTICE_CPU_GEMV="off")
     assert on["forwarded"] > 0 and off["forwarded"] == 0 and off["in_kernel"] == 0
-    if {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split()):
+    if _has_avx2_fma():
         assert on["in_kernel"] > 0
     for part in ("step", "block"):
         a, b = np.array(on[part]), np.array(off[part])

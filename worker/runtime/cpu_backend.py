@@ -114,9 +114,10 @@ def load_openblas() -> str | None:
         except OSError as exc:
             log.warning("OpenBLAS not loaded (%s); using mlx's bundled BLAS", exc)
             return None
-        if os.environ.get(GEMV_ENV, "on") != "off":
+        route = os.environ.get(GEMV_ENV, "on")
+        if route != "off":
             try:
-                forward_thin_products(own, pool_cache_dir(os.environ) / "cpu-blas")
+                forward_thin_products(own, pool_cache_dir(os.environ) / "cpu-blas", kernel=route != "sgemv")
             except Exception as exc:  # a speed-up: it never stops a start
                 log.warning("thin float32 products go through sgemm: %s", exc)
         # Already open: this adds it to the global scope, after the forwarding library.
@@ -124,10 +125,13 @@ def load_openblas() -> str | None:
     return str(openblas)
 
 
-def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> None:
+def forward_thin_products(openblas: ctypes.CDLL, directory: Path, kernel: bool = True) -> None:
     """Opens gemv_forward.c's library (compiled into `directory` when it is
-    not there yet) in the global scope, wired to `openblas`; where it
-    cannot be built or opened, sgemm goes on serving every product."""
+    not there yet) in the global scope, wired to `openblas`, its thin
+    kernel on or off; where it cannot be built or opened, sgemm goes on
+    serving every product."""
+    # The kernel splits a product among as many threads as OpenBLAS has.
+    kernel_threads = max(1, int(openblas.openblas_get_num_threads())) if kernel else 0
     for attempt in range(2):
         built = _gemv_library(directory)
         if built is None:
@@ -142,8 +146,6 @@ def forward_thin_products(openblas: ctypes.CDLL, directory: Path) -> None:
             # Opened privately and wired first: only a library that is what
             # it should be enters the global scope, where libmlx binds to it.
             forward = ctypes.CDLL(str(path))
-            # The kernel splits a product among as many threads as OpenBLAS has.
-            kernel_threads = 0 if os.environ.get(GEMV_ENV, "on") == "sgemv" else max(1, int(openblas.openblas_get_num_threads()))
             forward.lattice_gemv_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p), kernel_threads)
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except (OSError, AttributeError) as exc:
@@ -198,26 +200,28 @@ def thin_products_forwarded() -> int | None:
     """sgemm calls served by sgemv or the thin kernel so far in this
     process; None when thin products are not forwarded (libmlx's sgemm is
     OpenBLAS's or mlx's own)."""
-    return _forwarding_count("lattice_gemv_forwarded")
+    return _from_forwarding("lattice_gemv_forwarded")
 
 
 def thin_kernel_products() -> int | None:
     """Of those, the products the thin kernel computed; None when the
     kernel is not in use (not forwarded, no AVX2 and FMA, or
     `LATTICE_CPU_GEMV=sgemv`)."""
-    return _forwarding_count("lattice_gemv_in_kernel") if _forwarding_count("lattice_gemv_kernel_rows") else None
+    return _from_forwarding("lattice_gemv_in_kernel") if _from_forwarding("lattice_gemv_kernel_rows") else None
 
 
 def thin_routes() -> str:
     """Where thin products go, for the worker's log line."""
-    if thin_products_forwarded() is None:
+    rows = _from_forwarding("lattice_gemv_kernel_rows")
+    if rows is None:
         return ""
-    if thin_kernel_products() is None:
+    if not rows:
         return "; products of up to 3 rows through its sgemv"
-    return f"; one-row products through its sgemv, 2 to {_forwarding_count('lattice_gemv_kernel_rows')} rows times a weight matrix through the thin kernel"
+    return f"; one-row products through its sgemv, 2 to {rows} rows times a weight matrix through the thin kernel"
 
 
-def _forwarding_count(name: str) -> int | None:
+def _from_forwarding(name: str) -> int | None:
+    """A figure the forwarding library reports; None when it is not loaded."""
     try:
         fn = getattr(ctypes.CDLL(None), name)
     except AttributeError:

@@ -37,7 +37,7 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, THIN_ROWS = 3, THIN_KERNEL_
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static unsigned long long forwarded, in_kernel;
-static int kernel_on, kernel_rows;
+static int kernel_rows; /* the most rows the kernel takes; 0: it is off */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -228,9 +228,9 @@ void lattice_gemv_init(void *sgemm, void *sgemv, int kernel_threads) {
     real_sgemv = (sgemv_fn)sgemv;
 #ifdef HAVE_KERNEL
     __builtin_cpu_init();
-    kernel_on = kernel_threads > 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int usable = kernel_threads > 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     threads = kernel_threads < 1 ? 1 : kernel_threads > MAX_THREADS ? MAX_THREADS : kernel_threads;
-    kernel_rows = threads == 1 ? THIN_KERNEL_ROWS : THIN_KERNEL_ROWS_THREADED;
+    kernel_rows = !usable ? 0 : threads == 1 ? THIN_KERNEL_ROWS : THIN_KERNEL_ROWS_THREADED;
 #else
     (void)kernel_threads;
 #endif
@@ -240,7 +240,7 @@ void lattice_gemv_init(void *sgemm, void *sgemv, int kernel_threads) {
  * tests and logs); the most rows the kernel takes (0: it is off). */
 unsigned long long lattice_gemv_forwarded(void) { return forwarded; }
 unsigned long long lattice_gemv_in_kernel(void) { return in_kernel; }
-unsigned long long lattice_gemv_kernel_rows(void) { return kernel_on ? (unsigned long long)kernel_rows : 0; }
+unsigned long long lattice_gemv_kernel_rows(void) { return (unsigned long long)kernel_rows; }
 
 /* y (out) = alpha op(a) x (in) + beta y, where a is stored row-major as
  * out x in (NO_TRANS) or in x out (TRANS). */
@@ -264,7 +264,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int plain = order == ROW_MAJOR && (ta == NO_TRANS || ta == TRANS) && (tb == NO_TRANS || tb == TRANS);
     if (plain && real_sgemv && m > 0 && n > 0 && k > 0) {
 #ifdef HAVE_KERNEL
-        if (kernel_on && m >= 2 && m <= kernel_rows && n > 1 && ta == NO_TRANS && tb == TRANS) {
+        if (m >= 2 && m <= kernel_rows && n > 1 && ta == NO_TRANS && tb == TRANS) {
             thin_product(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
             forwarded++;
             in_kernel++;
