@@ -4,7 +4,9 @@ goes.
 
 - `--runs` rounds, sides alternated (which goes first flips every round):
   one greedy request of `--max-tokens` on the same chat prompt; first token
-  and decode tokens/s of each side. mlx-lm stops at the tokenizer's EOS
+  and decode tokens/s of each side, each of the worker's tokens timed at
+  the line that first shows it (a token whose bytes end inside a character
+  is written with the next one). mlx-lm stops at the tokenizer's EOS
   only, the worker at every end-of-turn token too, so both decode rates are
   taken over the first tokens of as many as the shorter reply has.
 - fresh prompts (`--fresh`, of growing length, each new to both sides):
@@ -43,6 +45,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -78,10 +81,23 @@ def main() -> int:
     from worker.engine.scheduler import Scheduler
 
     tokenizer = load_tokenizer(loaded.path)
-    stamps: list[float] = []
+    # (time, tokens generated so far) at each write of the request's lines:
+    # a write can carry several tokens (a token whose bytes end inside a
+    # character is held back until the character is whole), so each token
+    # is timed at the write that first shows it.
+    stamps: list[tuple[float, int]] = []
+    live: list = []  # the request's RowStream, once it has one
+
+    def stamp(through: Scheduler, data: bytes) -> None:
+        now = time.perf_counter()
+        if not live and through.streams:
+            live.append(next(iter(through.streams.values())))
+        # The final line counts the request's tokens (its row is gone by then).
+        done = re.search(rb'"gen_tokens":(\d+)', data)
+        stamps.append((now, int(done.group(1)) if done else len(live[0].generated) if live else 0))
 
     def scheduler_of(lone_eager: bool) -> Scheduler:
-        made = Scheduler(loaded, codec, lambda data: stamps.append(time.perf_counter()), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
+        made = Scheduler(loaded, codec, lambda data: stamp(made, data), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
         if made.compiled is not None:
             made.compiled.lone_attention_eager = lone_eager and made.compiled.lone_attention_eager
         made.warm_up()
@@ -95,16 +111,23 @@ def main() -> int:
         return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
     def ours(prompt: str, n: int, through: Scheduler = scheduler) -> list[float]:
-        """The times of the request's tokens, from its submission (the last
-        token's line comes with the final line, in one write)."""
+        """The time each of the request's tokens was first written, from its
+        submission (the last token's line comes with the final line, in one
+        write)."""
         nonlocal rid
         rid += 1
         stamps.clear()
+        live.clear()
         t0 = time.perf_counter()
         through.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
         while through.has_work:
             through.step()
-        return [t - t0 for t in stamps]
+        times: list[float] = []
+        for t, count in stamps:
+            times += [t - t0] * (count - len(times))
+        # A reply of no token (its first was an end of turn) still has its
+        # first line: that is its first token's time.
+        return times or [stamps[0][0] - t0]
 
     def traced(prompt: str, n: int) -> list[float]:
         return ours(prompt, n, traced_scheduler)
