@@ -327,9 +327,9 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 @pytest.mark.parametrize("group_size, bits", [(32, 8), (64, 8), (64, 4)])
 def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, where, group_size, bits):
     """A prompt piece reads the cache dequantized through the fused kernel,
-    a step the packed values (off CUDA each KV head's queries as one
-    matmul's rows, and on the CPU keys scored from their bytes; for
-    CUDA copied to one block, mlx-lm's way): all compute
+    a step the packed values (each KV head's queries as one matmul's
+    rows; on the CPU keys scored from their bytes, on CUDA the cache
+    copied to one block first): all compute
     mlx-lm's quantized attention, on a cache's view up to its offset (a
     slice of its buffer), with a causal, a boolean or an additive mask."""
     import mlx.core as mx
@@ -360,6 +360,34 @@ def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(q
         got = _attention(where)(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
         assert got.shape == want.shape
         assert mx.abs(got - want).max().item() < 1e-4
+
+
+def test_on_cuda_steps_quantized_matmuls_take_whole_unbroadcast_operands(monkeypatch):
+    """mlx's CUDA quantized matmul runs only on contiguous operands: the
+    cache's slice is copied to one block, and each KV head's queries are
+    the rows of one matmul rather than the cache broadcast over them (the
+    broadcast failed the 8B shape's first step on an H100)."""
+    import mlx.core as mx
+
+    from worker.engine.kv_quant import QuantKV
+    from worker.engine.quant_attention import _attention
+
+    calls = []
+    original = mx.quantized_matmul
+
+    def spy(x, w, *rest, **kw):
+        calls.append((x.shape, w.shape))
+        return original(x, w, *rest, **kw)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    mx.random.seed(5)
+    cache = QuantKV(64, 8)
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 9, 128)), mx.random.normal((1, 2, 9, 128)))
+    out = _attention("cuda")(mx.random.normal((1, 8, 1, 128)), keys, values, cache, scale=128**-0.5, mask=None)
+    mx.eval(out)
+    assert len(calls) == 2
+    for x_shape, w_shape in calls:
+        assert x_shape[:-2] == w_shape[:-2] == (1, 2)  # one matmul per KV head, nothing broadcast
 
 
 @pytest.mark.parametrize("group_size", [32, 64])

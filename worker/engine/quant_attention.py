@@ -11,15 +11,17 @@ through `mx.fast.scaled_dot_product_attention`; decode steps and speculative
 verification, a few queries each, keep the quantized matmuls, which read the
 packed values only.
 
-mlx's CUDA quantized matmul has no kernel for an operand that is not
-contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), and a cache's
-tokens so far are a slice of its buffer: on CUDA they are copied to one
-block first. On the CPU the few queries of each KV head are laid along the
-matmul's rows (`_grouped`) instead of broadcasting the cache over them as
-mlx-lm does: one matmul of G rows per KV head in place of G of one row
-(2 KV heads of 32, 4 query heads, 2,304 tokens: 0.52 against 0.64 ms a
-call for one row, 3.7 against 4.4 ms for eight, medians of 8 alternated
-runs of 100, 8 bits). mlx's CPU kernel for the scores (`x @ W.T`) runs at
+The few queries of each KV head are laid along the matmul's rows
+(`_grouped`) instead of broadcasting the cache over them as mlx-lm does:
+one matmul of G rows per KV head in place of G of one row. On the CPU that
+is faster (2 KV heads of 32, 4 query heads, 2,304 tokens: 0.52 against
+0.64 ms a call for one row, 3.7 against 4.4 ms for eight, medians of 8
+alternated runs of 100, 8 bits). On CUDA it is the only way that runs:
+mlx's quantized matmul there has no kernel for an operand that is not
+contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), which a
+broadcast cache is not (mlx-lm's own path fails at the first decode step,
+"No implementation for problem shape"), nor a cache's tokens so far, a
+slice of its buffer, which are copied to one block first there. mlx's CPU kernel for the scores (`x @ W.T`) runs at
 2-3x a float matmul; keys are scored from their bytes with a float matmul
 instead (`_byte_scores`).
 """
@@ -157,7 +159,6 @@ def _attention(where: str):
         if cuda:
             keys = tuple(mx.contiguous(x) for x in keys)
             values = tuple(mx.contiguous(x) for x in values)
-            return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask)
         return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
 
     return scaled_dot_product_attention
