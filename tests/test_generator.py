@@ -230,9 +230,10 @@ def test_a_request_arriving_while_a_long_prompt_reads_joins_its_group(qwen35):
     chunks = [(rows, width) for rows, width in shapes if width > 1]
     assert any(rows == 2 for rows, _ in chunks), "the short prompt was read in the long one's group"
     assert max(rows * width for rows, width in chunks) <= 128, chunks
-    # Once the short one has left, the long one reads prefill_step pieces again.
+    # Once the short one has left, the long one reads prefill_step pieces
+    # again, after at most one piece that brings it back onto their grid.
     joint = [i for i, (rows, _) in enumerate(chunks) if rows == 2]
-    assert chunks[joint[-1] + 1] == (1, 128), chunks
+    assert (1, 128) in chunks[joint[-1] + 1 : joint[-1] + 3], chunks
 
 
 def test_a_row_leaving_a_group_mid_prefill_leaves_the_others_reading(qwen35):
@@ -437,9 +438,9 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     included, in one pass (no pass of its own for the assistant's opener
     after the last message start, nor for a short piece past a chunk), whose
     last logits give the first token: one pass fewer than mlx-lm's prompt
-    and first step, and mlx-lm's greedy tokens. A hybrid model still ends a
-    chunk at each message start, where its prefix-cache snapshots are
-    taken; its last chunk reads the last token too."""
+    and first step, and mlx-lm's greedy tokens. A hybrid model ends a chunk
+    at each message start but the last, where its prefix-cache snapshots
+    are taken; its last chunk reads the last token too."""
     from mlx_lm.generate import generate_step
 
     from worker.runtime.loader import load
@@ -459,7 +460,46 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     assert tokens == theirs
     hybrid, hybrid_vocab = qwen35
     _, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2)
-    assert lengths[:3] == [31, 37, 3] and set(lengths[3:]) == {1}
+    assert lengths[:2] == [31, 40] and set(lengths[2:]) == {1}
+
+
+def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35):
+    """With a prefix cache, a hybrid model's lone chat prompt still reads
+    through its last message start; after its first token is pending, a
+    ghost row reads the prompt from the system prompt's snapshot up to that
+    start and stores the snapshot there. The tokens are those of a worker
+    without a cache, and the next turn resumes there with the tokens a cold
+    read gives."""
+    loaded, vocab = qwen35
+    model = loaded.model
+    marker = 7
+    rng = np.random.default_rng(5)
+    system, user = rng.integers(10, 200, size=30).tolist(), rng.integers(10, 200, size=36).tolist()
+    chat = [marker] + system + [marker] + user + [marker, 8, 9]
+
+    def read(ids: list[int], cache: PrefixCache) -> tuple[list[int], list[int], Row]:
+        """The first tokens, and the passes taken until no row reads."""
+        with positions_read(getattr(model, "language_model", model).model) as lengths:
+            gen = TokenGenerator(model, vocab, cache, 64, marker)
+            row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
+            gen.start([row])
+            tokens: list[int] = []
+            while len(tokens) < 6 or gen.prefilling:
+                tokens += [token for _, token in gen.step() if token is not None]
+        return tokens, lengths, row
+
+    cold, _, _ = read(chat, PrefixCache(model, 0))
+    cache = PrefixCache(model, 1 << 30)
+    tokens, lengths, _ = read(chat, cache)
+    assert tokens == cold
+    # The ghost's pass (37 tokens, from the snapshot at 31) comes after the
+    # one that gives the first token.
+    assert lengths[:3] == [31, 40, 37] and set(lengths[3:]) == {1}
+    assert sorted(len(e.tokens) for e in cache._entries.values()) == [31, 68]
+    following = chat + tokens[:4] + [marker] + rng.integers(10, 200, size=12).tolist() + [marker, 8, 9]
+    want, _, _ = read(following, PrefixCache(model, 0))
+    got, _, row = read(following, cache)
+    assert row.cached == 68 and got == want
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])

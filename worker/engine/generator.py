@@ -22,6 +22,15 @@ ids come out; nothing here knows about text or events. Each `step()`:
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
 
+A hybrid model's state cannot be cut back, so its snapshots sit at message
+starts, where chunks end. The prompt's last message start is the one the
+next turn resumes from, but a chunk ending there would put a pass of a few
+tokens (`<|im_start|>assistant\n`) in front of the first token, as long on
+a GPU as a decode step. A row without an adapter reads through it instead,
+and once its first token is pending a "ghost" row reads the prompt up to
+there, stores that snapshot and leaves: one pass more, after the first
+token rather than before it (`_deferrable`).
+
 Each row runs with its own LoRA adapter (or none): `Row.slot` is its slot
 in the model's stacked adapters (worker.lora.layers), routed before every
 forward, and `Row.adapter` the adapter's content key, which the prefix
@@ -89,6 +98,9 @@ MIN_PIECE = CHUNK
 # 32 chat prompts of 53-80 tokens arriving together (64-token pieces each)
 # are read in one pass.
 FOLD = 4
+# Ghost rows (deferred snapshots) waiting to start: beyond this many the
+# oldest is dropped; its snapshot is then made by the next turn's prefill.
+MAX_DEFERRED = 16
 
 # mlx-lm architectures whose forward is the LM head (or the tied embedding)
 # over the body's output, nothing after it: a lone prompt's last chunk may
@@ -110,6 +122,8 @@ class Row:
     cuts: list[int] = field(default_factory=list)  # its message starts and checkpoints, where chunks end
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
+    deferred: int = 0  # the message start whose snapshot a ghost row reads after this row's prompt
+    ghost: bool = False  # reads a prefix for its snapshot only: never decodes, streams nothing
     fresh: bool = True  # its decode input is still its last prompt token
     constraint: RowConstraint | None = None  # its response_format, if any
     broken: ConstraintViolation | None = None  # a committed token broke its constraint
@@ -206,15 +220,18 @@ class TokenGenerator:
         self.prefilling: list[Row] = []
         self._group: BatchCache | None = None
         self._joining = False
+        self._deferred: deque[Row] = deque(maxlen=MAX_DEFERRED)  # ghost rows to start
 
     # -- membership ---------------------------------------------------------
 
     @property
     def rows(self) -> list[Row]:
-        return self.decoding + self.prefilling
+        """The requests' rows (ghost rows are the generator's own)."""
+        return self.decoding + [row for row in self.prefilling if not row.ghost]
 
     def __len__(self) -> int:
-        return len(self.decoding) + len(self.prefilling)
+        """Rows with work left, ghost rows (started or not) included."""
+        return len(self.decoding) + len(self.prefilling) + len(self._deferred)
 
     @property
     def cache_bytes(self) -> int:
@@ -237,8 +254,19 @@ class TokenGenerator:
                 row.cuts = sorted({*row.cuts, self.kv_start})
             cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
             row.pos = row.cached
-            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), message_starts(row.ids, self.chat_marker))
+            starts = message_starts(row.ids, self.chat_marker)
+            row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), starts)
+            if (last := self._deferrable(row, starts)) is not None:
+                row.cuts.remove(last)
+                if last in row.snapshots:
+                    row.snapshots.discard(last)
+                    row.deferred = last
             caches.append(cache)
+        # A ghost whose whole prefix is stored already has nothing to do.
+        done = [i for i, row in enumerate(rows) if row.ghost and len(row.ids) - 1 <= row.pos]
+        if done:
+            rows = [row for i, row in enumerate(rows) if i not in done]
+            caches = [cache for i, cache in enumerate(caches) if i not in done]
         self._cut(self.prefilling + rows)
         # Rows whose whole prompt was resumed join now, unless the batch has
         # run ahead: then they are not at its step and join with the group's
@@ -257,6 +285,28 @@ class TokenGenerator:
                 except Exception as exc:  # extended in place: the group's state is gone
                     raise BatchFailed(self._lose(decode=False, group=True), exc) from exc
             self.prefilling = self.prefilling + [rows[i] for i in reading]
+
+    def _deferrable(self, row: Row, starts: list[int]) -> int | None:
+        """The prompt's last message start, when the row reads through it
+        (see the module's docstring); None when it stays a cut. Decided by
+        the row alone, so a worker with and one without a prefix cache
+        read a prompt in the same chunks. Not for a row with an adapter (a
+        ghost would need its adapter loaded after the row has left), nor
+        beside a drafter (which reads every prompt row's hidden states), nor
+        for a prompt resumed at or past that start, nor where the prompt's
+        reading ends there anyway (its last token is the start's marker)."""
+        if row.ghost or row.slot is not None or self.speculator is not None or self.prefix_cache.trimmable or not starts:
+            return None
+        last = starts[-1]
+        return last if row.pos < last < len(row.ids) - 1 and last in row.cuts else None
+
+    def _start_ghosts(self) -> None:
+        """Starts the deferred snapshots' ghost rows while no request's
+        prompt is being read and no row's first token is pending."""
+        if self._deferred and not self.prefilling and not any(row.fresh for row in self.decoding):
+            ghosts = list(self._deferred)
+            self._deferred.clear()
+            self.start(ghosts)
 
     def _cut(self, rows: list[Row]) -> None:
         """Plans the remaining prefill chunks of a group's rows, from where
@@ -334,7 +384,7 @@ class TokenGenerator:
             if self.speculator is not None:
                 self.speculator.clear()
         if group:
-            lost += self.prefilling
+            lost += [row for row in self.prefilling if not row.ghost]
             self.prefilling, self._group = [], None
         return lost
 
@@ -363,6 +413,7 @@ class TokenGenerator:
                     out.append((row, token))
             if self.speculator is not None:
                 self.speculator.observe(out)
+        self._start_ghosts()
         if self.prefilling:
             try:
                 self._prefill_chunk()
@@ -503,7 +554,7 @@ class TokenGenerator:
             return False
         row = rows[0]
         last = len(row.ids) - 1
-        if row.ends != [last] or row.may_force:
+        if row.ends != [last] or row.may_force or row.ghost:
             return False
         return self.prefix_cache.trimmable or last not in row.snapshots
 
@@ -551,9 +602,18 @@ class TokenGenerator:
                 self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
         done = [i for i, row in enumerate(rows) if not row.ends]
         if done:
-            self._joining = True
-            self._join([rows[i] for i in done], group.split(done))
-            self._joining = False
+            read = group.split(done)
+            joining = [k for k, i in enumerate(done) if not rows[i].ghost]
+            if len(joining) < len(done):  # a ghost's snapshot is stored: it leaves
+                read.filter(joining)
+            if joining:
+                self._joining = True
+                self._join([rows[done[k]] for k in joining], read)
+                self._joining = False
+            for k in joining:
+                row = rows[done[k]]
+                if row.deferred:
+                    self._deferred.append(Row(row.rid, row.ids[: row.deferred + 1], row.sampling, ghost=True))
             if folded:
                 # The pass that read the last prompt token is built: the
                 # first decode step draws from it (as a step run ahead does).

@@ -546,7 +546,7 @@ class Scheduler:
 
     def _figures(self) -> dict[str, int]:
         return {
-            "active_rows": len(self.generator),
+            "active_rows": len(self.generator.rows),
             "waiting_rows": len(self.waiting),
             "rows_cache_bytes": self.generator.cache_bytes,
             "max_batch": self.max_batch,
