@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from harness.procs import ROOT, build_demo_model
@@ -179,3 +181,55 @@ def json_lines_of(module: str, *args: str) -> list[dict]:
     if out.returncode:
         raise RuntimeError(out.stderr)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+class TokenClock:
+    """The emit callback of a worker's Scheduler in one process, timing one
+    request at a time: `start(scheduler)` before submitting it, then
+    `times()`, when each of its tokens was first written, from the start.
+    A line can carry several tokens (a token whose bytes end inside a
+    character is written with the next one), so each token is timed at
+    the line that first shows it; the final line, its row gone by then,
+    says how many there were."""
+
+    def __init__(self):
+        self.stamps: list[tuple[float, int]] = []
+        self.lines: list[bytes] = []
+        self._live: list = []  # the request's RowStream, once it has one
+        self._scheduler = None
+        self._t0 = 0.0
+
+    def start(self, scheduler) -> float:
+        self.stamps.clear()
+        self.lines.clear()
+        self._live.clear()
+        self._scheduler = scheduler
+        self._t0 = time.perf_counter()
+        return self._t0
+
+    def __call__(self, data: bytes) -> None:
+        now = time.perf_counter()
+        self.lines.append(data)
+        streams = self._scheduler.streams if self._scheduler is not None else {}
+        if not self._live and streams:
+            self._live.append(next(iter(streams.values())))
+        done = re.search(rb'"gen_tokens":(\d+)', data)
+        self.stamps.append((now, int(done.group(1)) if done else len(self._live[0].generated) if self._live else 0))
+
+    def times(self) -> list[float]:
+        times: list[float] = []
+        for t, count in self.stamps:
+            times += [t - self._t0] * (count - len(times))
+        # A reply of no token (its first was an end of turn) still has its
+        # first line: that is its first token's time.
+        return times or [self.stamps[0][0] - self._t0]
+
+    def events(self) -> list[dict]:
+        return [json.loads(line.split(b" ", 1)[1]) for data in self.lines for line in data.splitlines() if line.startswith(b"@@lattice ")]
+
+    def text(self) -> str:
+        return "".join(e["token"] for e in self.events() if e.get("ev") == "gen_token" and not e.get("done"))
+
+    def done(self) -> dict:
+        """The request's final line."""
+        return next(e for e in reversed(self.events()) if e.get("done"))

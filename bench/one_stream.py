@@ -45,7 +45,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import re
 import sys
 import time
 from pathlib import Path
@@ -69,7 +68,7 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from bench.common import backend, load_average, load_model, machine, summary, tagged, write_result
+    from bench.common import TokenClock, backend, load_average, load_model, machine, summary, tagged, write_result
 
     path, loaded, codec = load_model(args.model or args.size)
     size = path.name if args.model else args.size
@@ -81,23 +80,10 @@ def main() -> int:
     from worker.engine.scheduler import Scheduler
 
     tokenizer = load_tokenizer(loaded.path)
-    # (time, tokens generated so far) at each write of the request's lines:
-    # a write can carry several tokens (a token whose bytes end inside a
-    # character is held back until the character is whole), so each token
-    # is timed at the write that first shows it.
-    stamps: list[tuple[float, int]] = []
-    live: list = []  # the request's RowStream, once it has one
-
-    def stamp(through: Scheduler, data: bytes) -> None:
-        now = time.perf_counter()
-        if not live and through.streams:
-            live.append(next(iter(through.streams.values())))
-        # The final line counts the request's tokens (its row is gone by then).
-        done = re.search(rb'"gen_tokens":(\d+)', data)
-        stamps.append((now, int(done.group(1)) if done else len(live[0].generated) if live else 0))
+    clock = TokenClock()
 
     def scheduler_of(lone_eager: bool) -> Scheduler:
-        made = Scheduler(loaded, codec, lambda data: stamp(made, data), batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
+        made = Scheduler(loaded, codec, clock, batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
         if made.compiled is not None:
             made.compiled.lone_attention_eager = lone_eager and made.compiled.lone_attention_eager
         made.warm_up()
@@ -116,18 +102,11 @@ def main() -> int:
         write)."""
         nonlocal rid
         rid += 1
-        stamps.clear()
-        live.clear()
-        t0 = time.perf_counter()
+        t0 = clock.start(through)
         through.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
         while through.has_work:
             through.step()
-        times: list[float] = []
-        for t, count in stamps:
-            times += [t - t0] * (count - len(times))
-        # A reply of no token (its first was an end of turn) still has its
-        # first line: that is its first token's time.
-        return times or [stamps[0][0] - t0]
+        return clock.times()
 
     def traced(prompt: str, n: int) -> list[float]:
         return ours(prompt, n, traced_scheduler)

@@ -419,12 +419,13 @@ def positions_read(module):
         type(module).__call__ = original
 
 
-def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int) -> tuple[list[int], list[int]]:
+def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int, defer: bool = False) -> tuple[list[int], list[int]]:
     """A lone greedy row of the model itself: its first `steps` tokens and
     the passes it took (tokens read per row in each call of the model's
     body, which a lone prompt's last chunk calls without the head)."""
     with positions_read(getattr(model, "language_model", model).model) as lengths:
         gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, marker)
+        gen.defer_snapshots = defer
         row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
         gen.start([row])
         tokens: list[int] = []
@@ -439,8 +440,8 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     after the last message start, nor for a short piece past a chunk), whose
     last logits give the first token: one pass fewer than mlx-lm's prompt
     and first step, and mlx-lm's greedy tokens. A hybrid model ends a chunk
-    at each message start but the last, where its prefix-cache snapshots
-    are taken; its last chunk reads the last token too."""
+    at each message start, where its prefix-cache snapshots are taken (on
+    a GPU, all but the last); its last chunk reads the last token too."""
     from mlx_lm.generate import generate_step
 
     from worker.runtime.loader import load
@@ -459,17 +460,23 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     theirs = [int(t) for t, _ in generate_step(mx.array(chat), loaded.model, max_tokens=8)]
     assert tokens == theirs
     hybrid, hybrid_vocab = qwen35
-    _, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2)
+    cut, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2)
+    assert lengths[:3] == [31, 37, 3] and set(lengths[3:]) == {1}
+    through, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2, defer=True)
     assert lengths[:2] == [31, 40] and set(lengths[2:]) == {1}
+    assert through == cut
 
 
-def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35):
-    """With a prefix cache, a hybrid model's lone chat prompt still reads
-    through its last message start; after its first token is pending, a
-    ghost row reads the prompt from the system prompt's snapshot up to that
-    start and stores the snapshot there. The tokens are those of a worker
-    without a cache, and the next turn resumes there with the tokens a cold
-    read gives."""
+def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, monkeypatch):
+    """Where snapshots are deferred (a GPU's default), a hybrid model's
+    lone chat prompt reads through its last message start with a prefix
+    cache too; after its first token is pending, a ghost row reads the
+    prompt from the system prompt's snapshot up to that start and stores
+    the snapshot there. The tokens are those of a worker without a cache,
+    and the next turn resumes there with the tokens a cold read gives. A
+    last message past DEFER_AT_MOST tokens keeps its cut."""
+    from worker.engine import generator as generator_module
+
     loaded, vocab = qwen35
     model = loaded.model
     marker = 7
@@ -479,27 +486,37 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35):
 
     def read(ids: list[int], cache: PrefixCache) -> tuple[list[int], list[int], Row]:
         """The first tokens, and the passes taken until no row reads."""
+        steps.clear()
         with positions_read(getattr(model, "language_model", model).model) as lengths:
             gen = TokenGenerator(model, vocab, cache, 64, marker)
+            gen.defer_snapshots = True
             row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
             gen.start([row])
             tokens: list[int] = []
             while len(tokens) < 6 or gen.prefilling:
                 tokens += [token for _, token in gen.step() if token is not None]
+                steps.append((len(lengths), len(tokens)))
         return tokens, lengths, row
 
+    steps: list[tuple[int, int]] = []  # (passes so far, tokens so far) after each step
     cold, _, _ = read(chat, PrefixCache(model, 0))
     cache = PrefixCache(model, 1 << 30)
     tokens, lengths, _ = read(chat, cache)
     assert tokens == cold
-    # The ghost's pass (37 tokens, from the snapshot at 31) comes after the
-    # one that gives the first token.
-    assert lengths[:3] == [31, 40, 37] and set(lengths[3:]) == {1}
+    # The ghost's pass (37 tokens, from the snapshot at 31) comes in a step
+    # after the one that read the first token.
+    ghost = lengths.index(37)
+    assert lengths[:2] == [31, 40] and set(lengths[2:ghost] + lengths[ghost + 1 :]) == {1}
+    built = next(i for i, (passes, _) in enumerate(steps) if passes > ghost)
+    assert built > 0 and steps[built - 1][1] >= 1
     assert sorted(len(e.tokens) for e in cache._entries.values()) == [31, 68]
     following = chat + tokens[:4] + [marker] + rng.integers(10, 200, size=12).tolist() + [marker, 8, 9]
     want, _, _ = read(following, PrefixCache(model, 0))
     got, _, row = read(following, cache)
     assert row.cached == 68 and got == want
+    monkeypatch.setattr(generator_module, "DEFER_AT_MOST", 36)  # the last message is 37 tokens
+    _, lengths, _ = read(chat, PrefixCache(model, 1 << 30))
+    assert lengths[:3] == [31, 37, 3]
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])

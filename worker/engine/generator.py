@@ -24,12 +24,16 @@ snapshot of its adapter and stores snapshots at its own chunk ends.
 
 A hybrid model's state cannot be cut back, so its snapshots sit at message
 starts, where chunks end. The prompt's last message start is the one the
-next turn resumes from, but a chunk ending there would put a pass of a few
+next turn resumes from, but a chunk ending there puts a pass of a few
 tokens (`<|im_start|>assistant\n`) in front of the first token, as long on
-a GPU as a decode step. A row without an adapter reads through it instead,
-and once its first token is pending a "ghost" row reads the prompt up to
-there, stores that snapshot and leaves: one pass more, after the first
-token rather than before it (`_deferrable`).
+a GPU as a decode step. There (`defer_snapshots`) a row without an adapter
+reads through it instead, and once its first token is read a "ghost" row
+reads the prompt's last message again up to there, stores that snapshot
+and leaves: on a GPU a pass of a few hundred tokens costs about
+what one of a few does (a read of the weights), so the pass moves from
+before the first token to after it. On a CPU a pass costs its tokens'
+arithmetic, and reading the message twice costs more than the pass it
+saves, so the cut stays (`_deferrable`).
 
 Each row runs with its own LoRA adapter (or none): `Row.slot` is its slot
 in the model's stacked adapters (worker.lora.layers), routed before every
@@ -101,6 +105,11 @@ FOLD = 4
 # Ghost rows (deferred snapshots) waiting to start: beyond this many the
 # oldest is dropped; its snapshot is then made by the next turn's prefill.
 MAX_DEFERRED = 16
+# A last message longer than this keeps its cut: a ghost would read it
+# again (past a few hundred tokens a GPU's pass costs its arithmetic), to
+# save one short pass in front of a first token that waits for the whole
+# message anyway.
+DEFER_AT_MOST = 512
 
 # mlx-lm architectures whose forward is the LM head (or the tied embedding)
 # over the body's output, nothing after it: a lone prompt's last chunk may
@@ -202,6 +211,9 @@ class TokenGenerator:
         self.sampler = BatchSampler(vocab_size)
         self.masks = masks
         self.on_gpu = mx.default_device() == mx.gpu
+        # Whether a hybrid prompt's last snapshot is read by a ghost row
+        # after its first token (see the module's docstring).
+        self.defer_snapshots = self.on_gpu
         self.run_ahead = run_ahead
         # Whether a pass built ahead is handed to mlx at once (else next
         # step, beside the masks); see the module's docstring.
@@ -289,20 +301,25 @@ class TokenGenerator:
     def _deferrable(self, row: Row, starts: list[int]) -> int | None:
         """The prompt's last message start, when the row reads through it
         (see the module's docstring); None when it stays a cut. Decided by
-        the row alone, so a worker with and one without a prefix cache
-        read a prompt in the same chunks. Not for a row with an adapter (a
-        ghost would need its adapter loaded after the row has left), nor
-        beside a drafter (which reads every prompt row's hidden states), nor
-        for a prompt resumed at or past that start, nor where the prompt's
-        reading ends there anyway (its last token is the start's marker)."""
-        if row.ghost or row.slot is not None or self.speculator is not None or self.prefix_cache.trimmable or not starts:
+        the row and the device alone, so a worker with and one without a
+        prefix cache read a prompt in the same chunks. Not for a row with
+        an adapter (a ghost would need its adapter loaded after the row has
+        left), nor beside a drafter (which reads every prompt row's hidden
+        states), nor after a last message of more than DEFER_AT_MOST
+        tokens, nor for a prompt resumed at or past that start, nor where
+        the prompt's reading ends there anyway (its last token is the
+        start's marker)."""
+        if not self.defer_snapshots or row.ghost or row.slot is not None or self.speculator is not None or self.prefix_cache.trimmable or not starts:
             return None
         last = starts[-1]
+        if last - (starts[-2] if len(starts) > 1 else 0) > DEFER_AT_MOST:
+            return None
         return last if row.pos < last < len(row.ids) - 1 and last in row.cuts else None
 
     def _start_ghosts(self) -> None:
-        """Starts the deferred snapshots' ghost rows while no request's
-        prompt is being read and no row's first token is pending."""
+        """Starts the ghost rows queued in earlier steps (their chunks are
+        read in this step's prefill part) while no request's prompt is
+        being read and no row's first token is pending."""
         if self._deferred and not self.prefilling and not any(row.fresh for row in self.decoding):
             ghosts = list(self._deferred)
             self._deferred.clear()
@@ -396,6 +413,7 @@ class TokenGenerator:
         this step (its first token is pending). Raises BatchFailed when the
         decode batch or the prefill group is lost."""
         out: list[tuple[Row, int | None]] = []
+        self._start_ghosts()
         if self.decoding:
             rows = self.decoding
             try:
@@ -413,7 +431,13 @@ class TokenGenerator:
                     out.append((row, token))
             if self.speculator is not None:
                 self.speculator.observe(out)
-        self._start_ghosts()
+            for row, token in out:
+                if token is not None and row.deferred:
+                    # Its first token is read: its ghost starts next step,
+                    # so that the snapshot's pass (whose store waits for it)
+                    # does not hold that token's line back.
+                    self._deferred.append(Row(row.rid, row.ids[: row.deferred + 1], row.sampling, ghost=True))
+                    row.deferred = 0
         if self.prefilling:
             try:
                 self._prefill_chunk()
@@ -610,10 +634,6 @@ class TokenGenerator:
                 self._joining = True
                 self._join([rows[done[k]] for k in joining], read)
                 self._joining = False
-            for k in joining:
-                row = rows[done[k]]
-                if row.deferred:
-                    self._deferred.append(Row(row.rid, row.ids[: row.deferred + 1], row.sampling, ghost=True))
             if folded:
                 # The pass that read the last prompt token is built: the
                 # first decode step draws from it (as a step run ahead does).
