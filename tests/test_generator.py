@@ -514,6 +514,14 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
     want, _, _ = read(following, PrefixCache(model, 0))
     got, _, row = read(following, cache)
     assert row.cached == 68 and got == want
+    # A ghost that cannot start (here: its snapshot cannot be restored) is
+    # dropped; the request goes on.
+    failing = PrefixCache(model, 1 << 30)
+    resume = failing.resume
+    monkeypatch.setattr(failing, "resume", lambda adapter, ids, cuts: resume(adapter, ids, cuts) if len(ids) == len(chat) else 1 / 0)
+    tokens, lengths, _ = read(chat, failing)
+    assert tokens == cold and 37 not in lengths
+    assert sorted(len(e.tokens) for e in failing._entries.values()) == [31]
     monkeypatch.setattr(generator_module, "DEFER_AT_MOST", 36)  # the last message is 37 tokens
     _, lengths, _ = read(chat, PrefixCache(model, 1 << 30))
     assert lengths[:3] == [31, 37, 3]

@@ -323,7 +323,10 @@ class TokenGenerator:
         if self._deferred and not self.prefilling and not any(row.fresh for row in self.decoding):
             ghosts = list(self._deferred)
             self._deferred.clear()
-            self.start(ghosts)
+            try:
+                self.start(ghosts)
+            except Exception:  # e.g. out of memory restoring a snapshot: no request's concern
+                log.warning("%d deferred prefix snapshots dropped", len(ghosts), exc_info=True)
 
     def _cut(self, rows: list[Row]) -> None:
         """Plans the remaining prefill chunks of a group's rows, from where

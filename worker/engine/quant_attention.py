@@ -21,9 +21,9 @@ mlx's quantized matmul there has no kernel for an operand that is not
 contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), which a
 broadcast cache is not (mlx-lm's own path fails at the first decode step,
 "No implementation for problem shape"), nor a cache's tokens so far, a
-slice of its buffer, which are copied to one block first there. mlx's CPU kernel for the scores (`x @ W.T`) runs at
-2-3x a float matmul; keys are scored from their bytes with a float matmul
-instead (`_byte_scores`).
+slice of its buffer, which are copied to one block first there. mlx's CPU
+kernel for the scores (`x @ W.T`) runs at 2-3x a float matmul; keys are
+scored from their bytes with a float matmul instead (`_byte_scores`).
 """
 
 from __future__ import annotations
