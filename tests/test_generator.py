@@ -565,6 +565,40 @@ def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_
             assert x.shape == y.shape and mx.abs(x - y).max().item() <= LOGIT_TOLERANCE
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_prompts_starting_together_on_an_idle_batch_read_their_last_tokens_in_their_pass(dense_model, qwen35, kind):
+    """Prompts of different lengths that start together while no row
+    decodes read their last tokens in their one (padded) chunk, the logits
+    taken at each row's own last token: that pass gives every row's first
+    token, no decode step reads the prompts' last tokens, and each row's
+    greedy tokens are those it gives alone."""
+    from worker.runtime.loader import load
+
+    if kind == "dense":
+        loaded = load(dense_model)
+        model, vocab = loaded.model, loaded.model.args.vocab_size
+    else:
+        model, vocab = qwen35[0].model, qwen35[1]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(10, 200, size=n).tolist() for n in (5, 9, 14)]
+
+    def read(group: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        with positions_read(getattr(model, "language_model", model).model) as lengths:
+            gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None)
+            rows = [Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(group)]
+            gen.start(rows)
+            tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}
+            while min(len(t) for t in tokens.values()) < 6:
+                for row, token in gen.step():
+                    if token is not None:
+                        tokens[row.rid].append(token)
+        return [tokens[i][:6] for i in range(len(rows))], lengths
+
+    together, lengths = read(prompts)
+    assert lengths[0] == 14 and set(lengths[1:]) == {1}, lengths
+    assert together == [read([p])[0][0] for p in prompts]
+
+
 def test_prompts_arriving_together_are_read_in_one_pass(dense_model):
     """32 prompts of 53-80 tokens start together: each row's piece is 64
     tokens, and the few left past it fold into the same pass, so every row

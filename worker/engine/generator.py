@@ -17,7 +17,9 @@ ids come out; nothing here knows about text or events. Each `step()`:
    whenever rows join or leave, every reading row's remaining pieces are
    cut again for the new B. A row whose prompt is read (all but its last
    token) joins the decode batch; the last prompt token is its first decode
-   input.
+   input. Where no row decodes and the whole group ends its prompts in
+   this chunk, the chunk reads the last tokens too and its logits at each
+   row's last token give the first tokens (`_folds`).
 
 The prefix cache is used per row: a row resumes from the longest stored
 snapshot of its adapter and stores snapshots at its own chunk ends.
@@ -112,8 +114,8 @@ MAX_DEFERRED = 16
 DEFER_AT_MOST = 512
 
 # mlx-lm architectures whose forward is the LM head (or the tied embedding)
-# over the body's output, nothing after it: a lone prompt's last chunk may
-# run the body and score its last position alone (TokenGenerator._folds).
+# over the body's output, nothing after it: a group's last chunk may run the
+# body and score each row's last position alone (TokenGenerator._folds).
 FOLDABLE = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama"})
 
 
@@ -197,7 +199,7 @@ class TokenGenerator:
         self.prefill_step = prefill_step
         self.chat_marker = chat_marker
         self.can_batch = batchable(make_prompt_cache(model))
-        # (body, LM head): a lone prompt's last chunk scores only its last
+        # (body, LM head): a group's last chunk scores only each row's last
         # position (_folds). None when not asked (a rank of a group, whose
         # head computes a slice of the logits its forward gathers), for an
         # architecture whose forward is not exactly the head over the body's
@@ -568,22 +570,25 @@ class TokenGenerator:
         return out
 
     def _folds(self, rows: list[Row]) -> bool:
-        """Whether this chunk, a lone row's last, reads the prompt's last
-        token too, and its logits there give the row's first token: the
-        decode step that would read that token alone (a pass over all the
-        weights, on a GPU as long as any step) is not needed. Only where
-        that step could have run ahead the same way: an empty decode batch,
-        a row that may not be forced, no drafter (a speculative row's first
-        step reads its pending token with the drafts), and a cache that
-        keeps no snapshot at the token before the last (a hybrid model's
-        state cannot be cut back to there)."""
-        if len(rows) != 1 or self.decoding or not self.run_ahead or self.speculator is not None or self._parts is None:
+        """Whether this chunk, the last of every row in the group, reads
+        each prompt's last token too, and its logits there give the rows'
+        first tokens: the decode step that would read those tokens (a pass
+        over all the weights, on a GPU as long as any step) is not needed.
+        Only where that step could have run ahead the same way: an empty
+        decode batch, rows that may not be forced, no drafter (a
+        speculative row's first step reads its pending token with the
+        drafts), no ghost row, and caches that keep no snapshot at the
+        token before the last (a hybrid model's state cannot be cut back to
+        there)."""
+        if self.decoding or not self.run_ahead or self.speculator is not None or self._parts is None:
             return False
-        row = rows[0]
-        last = len(row.ids) - 1
-        if row.ends != [last] or row.may_force or row.ghost:
-            return False
-        return self.prefix_cache.trimmable or last not in row.snapshots
+        for row in rows:
+            last = len(row.ids) - 1
+            if row.ends != [last] or row.may_force or row.ghost:
+                return False
+            if not self.prefix_cache.trimmable and last in row.snapshots:
+                return False
+        return True
 
     def _prefill_chunk(self) -> None:
         rows = self.prefilling
@@ -599,7 +604,8 @@ class TokenGenerator:
                 return
         folded = self._folds(rows)
         if folded:
-            rows[0].ends[0] += 1
+            for row in rows:
+                row.ends[0] += 1
         pieces = [row.ids[row.pos : row.ends[0]] for row in rows]
         width = max(len(p) for p in pieces)
         lengths = [len(p) for p in pieces]
@@ -613,7 +619,11 @@ class TokenGenerator:
             body, head = self._parts
             with last_position_only(body):
                 hidden = body(tokens, cache=group.layers)
-            first = head(hidden[:, -1:, :])[:, -1, :]
+            if padded:  # each row's last token, before its right padding
+                hidden = hidden[mx.arange(len(rows)), mx.array(lengths) - 1][:, None, :]
+            else:
+                hidden = hidden[:, -1:, :]
+            first = head(hidden)[:, -1, :]
         elif self.speculator is not None and self.speculator.reads_hidden:
             self.speculator.read_prompt(rows, [row.pos for row in rows], lengths, tokens, group.layers)
         else:
