@@ -565,6 +565,28 @@ def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_
             assert x.shape == y.shape and mx.abs(x - y).max().item() <= LOGIT_TOLERANCE
 
 
+def test_ghost_rows_start_one_at_a_time(qwen35):
+    """Two hybrid chat prompts that start together leave two ghost rows,
+    which read their last messages in steps of their own, one after the
+    other; both snapshots are stored."""
+    loaded, vocab = qwen35
+    model = loaded.model
+    marker = 7
+    rng = np.random.default_rng(6)
+    system = rng.integers(10, 200, size=30).tolist()
+    chats = [[marker] + system + [marker] + rng.integers(10, 200, size=36).tolist() + [marker, 8, 9] for _ in range(2)]
+    cache = PrefixCache(model, 1 << 30)
+    with positions_read(getattr(model, "language_model", model).model) as lengths:
+        gen = TokenGenerator(model, vocab, cache, 64, marker)
+        gen.defer_snapshots = True
+        gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(chats)])
+        for _ in range(12):
+            gen.step()
+    assert lengths[:2] == [31, 40]
+    assert [n for n in lengths[2:] if n > 1] == [37, 37]  # one ghost a pass
+    assert sorted(len(e.tokens) for e in cache._entries.values()) == [31, 68, 68]
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_prompts_starting_together_on_an_idle_batch_read_their_last_tokens_in_their_pass(dense_model, qwen35, kind):
     """Prompts of different lengths that start together while no row

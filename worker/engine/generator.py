@@ -319,16 +319,17 @@ class TokenGenerator:
         return last if row.pos < last < len(row.ids) - 1 and last in row.cuts else None
 
     def _start_ghosts(self) -> None:
-        """Starts the ghost rows queued in earlier steps (their chunks are
-        read in this step's prefill part) while no request's prompt is
-        being read and no row's first token is pending."""
+        """Starts the oldest ghost row queued in an earlier step (its chunks
+        are read in this step's prefill part on) while no request's prompt
+        is being read and no row's first token is pending. One at a time: a
+        ghost holds a row's cache up to its snapshot, which the memory
+        guard that admits requests does not count."""
         if self._deferred and not self.prefilling and not any(row.fresh for row in self.decoding):
-            ghosts = list(self._deferred)
-            self._deferred.clear()
+            ghost = self._deferred.popleft()
             try:
-                self.start(ghosts)
+                self.start([ghost])
             except Exception:  # e.g. out of memory restoring a snapshot: no request's concern
-                log.warning("%d deferred prefix snapshots dropped", len(ghosts), exc_info=True)
+                log.warning("a deferred prefix snapshot (%d tokens) dropped", len(ghost.ids) - 1, exc_info=True)
 
     def _cut(self, rows: list[Row]) -> None:
         """Plans the remaining prefill chunks of a group's rows, from where
