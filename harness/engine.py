@@ -17,9 +17,10 @@ def scheduler_for(loaded, model=None, **kw):
 
     lines: list[bytes] = []
     kw.setdefault("batch_memory", 1 << 30)
+    kw.setdefault("prefix_cache_bytes", 0)
     if model is not None:
         loaded = dataclasses.replace(loaded, model=model)
-    s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, prefix_cache_bytes=0, **kw)
+    s = Scheduler(loaded, TextCodec(loaded.path, loaded.config), lines.append, **kw)
     return s, lines
 
 

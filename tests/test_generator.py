@@ -17,7 +17,7 @@ from harness.engine import ends_by_id, events, scheduler_for
 from ipc.messages import Generate
 from ipc.sampling import Sampling
 from tests.conftest import LOGIT_TOLERANCE
-from worker.cache.prefix_cache import PrefixCache
+from worker.cache.prefix_cache import PrefixCache, message_starts
 from worker.engine.batch_cache import batchable
 from worker.engine.generator import Row, TokenGenerator
 from worker.engine.sampling import RowSampling
@@ -563,6 +563,37 @@ def test_a_folded_chunk_computes_its_last_layer_at_the_last_position_only(dense_
         assert len(arrays(a)) == len(arrays(b)) > 0
         for x, y in zip(arrays(a), arrays(b)):
             assert x.shape == y.shape and mx.abs(x - y).max().item() <= LOGIT_TOLERANCE
+
+
+def test_a_chat_with_deferred_snapshots_through_the_scheduler(qwen35):
+    """Two turns of a chat through the worker's scheduler with deferred
+    snapshots: each request ends once, the ghost row streams nothing and
+    counts in no figure, the worker goes idle once it is done, and the
+    second turn resumes from the snapshot at the first prompt's last
+    message start."""
+    loaded, _ = qwen35
+    s, lines = scheduler_for(loaded, prefix_cache_bytes=1 << 30)
+    s.generator.defer_snapshots = True
+    first = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhere does the river bend?<|im_end|>\n<|im_start|>assistant\n"
+    s.submit(Generate(rid=1, prompt=first, id_json='"t1"', max_tokens=8, temperature=0.0), 0.0)
+    with positions_read(loaded.model.language_model.model) as lengths:
+        while s.has_work:
+            s.step()
+            assert s.figures["active_rows"] <= 1
+    assert not s.generator and s.figures["active_rows"] == 0
+    ids = s.codec.encode(first)
+    user, assistant = message_starts(ids, s.generator.chat_marker)
+    # Read through the assistant's start, then the ghost's pass up to it.
+    assert lengths[:2] == [user, len(ids) - user] and assistant - user in lengths[2:]
+    reply = "".join(e["token"] for e in events(lines) if e["ev"] == "gen_token" and not e.get("done"))
+    second = first + reply + "<|im_end|>\n<|im_start|>user\nAnd the mill?<|im_end|>\n<|im_start|>assistant\n"
+    s.submit(Generate(rid=2, prompt=second, id_json='"t2"', max_tokens=8, temperature=0.0), 0.0)
+    while s.has_work:
+        s.step()
+    ends = ends_by_id(lines)
+    assert sorted(ends) == ["t1", "t2"] and all(len(v) == 1 and v[0].get("done") for v in ends.values())
+    assert {e.get("id") for e in events(lines)} == {"t1", "t2"}
+    assert ends["t2"][0]["cached_tokens"] == assistant
 
 
 def test_ghost_rows_start_one_at_a_time(qwen35):
