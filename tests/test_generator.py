@@ -596,25 +596,36 @@ def test_a_chat_with_deferred_snapshots_through_the_scheduler(qwen35):
     assert ends["t2"][0]["cached_tokens"] == assistant
 
 
-def test_ghost_rows_start_one_at_a_time(qwen35):
-    """Two hybrid chat prompts that start together leave two ghost rows,
-    which read their last messages in steps of their own, one after the
-    other; both snapshots are stored."""
+def test_rows_starting_together_keep_their_cut_and_ghosts_start_one_at_a_time(qwen35):
+    """Two hybrid chat prompts that start together keep their cut at the
+    last message start (where deferred, each ghost would be a pass of its
+    own); ghost rows queued together read their prefixes in steps of their
+    own, one after the other, and store their snapshots."""
     loaded, vocab = qwen35
     model = loaded.model
     marker = 7
     rng = np.random.default_rng(6)
     system = rng.integers(10, 200, size=30).tolist()
     chats = [[marker] + system + [marker] + rng.integers(10, 200, size=36).tolist() + [marker, 8, 9] for _ in range(2)]
+    body = getattr(model, "language_model", model).model
     cache = PrefixCache(model, 1 << 30)
-    with positions_read(getattr(model, "language_model", model).model) as lengths:
+    with positions_read(body) as lengths:
         gen = TokenGenerator(model, vocab, cache, 64, marker)
         gen.defer_snapshots = True
         gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(chats)])
-        for _ in range(12):
+        for _ in range(6):
             gen.step()
-    assert lengths[:2] == [31, 40]
-    assert [n for n in lengths[2:] if n > 1] == [37, 37]  # one ghost a pass
+    assert lengths[:3] == [31, 37, 3] and not gen._deferred
+    cache = PrefixCache(model, 1 << 30)
+    with positions_read(body) as lengths:
+        gen = TokenGenerator(model, vocab, cache, 64, marker)
+        gen._deferred.extend(Row(i, ids[:69], RowSampling(GREEDY, vocab, ids), ghost=True) for i, ids in enumerate(chats))
+        while gen:
+            gen.step()
+    # The first reads the system prompt (its snapshot stored on the way)
+    # and its message; the second, started after it, resumes at the system
+    # prompt (together they would have read both in the same two passes).
+    assert lengths == [31, 37, 37]
     assert sorted(len(e.tokens) for e in cache._entries.values()) == [31, 68, 68]
 
 

@@ -28,14 +28,17 @@ A hybrid model's state cannot be cut back, so its snapshots sit at message
 starts, where chunks end. The prompt's last message start is the one the
 next turn resumes from, but a chunk ending there puts a pass of a few
 tokens (`<|im_start|>assistant\n`) in front of the first token, as long on
-a GPU as a decode step. There (`defer_snapshots`) a row without an adapter
-reads through it instead, and once its first token is read a "ghost" row
-reads the prompt's last message again up to there, stores that snapshot
-and leaves: on a GPU a pass of a few hundred tokens costs about
-what one of a few does (a read of the weights), so the pass moves from
-before the first token to after it. On a CPU a pass costs its tokens'
-arithmetic, and reading the message twice costs more than the pass it
-saves, so the cut stays (`_deferrable`).
+a GPU as a decode step. There (`defer_snapshots`) a lone request (no
+other row reading or decoding) without an adapter reads through it
+instead, and once its first token is read a "ghost" row reads the
+prompt's last message again up to there, stores that snapshot and leaves:
+on a GPU a pass of a few hundred tokens costs about what one of a few
+does (a read of the weights), so the pass moves from before the first
+token to after it. Rows that start together keep the cut: their cut's
+pass is shared, where each ghost would be a pass of its own among their
+decode steps. On a CPU a pass costs its tokens' arithmetic, and reading
+the message twice costs more than the pass it saves, so the cut stays
+(`_deferrable`).
 
 Each row runs with its own LoRA adapter (or none): `Row.slot` is its slot
 in the model's stacked adapters (worker.lora.layers), routed before every
@@ -255,6 +258,7 @@ class TokenGenerator:
         """Starts reading the rows' prompts: as a prefill group, or in the
         one that is reading, which they join at its next chunk."""
         caches = []
+        alone = len(rows) == 1 and not self.decoding and not self.prefilling
         for row in rows:
             # A hybrid model's chunks end at message starts, with or without a
             # prefix cache, so a prompt resumed from a snapshot there computes
@@ -270,7 +274,7 @@ class TokenGenerator:
             row.pos = row.cached
             starts = message_starts(row.ids, self.chat_marker)
             row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), starts)
-            if (last := self._deferrable(row, starts)) is not None:
+            if alone and (last := self._deferrable(row, starts)) is not None:
                 row.cuts.remove(last)
                 if last in row.snapshots:
                     row.snapshots.discard(last)
@@ -301,10 +305,11 @@ class TokenGenerator:
             self.prefilling = self.prefilling + [rows[i] for i in reading]
 
     def _deferrable(self, row: Row, starts: list[int]) -> int | None:
-        """The prompt's last message start, when the row reads through it
-        (see the module's docstring); None when it stays a cut. Decided by
-        the row and the device alone, so a worker with and one without a
-        prefix cache read a prompt in the same chunks. Not for a row with
+        """The prompt's last message start, when the row, a lone request,
+        reads through it (see the module's docstring); None when it stays a
+        cut. Decided by the row, the device and what else runs, not the
+        cache, so a worker with and one without a prefix cache read a
+        prompt in the same chunks. Not for a row with
         an adapter (a ghost would need its adapter loaded after the row has
         left), nor beside a drafter (which reads every prompt row's hidden
         states), nor after a last message of more than DEFER_AT_MOST
