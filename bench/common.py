@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.engine import events
 from harness.procs import ROOT, build_demo_model
 from worker.runtime.kernel_cache import cpu_model
 
@@ -224,12 +225,9 @@ class TokenClock:
         # first line: that is its first token's time.
         return times or [self.stamps[0][0] - self._t0]
 
-    def events(self) -> list[dict]:
-        return [json.loads(line.split(b" ", 1)[1]) for data in self.lines for line in data.splitlines() if line.startswith(b"@@lattice ")]
-
     def text(self) -> str:
-        return "".join(e["token"] for e in self.events() if e.get("ev") == "gen_token" and not e.get("done"))
+        return "".join(e["token"] for e in events(self.lines) if e.get("ev") == "gen_token" and not e.get("done"))
 
     def done(self) -> dict:
         """The request's final line."""
-        return next(e for e in reversed(self.events()) if e.get("done"))
+        return next(e for e in reversed(events(self.lines)) if e.get("done"))
