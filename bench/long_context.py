@@ -214,12 +214,15 @@ def part_decode(args, path: Path, codec, record) -> None:
 
     # "0": the model's dtype, decode step compiled (the default); "0e": the
     # same, op by op; "8": 8 bits, compiled; "8k" (CPU): the same with the
-    # scores from mlx's quantized matmul. The attention is rebound on the
-    # model's module, shared by every engine here, so the route is a
-    # module setting switched around each run (a trace keeps the route it
-    # was made with, and each engine traces its own). Engines of the same
-    # cache share one loaded model (a 16 GB load apiece on the 8B shape).
-    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8")
+    # scores from mlx's quantized matmul; on CUDA "8v" and "8d": 8 bits with
+    # the values, or keys and values, dequantized for the step (the routes
+    # of quant_attention.CUDA_STEPS), and "8e", "8ve", "8de" the three op by
+    # op. The attention is rebound on the model's module, shared by every
+    # engine here, so the route is a module setting switched around each
+    # run (a trace keeps the route it was made with, and each engine traces
+    # its own). Engines of the same cache share one loaded model (a 16 GB
+    # load apiece on the 8B shape).
+    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8v", "8d", "8e", "8ve", "8de")
     engines = {}
     models = {}
     for key in keys:
@@ -229,8 +232,8 @@ def part_decode(args, path: Path, codec, record) -> None:
             if quantized:
                 kv_quant.install(models[quantized].model, 8, args_group(models[quantized]))
         loaded = models[quantized]
-        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=key != "0e")
-        with scores_by(key):
+        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=not key.endswith("e"))
+        with route_of(key):
             s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
@@ -261,7 +264,7 @@ def part_decode(args, path: Path, codec, record) -> None:
         row = {}
         for n in (1, 8):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                with scores_by(key):
+                with route_of(key):
                     row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
         rounds.append(row)
         ratios = {
@@ -269,23 +272,44 @@ def part_decode(args, path: Path, codec, record) -> None:
         }
         if "8k" in keys:
             ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in (1, 8)}
+        # Each CUDA route against the faster of the model's dtype's two steps in each round.
+        ratios |= {
+            f"n{n}_8bit_{ROUTES[key]}_over_dtype_best": [x[f"n{n}_{key}"] / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds]
+            for n in (1, 8)
+            for key in keys
+            if key in ROUTES
+        }
         record("decode", rounds, ratios)
         print(f"decode round {r}: {row}", file=sys.stderr)
 
 
+# The CUDA engines' routes for a step (quant_attention.CUDA_STEPS), by key.
+ROUTES = {
+    "8": "quantized",
+    "8v": "values-dequantized",
+    "8d": "dequantized",
+    "8e": "quantized-eager",
+    "8ve": "values-dequantized-eager",
+    "8de": "dequantized-eager",
+}
+
+
 @contextmanager
-def scores_by(key: str):
+def route_of(key: str):
     """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
-    of scored from their bytes (worker.engine.quant_attention)."""
+    of scored from their bytes; for the CUDA engines, the route of their
+    steps (worker.engine.quant_attention)."""
     from worker.engine import quant_attention
 
-    kept = quant_attention.BYTES_BLOCKS_AT_MOST
+    kept = quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention.CUDA_STEPS
     if key == "8k":
         quant_attention.BYTES_BLOCKS_AT_MOST = -1
+    if key in ROUTES:
+        quant_attention.CUDA_STEPS = ROUTES[key].removesuffix("-eager")
     try:
         yield
     finally:
-        quant_attention.BYTES_BLOCKS_AT_MOST = kept
+        quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention.CUDA_STEPS = kept
 
 
 # -- quality --------------------------------------------------------------------------
