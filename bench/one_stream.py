@@ -25,9 +25,9 @@ goes.
   same prefill arithmetic; `bench.batch --through serve` runs mlx-lm in a
   process of its own.
 - with `--traced`: a third side, the worker's scheduler with a lone row's
-  decode step kept in the compiled trace (on CUDA a lone row of an
-  attention-only model otherwise steps with the model's own forward;
-  docs/engine.md), in the same rounds.
+  decode step kept in the compiled trace (on CUDA the worker otherwise
+  times its steps both ways and keeps the faster; docs/engine.md), in the
+  same rounds.
 - with `--profile`: cProfile of one run of each side, of one fresh first
   token and of another new prompt's of the same length right after it, the
   top functions by own time (on a GPU a function's own
@@ -82,15 +82,16 @@ def main() -> int:
     tokenizer = load_tokenizer(loaded.path)
     clock = TokenClock()
 
-    def scheduler_of(lone_eager: bool) -> Scheduler:
+    def scheduler_of(traced: bool) -> Scheduler:
         made = Scheduler(loaded, codec, clock, batch_memory=8 << 30, prefix_cache_bytes=0, max_batch=8)
-        if made.compiled is not None:
-            made.compiled.lone_attention_eager = lone_eager and made.compiled.lone_attention_eager
+        if traced and made.compiled is not None:
+            made.compiled.choice = None
+            made.compiled.lone_attention_eager = False
         made.warm_up()
         return made
 
-    scheduler = scheduler_of(True)
-    traced_scheduler = scheduler_of(False) if args.traced else None
+    scheduler = scheduler_of(False)
+    traced_scheduler = scheduler_of(True) if args.traced else None
     rid = 0
 
     def chat(text: str) -> str:

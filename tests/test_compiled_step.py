@@ -247,24 +247,66 @@ def test_caches_it_cannot_trace_are_left_to_the_model(hybrid):
     assert not compiled.steppable([])
 
 
-def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op(dense_model, hybrid):
-    """The policy alone (the CPU keeps tracing every cache it can): with the
-    CUDA rule on, a lone row of plain attention caches decodes with the
-    model, whose attention then needs no mask; its blocks of several tokens
-    (a verify, a draft's read) still trace, and so do batches and hybrid
-    rows."""
+def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op_where_steps_are_not_timed(dense_model, hybrid):
+    """The rule for steps nobody times (a draft model's; the CPU keeps
+    tracing every cache it can): with the CUDA rule on, a lone row of plain
+    attention caches decodes with the model, whose attention then needs no
+    mask; its blocks of several tokens (a verify, a draft's read) still
+    trace, and so do batches and hybrid rows. A timed step (its rows
+    given) takes the way the choice picks instead."""
+    from worker.engine.step_choice import StepChoice
+
     model, vocab = load_model(dense_model)
     compiled = CompiledDecode(model)
-    assert not compiled.lone_attention_eager  # this machine's default device is the CPU
+    assert not compiled.lone_attention_eager and compiled.choice is None  # this machine's default device is the CPU
     lone, batch = prefilled(model, prompts_of(vocab, [9])), prefilled(model, prompts_of(vocab, [9, 5]))
     assert compiled.decodes(lone.layers) and compiled.decodes(batch.layers)
     compiled.lone_attention_eager = True
     assert not compiled.decodes(lone.layers) and compiled.steppable(lone.layers)
-    assert compiled.decodes(batch.layers)
+    assert compiled.decodes(batch.layers) and not compiled.decodes(lone.layers, 1)  # no choice: the rule
+    compiled.choice = StepChoice()
+    assert compiled.decodes(lone.layers, 1)  # a trial starts with the trace
+    assert not compiled.decodes(lone.layers)
     model, vocab = hybrid
     compiled = CompiledDecode(model)
     compiled.lone_attention_eager = True
     assert compiled.decodes(prefilled(model, prompts_of(vocab, [9])).layers)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_generator_times_its_steps_both_ways_and_keeps_the_faster(dense_model, monkeypatch, rows):
+    """With a choice (CUDA's default), a decode batch's steps run traced and
+    op by op in turn, each way's steady steps timed by the generator, until
+    one way is kept for that many rows; a step that made a trace, the
+    first of each run of one way and steps beside a prompt chunk are not
+    timed."""
+    from worker.engine import step_choice
+    from worker.engine.step_choice import StepChoice
+
+    model, vocab = load_model(dense_model)
+    compiled = CompiledDecode(model)
+    compiled.choice = StepChoice()
+    timed = []
+    original = compiled.choice.timed
+    monkeypatch.setattr(compiled.choice, "timed", lambda batch, traced, seconds: timed.append((batch, traced)) or original(batch, traced, seconds))
+    gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None, compiled=compiled)
+    prompts = prompts_of(vocab, [9, 6, 12][:rows])
+    gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)])
+    ways = []
+    for _ in range(60):
+        chunks = gen._chunks
+        gen.step()
+        if gen.decoding and gen._way is not None:
+            ways.append((gen._way[2], chunks != gen._chunks))
+    chosen = compiled.choice.chosen(rows)
+    assert chosen is not None
+    block = step_choice.BLOCK
+    assert [w for w, _ in ways[: 3 * block]] == [True] * block + [False] * block + [True] * block
+    assert {batch for batch, _ in timed} == {rows}
+    # A block's first step is not timed, nor the step that made the trace.
+    assert timed[: 2 * (block - 1)] == [(rows, True)] * (block - 1) + [(rows, False)] * (block - 1)
+    assert sum(t for _, t in timed) >= step_choice.TRIAL and sum(not t for _, t in timed) >= step_choice.TRIAL
+    assert all(w == chosen for w, _ in ways[-10:])
 
 
 class ReadsBack:

@@ -35,16 +35,19 @@ Python state a trace would freeze), and only over the cache types above:
 anything else (rotating caches, padding still pending, a batch holding both
 plain and quantized rows) takes the model's own forward.
 
-On CUDA a lone row of an attention-only model takes the model's own forward
-for its decode step (`decodes`). mlx's fused attention kernels for a decode
+On CUDA the generator's decode steps run traced or op by op, whichever its
+timing of both found faster for that batch size (`choice`,
+worker.engine.step_choice): mlx's fused attention kernels for a decode
 step there (its vector kernel, and cuDNN's) refuse any array mask, and the
 trace always masks its whole buffer, so under the trace every layer's
-attention runs as separate matmul, mask and softmax kernels. A lone row's
-own caches need no mask, as in mlx-lm's `stream_generate`. A hybrid model
-keeps the trace: its fused gated-delta steps gain more than its few
-attention layers lose (measured on an H200 with the 0.8b shape: 1.2x
-mlx-lm's decode). Blocks of several tokens a row (a speculative verify, a
-draft model's read) keep the trace even then: unmasked, several queries go
+attention runs as separate matmul, mask and softmax kernels, against the
+elementwise chains the trace fuses. Steps nobody times (a draft model's)
+keep a fixed rule: a lone row of an attention-only model takes the
+model's own forward, whose caches need no mask, as in mlx-lm's
+`stream_generate`; a hybrid model keeps the trace, its fused gated-delta
+steps gaining more than its few attention layers lose (measured on an
+H200 with the 0.8b shape: 1.2x mlx-lm's decode). Blocks of several tokens
+a row (a speculative verify, a draft model's read) keep the trace: unmasked, several queries go
 to cuDNN, which builds a graph for every new key length (mlx's attention
 graph cache is keyed by the key's shape, except for one-query decoding),
 and such a block meets a new length every step (on an H200 a lone row's
@@ -60,6 +63,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from worker.engine.kv_quant import BatchLazyKV, BatchQuantKV, LazyKV, QuantKV
+from worker.engine.step_choice import StepChoice
 from worker.runtime.memory import processor
 
 log = logging.getLogger("worker")
@@ -215,8 +219,11 @@ class CompiledDecode:
         self.failed: str | None = None  # why the model could not be traced
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
-        # A lone row of plain attention caches decodes op by op (see the module's docstring).
+        # Untimed steps: a lone row of plain attention caches decodes op by
+        # op; timed ones (`decodes` with their rows): the faster way, by
+        # batch size (see the module's docstring).
         self.lone_attention_eager = processor() == "cuda"
+        self.choice = StepChoice() if processor() == "cuda" else None
 
     def keep_for(self, max_batch: int) -> None:
         """Keeps enough traces for batches of up to max_batch rows."""
@@ -229,12 +236,16 @@ class CompiledDecode:
                 c.settle()
         return self.failed is None and bool(layers) and all(_steppable(_inner(c)) for c in layers)
 
-    def decodes(self, layers: list) -> bool:
+    def decodes(self, layers: list, rows: int | None = None) -> bool:
         """Whether a decode step (one token a row) over these caches takes
-        the trace: steppable, and not a lone row of plain attention caches
-        on CUDA (see the module's docstring)."""
+        the trace: steppable, and then, for a step the caller times (`rows`
+        given; it reports to `choice`), the way chosen for that many rows,
+        else not a lone row of plain attention caches on CUDA (see the
+        module's docstring)."""
         if not self.steppable(layers):
             return False
+        if rows is not None and self.choice is not None:
+            return self.choice.traced(rows)
         return not (self.lone_attention_eager and all(type(c) is KVCache for c in layers))
 
     def _traced(self, states: list) -> list:

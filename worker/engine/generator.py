@@ -79,6 +79,7 @@ computes while the caller streams them.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -238,6 +239,16 @@ class TokenGenerator:
         self._group: BatchCache | None = None
         self._joining = False
         self._deferred: deque[Row] = deque(maxlen=MAX_DEFERRED)  # ghost rows to start
+        # The timing of plain decode steps for the compiled step's choice of
+        # way (worker.engine.step_choice): steps taken, prompt chunks read,
+        # (step, rows, traced, new trace) of the last forward built and of
+        # the last three built by unconstrained decode steps, and (step,
+        # time, chunks) of the last such step's read.
+        self._steps = 0
+        self._chunks = 0
+        self._way: tuple[int, int, bool, bool] | None = None
+        self._ways: deque[tuple[int, int, bool, bool]] = deque(maxlen=3)
+        self._read_at: tuple[int, float, int] | None = None
 
     # -- membership ---------------------------------------------------------
 
@@ -424,6 +435,7 @@ class TokenGenerator:
         this step (its first token is pending). Raises BatchFailed when the
         decode batch or the prefill group is lost."""
         out: list[tuple[Row, int | None]] = []
+        self._steps += 1
         self._start_ghosts()
         if self.decoding:
             rows = self.decoding
@@ -485,7 +497,12 @@ class TokenGenerator:
         if not constrained:
             self._next = self.sampler(logits, inputs)
             self._async_eval_next()
+            if ahead:
+                self._ways.clear()
+            else:
+                self._ways.append(self._way)
             tokens = inputs.tolist()
+            self._time_read()
             self.take_logprobs(tokens)
             self.stash_logprobs()
             return tokens
@@ -513,6 +530,22 @@ class TokenGenerator:
                 # waits for the draw alone, not for this pass too.
                 mx.async_eval(self._ahead)
         return tokens
+
+    def _time_read(self) -> None:
+        """Reports the time of the forward whose draw was just read to the
+        compiled step's choice, where it ran as in a run of its own way:
+        built by the step before, right after a forward of the same way and
+        rows (whose draw the step before read), no prompt chunk read since
+        that read, and no trace made (worker.engine.step_choice)."""
+        now = time.monotonic()
+        last, self._read_at = self._read_at, (self._steps, now, self._chunks)
+        choice = self.compiled.choice if self.compiled is not None else None
+        if choice is None or last is None or len(self._ways) < 3:
+            return
+        before, timed, _ = self._ways
+        step, then, chunks = last
+        if step == self._steps - 1 == timed[0] == before[0] + 1 and chunks == self._chunks and before[1:3] == timed[1:3] and not timed[3]:
+            choice.timed(timed[1], timed[2], now - then)
 
     def _async_eval_next(self) -> None:
         step = self.sampler.logprobs
@@ -550,8 +583,12 @@ class TokenGenerator:
         # adapter layers pass every row through to the base model.
         self._route(slots)
         layers = self._cache.layers
-        if self.compiled is not None and all(s is None for s in slots) and self.compiled.decodes(layers):
-            return self.compiled.forward(inputs, layers)
+        if self.compiled is not None and all(s is None for s in slots) and self.compiled.decodes(layers, len(slots)):
+            traces = self.compiled.traces
+            logits = self.compiled.forward(inputs, layers)
+            self._way = (self._steps, len(slots), True, self.compiled.traces != traces)
+            return logits
+        self._way = (self._steps, len(slots), False, False)
         return self.model(inputs[:, None], cache=layers)[:, -1, :]
 
     def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:
@@ -597,6 +634,7 @@ class TokenGenerator:
         return True
 
     def _prefill_chunk(self) -> None:
+        self._chunks += 1
         rows = self.prefilling
         group = self._group
         resumed = [i for i, row in enumerate(rows) if not row.ends]
