@@ -80,7 +80,9 @@ class ServeSide:
         self.dir = tempfile.TemporaryDirectory(prefix="lattice-bench-batch-")
         config = Path(self.dir.name) / "pool.toml"
         config.write_text(f'prefix_cache_bytes = 0\nmax_batch = {json.dumps(max_batch)}\n[[models]]\nname = "m"\npath = "{model}"\npreload = true\n')
-        self.pool = PoolProc("--config", str(config), "--no-control-socket", "--log-level", "WARNING")
+        # INFO: the worker logs its choice of decode step way per batch size
+        # (on CUDA), printed at close.
+        self.pool = PoolProc("--config", str(config), "--no-control-socket", "--log-level", "INFO")
         self.ready = self.pool.wait_ev("ready", model="m", timeout=600)
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
@@ -95,6 +97,9 @@ class ServeSide:
         finally:
             self.pool.kill()
             self.dir.cleanup()
+        for line in self.pool.stderr.decode(errors="replace").splitlines():
+            if "decode steps of" in line:
+                print(f"  worker: {line.strip()}", file=sys.stderr)
 
 
 SIDES = {"worker": WorkerSide, "serve": ServeSide}
