@@ -16,10 +16,10 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
   computes in float32), so that the ratios are those to a bf16 cache.
 - `decode`: tokens per second of N = 1 and N = 8 rows at a
   `--decode-context`-token prompt, 8-bit KV against the model's dtype,
-  both with the compiled decode step (the default), and the model's dtype
-  op by op too, alternated in one process; on the CPU also 8-bit KV with
-  the keys read by mlx's quantized matmul rather than scored from their
-  bytes (`8k`).
+  both with the worker's decode step (the default) and op by op (on
+  CUDA; on the CPU the model's dtype only), alternated in one process; on the CPU also
+  8-bit KV with the keys read by mlx's quantized matmul rather than scored
+  from their bytes (`8k`).
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
@@ -212,17 +212,17 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.runtime.loader import load
     from worker.runtime.memory import processor
 
-    # "0": the model's dtype, decode step compiled (the default); "0e": the
-    # same, op by op; "8": 8 bits, compiled; "8k" (CPU): the same with the
-    # scores from mlx's quantized matmul; on CUDA "8v" and "8d": 8 bits with
-    # the values, or keys and values, dequantized for the step (the routes
-    # of quant_attention.CUDA_STEPS), and "8e", "8ve", "8de" the three op by
-    # op. The attention is rebound on the model's module, shared by every
-    # engine here, so the route is a module setting switched around each
-    # run (a trace keeps the route it was made with, and each engine traces
-    # its own). Engines of the same cache share one loaded model (a 16 GB
-    # load apiece on the 8B shape).
-    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8v", "8d", "8e", "8ve", "8de")
+    # "0": the model's dtype, the worker's decode step (the default: on the
+    # CPU compiled; on CUDA traced or op by op, whichever its timing of
+    # both chose); "0e": the same, op by op; "8" and "8e": 8 bits, the same
+    # two; "8k" (CPU): 8 bits, compiled, with the scores from mlx's
+    # quantized matmul. The
+    # attention is rebound on the model's module, shared by every engine
+    # here, so the route is a module setting switched around each run (a
+    # trace keeps the route it was made with, and each engine traces its
+    # own). Engines of the same cache share one loaded model (a 16 GB load
+    # apiece on the 8B shape).
+    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8e")
     engines = {}
     models = {}
     for key in keys:
@@ -233,7 +233,7 @@ def part_decode(args, path: Path, codec, record) -> None:
                 kv_quant.install(models[quantized].model, 8, args_group(models[quantized]))
         loaded = models[quantized]
         s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=not key.endswith("e"))
-        with route_of(key):
+        with scores_by(key):
             s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
@@ -264,7 +264,7 @@ def part_decode(args, path: Path, codec, record) -> None:
         row = {}
         for n in (1, 8):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                with route_of(key):
+                with scores_by(key):
                     row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
         rounds.append(row)
         ratios = {
@@ -272,44 +272,26 @@ def part_decode(args, path: Path, codec, record) -> None:
         }
         if "8k" in keys:
             ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in (1, 8)}
-        # Each CUDA route against the faster of the model's dtype's two steps in each round.
-        ratios |= {
-            f"n{n}_8bit_{ROUTES[key]}_over_dtype_best": [x[f"n{n}_{key}"] / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds]
-            for n in (1, 8)
-            for key in keys
-            if key in ROUTES
-        }
+        if "8e" in keys:
+            # 8 bits by the faster of its two steps, against the model's dtype's faster.
+            ratios |= {f"n{n}_8bit_best_over_dtype_best": [max(x[f"n{n}_8"], x[f"n{n}_8e"]) / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds] for n in (1, 8)}
         record("decode", rounds, ratios)
         print(f"decode round {r}: {row}", file=sys.stderr)
 
 
-# The CUDA engines' routes for a step (quant_attention.CUDA_STEPS), by key.
-ROUTES = {
-    "8": "quantized",
-    "8v": "values-dequantized",
-    "8d": "dequantized",
-    "8e": "quantized-eager",
-    "8ve": "values-dequantized-eager",
-    "8de": "dequantized-eager",
-}
-
-
 @contextmanager
-def route_of(key: str):
+def scores_by(key: str):
     """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
-    of scored from their bytes; for the CUDA engines, the route of their
-    steps (worker.engine.quant_attention)."""
+    of scored from their bytes (worker.engine.quant_attention)."""
     from worker.engine import quant_attention
 
-    kept = quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention.CUDA_STEPS
+    kept = quant_attention.BYTES_BLOCKS_AT_MOST
     if key == "8k":
         quant_attention.BYTES_BLOCKS_AT_MOST = -1
-    if key in ROUTES:
-        quant_attention.CUDA_STEPS = ROUTES[key].removesuffix("-eager")
     try:
         yield
     finally:
-        quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention.CUDA_STEPS = kept
+        quant_attention.BYTES_BLOCKS_AT_MOST = kept
 
 
 # -- quality --------------------------------------------------------------------------

@@ -323,27 +323,21 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
 
 
 @pytest.mark.parametrize("queries", [1, 5, 40])
-@pytest.mark.parametrize(
-    "where, route", [("cpu", "quantized"), ("metal", "quantized"), ("cuda", "quantized"), ("cuda", "values-dequantized"), ("cuda", "dequantized")]
-)
+@pytest.mark.parametrize("where", ["cpu", "metal", "cuda"])
 @pytest.mark.parametrize("group_size, bits", [(32, 8), (64, 8), (64, 4)])
-def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(monkeypatch, queries, where, route, group_size, bits):
+def test_attention_over_a_quantized_cache_matches_mlx_lms_for_pieces_and_steps(queries, where, group_size, bits):
     """A prompt piece reads the cache dequantized through the fused kernel,
     a step the packed values (each KV head's queries as one matmul's
     rows; on the CPU keys scored from their bytes, on CUDA the cache
-    copied to one block first, by each of CUDA's routes): all compute
+    copied to one block first): all compute
     mlx-lm's quantized attention, on a cache's view up to its offset (a
     slice of its buffer), with a causal, a boolean or an additive mask."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from worker.engine import quant_attention
     from worker.engine.kv_quant import QuantKV
     from worker.engine.quant_attention import _attention
-
-    assert route in quant_attention.CUDA_STEPS_ROUTES
-    monkeypatch.setattr(quant_attention, "CUDA_STEPS", route)
 
     rng = np.random.default_rng(queries)
     B, heads, kv_heads, dim, held = 2, 4, 2, 64, 100

@@ -51,15 +51,6 @@ BYTES_AT_ONCE = 1 << 21
 BYTES_BLOCK = 1 << 18
 BYTES_BLOCKS_AT_MOST = 256
 
-# How a decode step or a verify block reads the cache on CUDA: "quantized"
-# (both products on the packed values), "values-dequantized" (the scores on
-# the packed keys, the values dequantized for a plain matmul: mlx's CUDA
-# quantized matmul has a kernel of its own only for `x @ W.T`, and the
-# weights times the values are `x @ W`), or "dequantized" (both dequantized,
-# through the fused attention kernel, as a prompt piece).
-CUDA_STEPS_ROUTES = ("quantized", "values-dequantized", "dequantized")
-CUDA_STEPS = "quantized"
-
 _ORIGINAL = base.scaled_dot_product_attention
 
 
@@ -122,14 +113,11 @@ def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int, blocks: i
     return scores.sum(axis=-2).astype(q.dtype)
 
 
-def _grouped(
-    queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False, values_dequantized: bool = False
-) -> mx.array:
+def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False) -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
     of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D);
     with `bytes_scores`, keys are scored by `_byte_scores` where its blocks
-    stay few; with `values_dequantized`, the weights multiply the values
-    dequantized by a plain matmul."""
+    stay few."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
@@ -151,10 +139,7 @@ def _grouped(
             scores = scores + mask
         scores = scores.reshape(B, kv_heads, G * L, S)
     weights = mx.softmax(scores, axis=-1, precise=True)
-    if values_dequantized:
-        out = weights @ mx.dequantize(*values, group_size=group_size, bits=bits)
-    else:
-        out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, heads, L, D)
 
 
@@ -165,8 +150,7 @@ def _attention(where: str):
     def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
         if not hasattr(cache, "bits"):
             return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        route = CUDA_STEPS if cuda else "quantized"
-        if queries.shape[2] > DEQUANTIZED_ABOVE or route == "dequantized":
+        if queries.shape[2] > DEQUANTIZED_ABOVE:
             keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
             values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -175,7 +159,7 @@ def _attention(where: str):
         if cuda:
             keys = tuple(mx.contiguous(x) for x in keys)
             values = tuple(mx.contiguous(x) for x in values)
-        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu, values_dequantized=route == "values-dequantized")
+        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
 
     return scaled_dot_product_attention
 
