@@ -88,6 +88,8 @@ def test_run_and_chat_honour_the_log_level(tiny_model):
     assert loud.returncode == 0, loud.stderr
     assert re.search(rb"INFO lattice-pool: model=tiny pid=\d+ state loading -> ready", loud.stderr)
     assert re.search(rb"INFO worker model=tiny pid=\d+: ready: format=bf16", loud.stderr)
+    # The prefix cache's default on a CPU: 512 MiB.
+    assert re.search(rb"ready: .* prefix_cache=536870912 ", loud.stderr), loud.stderr
     chat = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "3", "--no-control-socket", input=b"Hi\n")
     assert chat.returncode == 0 and b"INFO" not in chat.stderr, chat.stderr
 

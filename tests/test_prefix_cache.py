@@ -285,3 +285,13 @@ def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_
     finally:
         assert cached.close() == 0
         assert adapted.close() == 0
+
+
+def test_the_default_budget_is_512_mib_on_a_cpu_and_an_eighth_of_a_gpus_memory():
+    from worker.runtime.defaults import PREFIX_CACHE_BYTES, prefix_cache_bytes
+
+    gib = 1024**3
+    assert PREFIX_CACHE_BYTES == gib // 2
+    assert prefix_cache_bytes(False, 80 * gib) == gib // 2
+    assert prefix_cache_bytes(True, 80 * gib) == 10 * gib  # an H100
+    assert prefix_cache_bytes(True, 2 * gib) == gib // 2  # never below the CPU's

@@ -116,8 +116,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix-cache-bytes",
         type=int,
-        default=defaults.PREFIX_CACHE_BYTES,
-        help="memory for reusable prompt state of earlier requests, 0 to disable (default 512 MiB)",
+        help="memory for reusable prompt state of earlier requests, 0 to disable (default: 512 MiB on a CPU, an eighth of a GPU's memory)",
     )
     p.add_argument(
         "--prefix-disk-dir",
@@ -259,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         channel = set_up_process(args)
         server, group = start_server(args, argv, channel)
         loaded, codec = load_model(args, server, group)
+        args.prefix_cache_bytes = prefix_cache_budget(args)
         prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
         scheduler = build_scheduler(args, loaded, codec, server, group, prefix_disk)
         warm(args, scheduler, prefix_disk)
@@ -370,6 +370,17 @@ def load_model(args: argparse.Namespace, server, group):
         start = f", from {args.quantized_kv_start} tokens on" if args.quantized_kv_start else ""
         log.info("attention caches quantized: %d bits, groups of %d%s", args.kv_bits, args.kv_group_size, start)
     return loaded, codec
+
+
+def prefix_cache_budget(args: argparse.Namespace) -> int:
+    """--prefix-cache-bytes, or its default for this device."""
+    if args.prefix_cache_bytes is not None:
+        return args.prefix_cache_bytes
+    import mlx.core as mx
+
+    from worker.runtime.memory import device_memory
+
+    return defaults.prefix_cache_bytes(mx.default_device() == mx.gpu, device_memory())
 
 
 def open_prefix_disk(args: argparse.Namespace, loaded, wake):
@@ -492,13 +503,14 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
-        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d mask_threads=%d gil_switch_ms=%g",
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d prefix_cache=%d mask_threads=%d gil_switch_ms=%g",
         loaded.format,
         weights,
         load_ms,
         scheduler.max_batch,
         scheduler.max_batch_why,
         scheduler.batch_memory,
+        scheduler.prefix_cache.budget,
         scheduler.masks.threads,
         sys.getswitchinterval() * 1000,
     )

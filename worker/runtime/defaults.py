@@ -15,8 +15,23 @@ from ipc.messages import DEFAULT_MAX_ADAPTERS as MAX_ADAPTERS, DEFAULT_MAX_BATCH
 PREFILL_STEP_CPU = 256
 PREFILL_STEP_GPU = 512
 
-# Memory for reusable prompt state of earlier requests (worker.cache.prefix_cache).
+# Memory for reusable prompt state of earlier requests (worker.cache.prefix_cache):
+# PREFIX_CACHE_BYTES on a CPU; on a GPU an eighth of its memory
+# (PREFIX_CACHE_GPU_SHARE), never less. A long prompt's snapshots are large,
+# and a hybrid model keeps up to three of one prompt (a checkpoint, the
+# system prompt's end, the last message start): at 26k tokens each of the
+# 0.8b shape's took 295-312 MB (the 8B shape's would take 3.8 GB), so with
+# 512 MiB on an H100 each pushed the one before out, and another question on
+# the same system prompt read its state back from disk, 1.4 s against
+# 0.11-0.23 s from memory (docs/performance.md §13).
 PREFIX_CACHE_BYTES = 512 * 1024 * 1024
+PREFIX_CACHE_GPU_SHARE = 8
+
+
+def prefix_cache_bytes(on_gpu: bool, device_bytes: int) -> int:
+    """The prefix cache's default budget on a device of `device_bytes`."""
+    return max(PREFIX_CACHE_BYTES, device_bytes // PREFIX_CACHE_GPU_SHARE) if on_gpu else PREFIX_CACHE_BYTES
+
 
 # Seconds a worker stays idle before it hands MLX's buffer cache back
 # (--idle-release). The next request reuses cached buffers; one that finds
