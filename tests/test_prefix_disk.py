@@ -252,3 +252,41 @@ def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, mon
         assert disk.reading
     finally:
         release.set()
+
+
+def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(tmp_path, monkeypatch):
+    """Read-backs at a worker's start wait behind a request's read, and a
+    request that needs a file still waiting to be read back moves it ahead."""
+    import threading
+
+    import numpy as np
+
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    for i in range(4):
+        disk.write(None, np.arange(i * 1000, i * 1000 + 50), snapshot_layers(i, 50))
+    assert disk.flush(30)
+    entries = {int(e.tokens[0]) // 1000: e for e in disk._index.values()}
+    order = []
+    hold = threading.Event()
+    original = disk._load
+
+    def load(entry):
+        order.append(int(entry.tokens[0]) // 1000)
+        if len(order) == 1:
+            hold.wait(30)  # the first read-back, while the others queue
+        return original(entry)
+
+    monkeypatch.setattr(disk, "_load", load)
+    for i in (0, 1, 2):
+        assert disk.read(entries[i], read_back=True)
+    wait_for(lambda: order, timeout=30, message="the first read-back")
+    assert disk.read(entries[3])  # a request's own file
+    assert not disk.read(entries[2])  # a request's file waiting to be read back
+    assert not disk.read(entries[1], read_back=True)  # already waiting
+    hold.set()
+    wait_for(lambda: disk._results.qsize() == 4, timeout=30, message="the reads")
+    assert order == [0, 3, 2, 1]
+    assert sorted(int(e.tokens[0]) // 1000 for e, loaded in disk.results() if loaded is not None) == [0, 1, 2, 3]
+    assert not disk.reading

@@ -458,7 +458,7 @@ def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
         # the most recently used in memory.
         recent = prefix_disk.recent(args.prefix_cache_bytes // 2)
         for entry in reversed(recent):
-            prefix_disk.read(entry)
+            prefix_disk.read(entry, read_back=True)
         if recent:
             log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
     release_free_memory()
