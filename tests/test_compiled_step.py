@@ -234,6 +234,7 @@ def test_rows_with_an_adapter_take_the_models_own_forward(hybrid):
     gen.step()
     gen.step()
     assert spy.calls == calls and len(gen.decoding) == 2
+    assert gen._way is None  # not a step to time for the choice of way
     gen.remove([adapted])
     gen.step()
     assert spy.calls == calls + 1

@@ -247,7 +247,7 @@ class TokenGenerator:
         self._steps = 0
         self._chunks = 0
         self._way: tuple[int, int, bool, bool] | None = None
-        self._ways: deque[tuple[int, int, bool, bool]] = deque(maxlen=3)
+        self._ways: deque[tuple[int, int, bool, bool] | None] = deque(maxlen=3)
         self._read_at: tuple[int, float, int] | None = None
 
     # -- membership ---------------------------------------------------------
@@ -540,7 +540,7 @@ class TokenGenerator:
         now = time.monotonic()
         last, self._read_at = self._read_at, (self._steps, now, self._chunks)
         choice = self.compiled.choice if self.compiled is not None else None
-        if choice is None or last is None or len(self._ways) < 3:
+        if choice is None or last is None or len(self._ways) < 3 or None in self._ways:
             return
         before, timed, _ = self._ways
         step, then, chunks = last
@@ -583,12 +583,15 @@ class TokenGenerator:
         # adapter layers pass every row through to the base model.
         self._route(slots)
         layers = self._cache.layers
-        if self.compiled is not None and all(s is None for s in slots) and self.compiled.decodes(layers, len(slots)):
+        # Only a step whose way the compiled step chose is timed for it (not
+        # an adapter's rows, nor caches it cannot trace).
+        self._way = None
+        if self.compiled is not None and all(s is None for s in slots) and self.compiled.steppable(layers):
+            traced = self.compiled.decodes(layers, len(slots))
             traces = self.compiled.traces
-            logits = self.compiled.forward(inputs, layers)
-            self._way = (self._steps, len(slots), True, self.compiled.traces != traces)
+            logits = self.compiled.forward(inputs, layers) if traced else self.model(inputs[:, None], cache=layers)[:, -1, :]
+            self._way = (self._steps, len(slots), traced, self.compiled.traces != traces)
             return logits
-        self._way = (self._steps, len(slots), False, False)
         return self.model(inputs[:, None], cache=layers)[:, -1, :]
 
     def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:
