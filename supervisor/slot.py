@@ -108,6 +108,8 @@ class WorkerSlot:
         # (a worker whose line does not keeps the old default).
         self.max_batch = spec.max_batch if isinstance(spec.max_batch, int) else DEFAULT_MAX_BATCH
         self.max_batch_why: str | None = None
+        # The worker's prefix cache budget, from its ready line (None before).
+        self.prefix_cache_bytes: int | None = None
         self.sm = StateMachine(self.describe)
         self.roster = Roster(self, events, self.sm, lines)
         self.names = self.roster.names  # the roster's table: the names this worker serves
@@ -251,6 +253,8 @@ class WorkerSlot:
         if isinstance(chosen, int) and chosen >= 1:
             self.max_batch = self._capped(chosen)
             self.max_batch_why = self.ready.get("max_batch_why")
+        budget = self.ready.get("prefix_cache_bytes")
+        self.prefix_cache_bytes = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
         self.sm.to(State.READY, "worker ready")
         self.settled.set()
         self.roster.worker_ready(line)

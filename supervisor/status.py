@@ -51,6 +51,9 @@ class StatusRow(msgspec.Struct):
     # Why max_batch is what it is: "configured", or the worker's sizing
     # ("auto: 64, the cuda cap (...)"); null until the worker is ready.
     max_batch_why: str | None = None
+    # The worker's memory for earlier prompts' state (its default or the
+    # configured prefix_cache_bytes); null until the worker is ready.
+    prefix_cache_bytes: int | None = None
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
@@ -130,6 +133,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         uptime_s=round(slot.uptime(), 1),
         max_batch=slot.max_batch,
         max_batch_why=slot.max_batch_why,
+        prefix_cache_bytes=slot.prefix_cache_bytes,
         active_rows=s.active_rows,
         waiting_rows=s.waiting_rows,
         rows_cache_bytes=s.rows_cache_bytes,

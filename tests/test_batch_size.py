@@ -65,6 +65,7 @@ def test_the_workers_ready_line_says_what_it_chose(tiny_model, args, rows, why):
     try:
         ready = worker.wait_ready()
         assert ready["max_batch"] == rows and ready["max_batch_why"].startswith(why)
+        assert ready["prefix_cache_bytes"] == 512 * 1024 * 1024  # the CPU's default
         # The log line comes before the ready line, but over stderr, which
         # another thread reads.
         wait_for(lambda: f"max_batch={rows} (" in worker.stderr.decode(), 30, message="the ready log line")
@@ -80,4 +81,5 @@ def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
     pool.send({"op": "status"})
     row = pool.wait_ev("status")["models"][0]
     assert row["max_batch"] == CPU_MAX and row["max_batch_why"].startswith("auto: 8, the cpu cap")
+    assert row["prefix_cache_bytes"] == 512 * 1024 * 1024
     assert pool.close() == 0

@@ -530,6 +530,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
             max_context=scheduler.prompts.max_context,
             max_batch=scheduler.max_batch,
             max_batch_why=scheduler.max_batch_why,
+            prefix_cache_bytes=scheduler.prefix_cache.budget,
         )
     )
 
