@@ -290,3 +290,50 @@ def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(t
     assert order == [0, 3, 2, 1]
     assert sorted(int(e.tokens[0]) // 1000 for e, loaded in disk.results() if loaded is not None) == [0, 1, 2, 3]
     assert not disk.reading
+
+
+def test_a_file_slower_to_read_than_its_tokens_to_compute_is_not_read():
+    from worker.cache.prefix_disk import slower_than_prefill
+
+    # 312 MB at 0.3 GB/s (1.04 s) against 26,000 tokens at 11,000 tokens/s (2.4 s): read.
+    assert not slower_than_prefill(312 << 20, 26_000, 0.3e9, 11_000)
+    # 3.8 GB at 0.3 GB/s (12.7 s) against the same tokens at 6,000 tokens/s (4.3 s): computed.
+    assert slower_than_prefill(3_800_000_000, 26_000, 0.3e9, 6_000)
+    # Either rate unmeasured: read.
+    assert not slower_than_prefill(3_800_000_000, 26_000, None, 6_000)
+    assert not slower_than_prefill(3_800_000_000, 26_000, 0.3e9, None)
+
+
+def test_the_scheduler_times_reads_and_prompts_and_skips_a_file_that_would_cost_more(tiny_model, tmp_path, monkeypatch, caplog):
+    """Reads and long prompts are timed as they happen; a request whose file
+    would take longer to read than its tokens to compute runs without it,
+    with a log line, and the same request reads it while either rate is
+    unmeasured."""
+    import logging
+
+    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.engine import scheduler as scheduler_module
+    from worker.runtime.loader import load
+
+    loaded = load(tiny_model)
+    key = model_key(tiny_model, loaded.format, loaded.model)
+    monkeypatch.setattr(scheduler_module, "RATE_MIN_TOKENS", 16)
+    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
+    run(writer, prompt=FIRST)
+    assert writer.prefix_cache.disk.flush(30)
+    assert len(writer._prefill_rates) == 1 and writer._prefill_rates[0] > 0  # a prompt of more than 16 tokens, all computed
+
+    slow = PrefixDisk(tmp_path, key, 1 << 30)
+    slow._read_rates.append(1.0)  # a byte a second
+    reader = engine_for(tiny_model, prefix_disk=slow)
+    reader._prefill_rates.append(1e6)
+    with caplog.at_level(logging.INFO, logger="worker"):
+        _, done = run(reader, prompt=SECOND)
+    assert "cached_tokens" not in done and not slow.reading
+    assert "not read: 0 MB at 0.00 GB/s takes longer than" in caplog.text
+
+    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    assert disk.read_rate is None
+    fresh = engine_for(tiny_model, prefix_disk=disk)
+    _, done = run(fresh, prompt=SECOND)
+    assert done["cached_tokens"] > 0 and disk.read_rate > 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -39,7 +40,7 @@ from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, e
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
 from worker.cache.prefix_cache import PrefixCache, cut_points
-from worker.cache.prefix_disk import READ_WAIT_S, PrefixDisk
+from worker.cache.prefix_disk import RATE_SAMPLES, READ_WAIT_S, PrefixDisk, slower_than_prefill
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
@@ -57,6 +58,10 @@ from worker.text.streamer import Emit, RowStream
 from worker.text.tokenizer import TextCodec
 
 log = logging.getLogger("worker")
+
+# Uncached prompt tokens a request must have read for its first token's wait
+# to count as a prefill rate (shorter ones are mostly fixed cost).
+RATE_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -167,6 +172,8 @@ class Scheduler:
         self._trimmed = True
         self.idle_release_s = idle_release_s
         self._disk_timer: threading.Timer | None = None
+        # Prompt tokens per second of the latest long prompts read (see _end).
+        self._prefill_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache, speculate: bool = True) -> TokenGenerator:
@@ -225,12 +232,28 @@ class Scheduler:
     def _read_from_disk(self, w: Waiting) -> None:
         """Starts reading the prefix cache files that would resume more of
         the request's prompt than memory holds (for any adapter: which one
-        it runs with is settled when it starts); it waits for them."""
+        it runs with is settled when it starts), where reading is faster
+        than computing what they hold (worker.cache.prefix_disk); it waits
+        for them."""
         disk = self.prefix_cache.disk
         if disk is None:
             return
         try:
-            for entry in self.prefix_cache.disk_reads(w.ids, cut_points(w.ids, self.generator.chat_marker)):
+            cuts = cut_points(w.ids, self.generator.chat_marker)
+            prefill_rate = statistics.median(self._prefill_rates) if self._prefill_rates else None
+            for entry in self.prefix_cache.disk_reads(w.ids, cuts):
+                saved = len(entry.tokens) - self.prefix_cache.held(entry.adapter, w.ids, cuts)
+                if slower_than_prefill(entry.size, saved, disk.read_rate, prefill_rate):
+                    log.info(
+                        "request %s: prefix cache file %s not read: %d MB at %.2f GB/s takes longer than %d tokens at %.0f tokens/s",
+                        w.req.id_json or w.req.rid,
+                        entry.name,
+                        entry.size >> 20,
+                        disk.read_rate / 1e9,
+                        saved,
+                        prefill_rate,
+                    )
+                    continue
                 disk.read(entry)
                 w.disk.add(entry.name)
         except Exception:  # the disk tier is an optimisation: never a request's failure
@@ -531,6 +554,12 @@ class Scheduler:
 
     def _end(self, row: Row, reason: str) -> None:
         stream = self._forget(row)
+        computed = len(row.ids) - row.cached
+        if computed >= RATE_MIN_TOKENS and stream.ttft_ms > 0:
+            # Its first token's wait, over the tokens it read: a prefill rate
+            # no faster than the true one (a wait in line or beside other
+            # rows counts against it), so files are read where in doubt.
+            self._prefill_rates.append(computed / (stream.ttft_ms / 1000.0))
         if self._ended_ids is not None:
             self._ended_ids[row.rid] = stream.generated
         try:
