@@ -310,6 +310,44 @@ def test_the_generator_times_its_steps_both_ways_and_keeps_the_faster(dense_mode
     assert all(w == chosen for w, _ in ways[-10:])
 
 
+def test_a_step_is_timed_only_as_it_runs_in_a_run_of_its_own_way(dense_model):
+    """The generator reports a step's time to the choice only when it was
+    built by the step before, right after a step of the same way and rows,
+    with no prompt chunk since the read before and no trace made."""
+    import time
+
+    from worker.engine.step_choice import StepChoice
+
+    model, vocab = load_model(dense_model)
+    compiled = CompiledDecode(model)
+    compiled.choice = StepChoice()
+    reports = []
+    compiled.choice.timed = lambda batch, traced, seconds: reports.append((batch, traced, seconds))
+    gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None, compiled=compiled)
+    steady = [(8, 2, True, False), (9, 2, True, False), (10, 2, True, False)]
+    cases = {
+        "steady": (steady, (9, 3), True),
+        "a prompt chunk since the read before": (steady, (9, 2), False),
+        "the way before was the other": ([(8, 2, False, False)] + steady[1:], (9, 3), False),
+        "other rows before": ([(8, 3, True, False)] + steady[1:], (9, 3), False),
+        "it made a trace": ([steady[0], (9, 2, True, True), steady[2]], (9, 3), False),
+        "no read in the step before (a speculative step)": (steady, (8, 3), False),
+        "not a step the choice chose (an adapter's rows)": ([steady[0], None, steady[2]], (9, 3), False),
+    }
+    for name, (ways, (read_step, chunks_then), timed) in cases.items():
+        reports.clear()
+        gen._steps, gen._chunks = 10, 3
+        gen._ways.clear()
+        gen._ways.extend(ways)
+        gen._read_at = (read_step, time.monotonic() - 0.005, chunks_then)
+        gen._time_read()
+        assert bool(reports) == timed, name
+        if timed:
+            [(batch, traced, seconds)] = reports
+            assert batch == 2 and traced and seconds >= 0.005
+        assert gen._read_at[0] == 10 and gen._read_at[2] == 3
+
+
 class ReadsBack:
     """A model whose forward reads a value back while it builds."""
 
