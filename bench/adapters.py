@@ -1,4 +1,4 @@
-"""Many adapters on one worker (issue 14) against one worker per adapter,
+"""Many adapters on one worker against one worker per adapter,
 in one run, at the worker level (worker processes driven over their pipes).
 
 1. Memory: a worker with no adapter; one worker with `--adapters` adapters
@@ -12,7 +12,7 @@ in one run, at the worker level (worker processes driven over their pipes).
    `--rounds` rounds; aggregate tok/s = generated tokens / time to the last
    final line. Goal: spread >= 0.8 x one adapter.
 3. Through the pool (`lattice-pool serve`): one [[models]] name per
-   adapter, all on the same base model, served by one worker (SPEC §10)
+   adapter, all on the same base model, served by one worker (docs/adapters.md)
    vs the old layout, one worker per name (made here by giving each entry
    its own max_adapters, which gives it its own worker); each after the
    same batch of one row per name. RSS and MLX active memory summed over

@@ -35,7 +35,7 @@ add to it (client's first token less the worker's, per request); medians
 over rounds, ratios
 per round then their median; the results file is written after every
 round, so a run stopped at a time limit keeps what it finished. Prefix
-caches are off: the same prompts repeat. Goals (issue 13): at N = 8 aggregate
+caches are off: the same prompts repeat. Goals: at N = 8 aggregate
 >= 1.0x batch_generate; N = 1 >= 0.98x stream_generate; slowest TTFT at
 N = 8 <= 10x a lone request's on 2 CPU cores (<= 3x on an H200).
 

@@ -10,7 +10,7 @@ SSE streams against the supervisor's memory.
    Decode rate = (tokens - 1) / (last token's arrival - first token's), so
    prompt and connection setup stay out of it; tokens are the done line's
    gen_tokens / the usage chunk's completion_tokens. overhead = 1 - the
-   median of the per-round ratios http/stdin. The goal (issue 17) is <= 5 %.
+   median of the per-round ratios http/stdin. The goal is <= 5 %.
 2. Streams. Another pool on the tiny model; 100 streamed chat requests at
    once, each on its own connection: every one must end with a finish
    reason and [DONE]. Then 100 more whose clients read nothing for

@@ -14,7 +14,7 @@ time.monotonic_ns() at the write; the reader notes the clock when the line
 arrives (CLOCK_MONOTONIC is one clock for all processes on Linux). Added
 latency = serve percentile - raw percentile.
 
-Goals (issue 4): >= 1 M events/s through the pool, p99 added <= 0.5 ms.
+Goals: >= 1 M events/s through the pool, p99 added <= 0.5 ms.
 Writes bench/results/relay.json.
 """
 

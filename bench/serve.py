@@ -15,7 +15,7 @@ so prompt processing stays out of it. Tokens are counted, not lines: a
 character split across tokens arrives as one line, so for the pool and the
 worker the count is the done line's gen_tokens and the last token's time is
 the done line's arrival. Rounds alternate; each side warms up
-first. The goal (issue 4) is serve >= 0.98x mlx-lm.
+first. The goal is serve >= 0.98x mlx-lm.
 Writes bench/results/serve.json.
 """
 

@@ -174,7 +174,7 @@ def encode_cancelled_done(id_json: str | None, prompt_tokens: int = 0) -> bytes:
     )
 
 
-# Error codes of SPEC §2; a client may branch on them, so they never change.
+# Error codes of docs/protocol.md; a client may branch on them, so they never change.
 BAD_REQUEST = "bad_request"
 UNKNOWN_MODEL = "unknown_model"
 LOAD_FAILED = "load_failed"
@@ -185,6 +185,6 @@ INSUFFICIENT_MEMORY = "insufficient_memory"
 ADAPTER_ERROR = "adapter_error"
 UNLOADED = "unloaded"
 SHUTTING_DOWN = "shutting_down"
-# Beyond SPEC §2: something unexpected went wrong while handling one line,
+# Beyond docs/protocol.md: something unexpected went wrong while handling one line,
 # op or connection; the pool logged it with its traceback and goes on.
 INTERNAL = "internal"

@@ -1,4 +1,4 @@
-"""A model over several processes (SPEC §13): the host list the pool hands
+"""A model over several processes (docs/scaling.md): the host list the pool hands
 its worker (`--hosts`, JSON), and the backends and splits it can run.
 """
 

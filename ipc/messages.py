@@ -75,7 +75,7 @@ class Generate(Sampling, tag="generate", frozen=True):
     # refuses a malformed one before any worker is touched); the worker
     # compiles it.
     response_format: ResponseFormat | None = None
-    # The adapter this request runs with (SPEC §10): its path as the
+    # The adapter this request runs with (docs/adapters.md): its path as the
     # supervisor resolved it, or None for the base model.
     lora: str | None = None
     # Special-token text (`<|im_start|>`) in `messages` contents is read as
@@ -94,7 +94,7 @@ class Generate(Sampling, tag="generate", frozen=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
-# -- response_format (SPEC §11): OpenAI's shape plus regex and Lark grammar --
+# -- response_format (docs/structured-output.md): OpenAI's shape plus regex and Lark grammar --
 # The supervisor reads a client's into these Structs, once; the worker gets
 # it typed inside Generate. Unknown fields inside are ignored, as OpenAI adds some over time.
 
@@ -183,7 +183,7 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     rid: int
 
 
-# Adapter messages (SPEC §10). The worker handles them in the order they
+# Adapter messages (docs/adapters.md). The worker handles them in the order they
 # come, off the token path, and answers each with one `adapter_loaded` or
 # `adapter_error` event naming the path (`adapter_unloaded` for
 # UnloadAdapter). A request waits for every adapter message about its

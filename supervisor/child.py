@@ -72,7 +72,7 @@ def python_module(module: str, *args: str) -> list[str]:
 def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None) -> tuple[list[str], dict[str, str]]:
     """argv and environment of the pool's worker for `spec.key`, named by
     `spec.name`. It starts without an adapter: every request names its own
-    (SPEC §10), so the one worker serves every name on its base model."""
+    (docs/adapters.md), so the one worker serves every name on its base model."""
     args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval), "--max-batch", str(spec.max_batch)]
     args += ["--max-adapters", str(spec.max_adapters)]
     if spec.draft is not None:

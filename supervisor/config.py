@@ -25,7 +25,7 @@ Size = str | int
 # worker's waiting line holds. "auto": the worker sizes it from its device's
 # free memory and a row's cache (worker.runtime.batch_size).
 MaxBatch = Annotated[int, Meta(ge=1, le=MAX_WAITING)] | Literal["auto"]
-# LoRA adapters one worker keeps in memory (SPEC §10).
+# LoRA adapters one worker keeps in memory (docs/adapters.md).
 MaxAdapters = Annotated[int, Meta(ge=1, le=MAX_ADAPTERS_LIMIT)]
 
 

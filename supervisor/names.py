@@ -1,4 +1,4 @@
-"""The names one worker serves (SPEC §10).
+"""The names one worker serves (docs/adapters.md).
 
 A name is a configured or requested (model name, adapter) pair; every name
 whose spec has the same worker key is served by one worker, which runs each

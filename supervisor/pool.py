@@ -2,7 +2,7 @@
 
 Runs on one event loop. Slots are keyed by the worker a name needs (its base
 model and the worker's settings, ModelSpec.key), so every name on one base
-model shares one worker (SPEC §10); each WorkerSlot owns its worker's state
+model shares one worker (docs/adapters.md); each WorkerSlot owns its worker's state
 and its names, the pool owns which slots exist and hears from them as their
 SlotEvents. Admission, eviction and keep_alive count workers, not names.
 
@@ -238,7 +238,7 @@ class Pool:
         fields = given(msg, d)
         special = msg.allow_special_tokens if msg.allow_special_tokens is not None else d.allow_special_tokens
         # Every request names its adapter (None: the base model); workers
-        # have no default adapter (SPEC §10).
+        # have no default adapter (docs/adapters.md).
         lora = str(spec.lora) if spec.lora else None
         return Generate(
             rid=rid,

@@ -33,7 +33,7 @@ StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
 
 class ClientLine(SamplingFields, dict=True):
-    """Every field a client line may carry (SPEC §3: chat_metal's fields, the
+    """Every field a client line may carry (docs/protocol.md: chat_metal's fields, the
     routing ones, `lora`, `response_format`); the sampling fields and their
     bounds are ipc.sampling's. Unknown fields are ignored, so newer clients
     keep working with this pool, and warned about once per name on stderr,

@@ -28,7 +28,7 @@ class GroupSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     """A name for a (base model, adapter) pair. Names whose `key` is equal
-    share one worker (SPEC §10); `name_key` tells the names apart."""
+    share one worker (docs/adapters.md); `name_key` tells the names apart."""
 
     name: str
     path: Path

@@ -57,7 +57,7 @@ class StatusRow(msgspec.Struct):
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
-    # Many names on one worker (SPEC §10): the worker's number, the same in
+    # Many names on one worker (docs/adapters.md): the worker's number, the same in
     # the rows of all its names, and the adapters it may keep in memory.
     worker: int = 0
     max_adapters: int = 0

@@ -4,7 +4,7 @@ max_loaded and memory_budget, eviction, stopping, the housekeeping round
 
 Slots are keyed by the worker a name needs (its base model and the worker's
 settings, ModelSpec.key), so every name on one base model shares one worker
-(SPEC §10). Admission, eviction and keep_alive count workers, not names. The
+(docs/adapters.md). Admission, eviction and keep_alive count workers, not names. The
 pool owns one `Workers`; the requests' accounting and the front ends'
 questions stay with the pool, which this room tells through its methods.
 """

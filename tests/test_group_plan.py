@@ -1,6 +1,6 @@
 """Where the ranks of a group run and the environment they start with, as
 mlx.launch would set it (worker.group.plan), and the config keys that ask
-for a group (issue 18). Pure: no process, no MLX."""
+for a group (docs/scaling.md). Pure: no process, no MLX."""
 
 from __future__ import annotations
 

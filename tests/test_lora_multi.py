@@ -1,4 +1,4 @@
-"""Many adapters on one worker (SPEC §10): rows of different adapters (and
+"""Many adapters on one worker (docs/adapters.md): rows of different adapters (and
 none) in one batch, eviction under --max-adapters, per-adapter hot reload
 and broken files, a 4-bit base; real worker processes on demo models.
 

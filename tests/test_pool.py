@@ -390,7 +390,7 @@ def test_stdout_gone_during_the_grace_period_ends_the_pool_at_once(config_file, 
 
 def test_unknown_request_fields_are_warned_once_per_name(config_file, spawn_pool):
     pool = spawn_pool("--config", config_file())
-    # Every field SPEC §3 names (null is absent), on a generation line and an op.
+    # Every field docs/protocol.md names (null is absent), on a generation line and an op.
     known = {
         "model": "a",
         "lora": None,

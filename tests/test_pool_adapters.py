@@ -1,4 +1,4 @@
-"""Many names on one base model through a real pool (SPEC §10): one worker
+"""Many names on one base model through a real pool (docs/adapters.md): one worker
 for every [[models]] entry that shares a path, each request with its name's
 adapter, mixed batches, eviction under max_adapters, per-adapter hot
 reload, a crash, load/unload ops with a lora, and the monitoring rows.
@@ -327,7 +327,7 @@ def test_a_bad_adapter_fails_its_name_only_until_a_load_brings_it_up(pool, live,
 
 
 def test_a_config_of_one_worker_per_pair_keeps_working(tiny_model, live, references, tmp_path, spawn_pool):
-    """SPEC §7's shape, a name with an adapter and one without on the same
+    """The config shape of docs/configuration.md, a name with an adapter and one without on the same
     path: the same events and answers as one worker each, one process."""
     expected, _ = references
     config = tmp_path / "pool.toml"

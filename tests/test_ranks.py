@@ -1,4 +1,4 @@
-"""One model over several processes (issue 18, SPEC §13): a `[[models]]`
+"""One model over several processes (docs/scaling.md): a `[[models]]`
 entry with `ranks = 2` runs as one MLX distributed group (ring backend over
 127.0.0.1) behind one worker slot. Real pools, real ranks, the tiny demo
 model; a copy of it runs as a single process beside, for the reference

@@ -1,4 +1,4 @@
-"""Continuous batching through `lattice-pool serve` (issue 13, the pool's
+"""Continuous batching through `lattice-pool serve` (the pool's
 side): requests with ids to one model run concurrently at its worker, up to
 max_batch, the rest waiting in the pool; each line goes to its request by
 the id at its tail; every request ends exactly once, also when the worker

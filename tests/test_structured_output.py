@@ -1,4 +1,4 @@
-"""Structured output (SPEC §11) through a real worker process: the batched
+"""Structured output (docs/structured-output.md) through a real worker process: the batched
 engine masks each constrained row with its response_format and leaves the
 others alone.
 

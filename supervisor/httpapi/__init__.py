@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP surface (SPEC §12, docs/http.md).
+"""The OpenAI-compatible HTTP surface (docs/http.md).
 
 shapes.py turns OpenAI request bodies into the pool's ClientLine and the
 pool's answers into OpenAI's JSON; reasoning.py splits thinking text from

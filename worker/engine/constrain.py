@@ -1,4 +1,4 @@
-"""Structured output (SPEC §11): a request's response_format, compiled by
+"""Structured output (docs/structured-output.md): a request's response_format, compiled by
 llguidance into a per-row token mask.
 
 llguidance does the work: JSON Schema, regex and Lark to a grammar, the

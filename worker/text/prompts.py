@@ -11,7 +11,7 @@ from worker.text.tokenizer import SpecialTextError, TextCodec
 
 
 class RequestError(Exception):
-    """A request this model cannot serve; `code` is a SPEC error code."""
+    """A request this model cannot serve; `code` is one of the protocol's error codes (docs/protocol.md)."""
 
     def __init__(self, code: str, msg: str):
         super().__init__(msg)
