@@ -264,9 +264,9 @@ def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op_where_st
     assert compiled.decodes(lone.layers) and compiled.decodes(batch.layers)
     compiled.lone_attention_eager = True
     assert not compiled.decodes(lone.layers) and compiled.steppable(lone.layers)
-    assert compiled.decodes(batch.layers) and not compiled.decodes(lone.layers, 1)  # no choice: the rule
+    assert compiled.decodes(batch.layers) and compiled.way(lone.layers, 1) is False  # no choice: the rule
     compiled.choice = StepChoice()
-    assert compiled.decodes(lone.layers, 1)  # a trial starts with the trace
+    assert compiled.way(lone.layers, 1) is True  # a trial starts with the trace
     assert not compiled.decodes(lone.layers)
     model, vocab = hybrid
     compiled = CompiledDecode(model)

@@ -211,15 +211,16 @@ class PrefixCache:
         """Tokens of `ids` the memory tier can resume."""
         return self._best(adapter, ids, cuts)[1]
 
-    def disk_reads(self, ids: list[int], cuts: list[int]) -> list:
+    def disk_reads(self, ids: list[int], cuts: list[int]) -> list[tuple]:
         """Disk entries that would resume more of `ids` than memory can,
-        the longest per adapter."""
+        the longest per adapter, each with how many more tokens."""
         if self.disk is None or not self.enabled or len(ids) < 2:
             return []
         want = np.asarray(ids, dtype=np.int64)
         allowed = set(cuts)
         found = self.disk.candidates(want, lambda tokens, w: self._usable(tokens, w, allowed))
-        return [entry for adapter, (n, entry) in found.items() if n > self.held(adapter, ids, cuts)]
+        more = [(entry, n - self.held(adapter, ids, cuts)) for adapter, (n, entry) in found.items()]
+        return [(entry, saved) for entry, saved in more if saved > 0]
 
     def _usable(self, tokens: np.ndarray, want: np.ndarray, allowed: set[int]) -> int:
         m = min(len(tokens), len(want) - 1)

@@ -221,8 +221,8 @@ class CompiledDecode:
         self.failed_blocks: dict[str, str] = {}  # why a kind of block could not
         self._quant: tuple[int, int] | None = None  # (group_size, bits) of quantized caches
         # Untimed steps: a lone row of plain attention caches decodes op by
-        # op; timed ones (`decodes` with their rows): the faster way, by
-        # batch size (see the module's docstring).
+        # op; timed ones (`way` with their rows): the faster way, by batch
+        # size (see the module's docstring).
         self.lone_attention_eager = processor() == "cuda"
         self.choice = StepChoice() if processor() == "cuda" else None
 
@@ -237,14 +237,19 @@ class CompiledDecode:
                 c.settle()
         return self.failed is None and bool(layers) and all(_steppable(_inner(c)) for c in layers)
 
-    def decodes(self, layers: list, rows: int | None = None) -> bool:
-        """Whether a decode step (one token a row) over these caches takes
-        the trace: steppable, and then, for a step the caller times (`rows`
-        given; it reports to `choice`), the way chosen for that many rows,
-        else not a lone row of plain attention caches on CUDA (see the
-        module's docstring)."""
+    def decodes(self, layers: list) -> bool:
+        """Whether a decode step (one token a row) nobody times takes the
+        trace: steppable, and not a lone row of plain attention caches on
+        CUDA (see the module's docstring)."""
+        return self.way(layers) is True
+
+    def way(self, layers: list, rows: int | None = None) -> bool | None:
+        """None when these caches cannot take the trace; else whether a
+        decode step over them does: for a step the caller times (`rows`
+        given; it reports to `choice`) the way chosen for that many rows,
+        otherwise `decodes`'s rule."""
         if not self.steppable(layers):
-            return False
+            return None
         if rows is not None and self.choice is not None:
             return self.choice.traced(rows)
         return not (self.lone_attention_eager and all(type(c) is KVCache for c in layers))

@@ -585,14 +585,14 @@ class TokenGenerator:
         layers = self._cache.layers
         # Only a step whose way the compiled step chose is timed for it (not
         # an adapter's rows, nor caches it cannot trace).
-        self._way = None
-        if self.compiled is not None and all(s is None for s in slots) and self.compiled.steppable(layers):
-            traced = self.compiled.decodes(layers, len(slots))
-            traces = self.compiled.traces
-            logits = self.compiled.forward(inputs, layers) if traced else self.model(inputs[:, None], cache=layers)[:, -1, :]
-            self._way = (self._steps, len(slots), traced, self.compiled.traces != traces)
-            return logits
-        return self.model(inputs[:, None], cache=layers)[:, -1, :]
+        traced = self.compiled.way(layers, len(slots)) if self.compiled is not None and all(s is None for s in slots) else None
+        if not traced:
+            self._way = None if traced is None else (self._steps, len(slots), False, False)
+            return self.model(inputs[:, None], cache=layers)[:, -1, :]
+        traces = self.compiled.traces
+        logits = self.compiled.forward(inputs, layers)
+        self._way = (self._steps, len(slots), True, self.compiled.traces != traces)
+        return logits
 
     def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:
         """Reads this step's tokens, commits them and starts the next masks."""

@@ -239,10 +239,8 @@ class Scheduler:
         if disk is None:
             return
         try:
-            cuts = cut_points(w.ids, self.generator.chat_marker)
             prefill_rate = statistics.median(self._prefill_rates) if self._prefill_rates else None
-            for entry in self.prefix_cache.disk_reads(w.ids, cuts):
-                saved = len(entry.tokens) - self.prefix_cache.held(entry.adapter, w.ids, cuts)
+            for entry, saved in self.prefix_cache.disk_reads(w.ids, cut_points(w.ids, self.generator.chat_marker)):
                 if slower_than_prefill(entry.size, saved, disk.read_rate, prefill_rate):
                     log.info(
                         "request %s: prefix cache file %s not read: %d MB at %.2f GB/s takes longer than %d tokens at %.0f tokens/s",

@@ -59,7 +59,7 @@ def warm_prompts(scheduler, texts: list[str]) -> int:
         run = ids + [marker if marker is not None else ids[-1]]
         disk = cache.disk
         if disk is not None:
-            for entry in cache.disk_reads(run, cut_points(run, marker)):
+            for entry, _ in cache.disk_reads(run, cut_points(run, marker)):
                 loaded = disk.load_now(entry)
                 if loaded is not None:
                     layers, nbytes = loaded.layers()
