@@ -83,3 +83,20 @@ def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
     assert row["max_batch"] == CPU_MAX and row["max_batch_why"].startswith("auto: 8, the cpu cap")
     assert row["prefix_cache_bytes"] == 512 * 1024 * 1024
     assert pool.close() == 0
+
+
+def test_a_worker_leaves_its_prefix_cache_budget_out_of_the_rows_memory(tiny_model, monkeypatch):
+    """On a GPU the prefix cache fills its budget as it is used: the rows are
+    sized from the memory left after it."""
+    import mlx.core as mx
+
+    from harness.engine import engine_for
+    from worker.engine import scheduler as scheduler_module
+
+    first = engine_for(tiny_model, max_batch=1)
+    row = first.row_fixed_bytes + first.row_token_bytes * SIZING_TOKENS  # the tiny model has no stated context
+    room = int(40.5 * row / FREE_SHARE)  # 40 rows of free memory, below the 1 GiB guard
+    monkeypatch.setattr(scheduler_module, "processor", lambda: "cuda")
+    monkeypatch.setattr(scheduler_module, "device_memory", lambda: mx.get_active_memory() + room)
+    assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0).max_batch == 40
+    assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=int(20 * row / FREE_SHARE)).max_batch == 20

@@ -180,6 +180,43 @@ def test_files_round_trip_exactly_and_the_bound_evicts_least_recently_used(tmp_p
     assert set(disk.candidates(np.arange(300), lambda have, want: len(have))) == {None, "adapter-sha"}
 
 
+def test_a_file_is_read_and_checked_in_chunks(tmp_path, monkeypatch):
+    """Each chunk has its own checksum: a file of many chunks reads back
+    exactly, and one byte changed in a middle chunk drops the file."""
+    import mlx.core as mx
+    import numpy as np
+
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    monkeypatch.setattr(prefix_disk, "CHUNK", 1024)
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    layers = snapshot_layers(3, 400)
+    tokens = np.arange(400)
+    disk.write(None, tokens, layers)
+    assert disk.flush(30)
+    entry = next(iter(disk._index.values()))
+    assert entry.size > 10 * 1024
+    back, _ = disk.load_now(entry).layers()
+    for a, b in ((back[0][0], layers[0][0]), (back[0][1], layers[0][1]), (back[1][0], layers[1][0])):
+        assert mx.array_equal(a, b).item()
+    path = path_of(disk, tokens)
+    sound = path.read_bytes()
+    data = bytearray(sound)
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert disk.load_now(entry) is None
+    assert not path.exists() and not len(disk)
+    # A digit of the header's layout changed (which array goes where): the
+    # header has a checksum of its own.
+    at = sound.index(b"tree")
+    assert sound[at : at + 40].count(b"[0, 1]") == 1  # the first layer's (keys, values)
+    path.write_bytes(sound[:at] + sound[at:].replace(b"[0, 1]", b"[1, 0]", 1))
+    disk._scan()
+    assert disk.load_now(next(iter(disk._index.values()))) is None
+    assert not path.exists()
+
+
 def path_of(disk, tokens) -> Path:
     from worker.cache.prefix_disk import entry_name
 
@@ -243,7 +280,7 @@ def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, mon
     release = threading.Event()
     hung = disk._load
     # A read that does not come back until the test ends.
-    monkeypatch.setattr(disk, "_load", lambda entry: release.wait(60) and hung(entry))
+    monkeypatch.setattr(disk, "_load", lambda entry, stop=None: release.wait(60) and hung(entry, stop))
     monkeypatch.setattr(scheduler_module, "READ_WAIT_S", 0.5)
     reader = engine_for(tiny_model, prefix_disk=disk)
     try:
@@ -255,8 +292,9 @@ def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, mon
 
 
 def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(tmp_path, monkeypatch):
-    """Read-backs at a worker's start wait behind a request's read, and a
-    request that needs a file still waiting to be read back moves it ahead."""
+    """Read-backs at a worker's start wait behind a request's read, even one
+    already begun (it stops and is read again later), and a request that
+    needs a file still waiting to be read back moves it ahead."""
     import threading
 
     import numpy as np
@@ -272,11 +310,11 @@ def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(t
     hold = threading.Event()
     original = disk._load
 
-    def load(entry):
+    def load(entry, stop=None):
         order.append(int(entry.tokens[0]) // 1000)
         if len(order) == 1:
             hold.wait(30)  # the first read-back, while the others queue
-        return original(entry)
+        return original(entry, stop)
 
     monkeypatch.setattr(disk, "_load", load)
     for i in (0, 1, 2):
@@ -287,7 +325,9 @@ def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(t
     assert not disk.read(entries[1], read_back=True)  # already waiting
     hold.set()
     wait_for(lambda: disk._results.qsize() == 4, timeout=30, message="the reads")
-    assert order == [0, 3, 2, 1]
+    # 0 had begun: it stopped for the requests' reads and went first of
+    # the read-backs left.
+    assert order == [0, 3, 2, 0, 1]
     assert sorted(int(e.tokens[0]) // 1000 for e, loaded in disk.results() if loaded is not None) == [0, 1, 2, 3]
     assert not disk.reading
 

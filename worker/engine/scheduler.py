@@ -139,7 +139,9 @@ class Scheduler:
         if max_batch is None:
             chosen = auto_max_batch(
                 processor=processor(),
-                free_bytes=device_memory() - mx.get_active_memory(),
+                # The prefix cache fills its budget as it is used: what it
+                # will hold is not memory for rows.
+                free_bytes=device_memory() - mx.get_active_memory() - self.prefix_cache.budget,
                 guard_bytes=batch_memory,
                 row_fixed_bytes=self.row_fixed_bytes,
                 row_token_bytes=self.row_token_bytes,
@@ -281,8 +283,9 @@ class Scheduler:
         for entry, loaded in results:
             if loaded is not None:
                 try:
-                    layers, nbytes = loaded.layers()
-                    self.prefix_cache.insert(entry.adapter, entry.tokens, layers, nbytes)
+                    restored = loaded.layers()
+                    if restored is not None:
+                        self.prefix_cache.insert(entry.adapter, entry.tokens, *restored)
                 except Exception:
                     log.exception("prefix cache: %s could not be restored", entry.name)
             for w in self.waiting:

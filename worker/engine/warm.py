@@ -61,9 +61,9 @@ def warm_prompts(scheduler, texts: list[str]) -> int:
         if disk is not None:
             for entry, _ in cache.disk_reads(run, cut_points(run, marker)):
                 loaded = disk.load_now(entry)
-                if loaded is not None:
-                    layers, nbytes = loaded.layers()
-                    cache.insert(entry.adapter, entry.tokens, layers, nbytes)
+                restored = loaded.layers() if loaded is not None else None
+                if restored is not None:
+                    cache.insert(entry.adapter, entry.tokens, *restored)
         row = Row(0, run, RowSampling(greedy, scheduler.vocab_size, run))
         generator.start([row])
         while row in generator.prefilling:

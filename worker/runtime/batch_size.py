@@ -26,7 +26,8 @@ GPU_MAX = 64
 # model's whole context (40k tokens for Qwen3, 262k for Qwen3.5) would give
 # an 8B model 5 rows on an H200 while almost every request is far shorter.
 SIZING_TOKENS = 4096
-# Of the device memory the weights leave, what caches may take: the rest is
+# Of the device memory the weights and the prefix cache's budget leave,
+# what caches may take: the rest is
 # for activations, a prefill chunk's scratch and MLX's buffer cache.
 FREE_SHARE = 0.75
 
@@ -39,7 +40,8 @@ class BatchSize:
 
 def auto_max_batch(*, processor: str, free_bytes: int, guard_bytes: int, row_fixed_bytes: int, row_token_bytes: int, context: int | None) -> BatchSize:
     """Rows for a worker on `processor` ("cpu", "cuda" or "metal") with
-    `free_bytes` of device memory left after loading, a memory guard of
+    `free_bytes` of device memory left after loading (less the prefix
+    cache's budget), a memory guard of
     `guard_bytes` for rows' caches, one row's cache taking `row_fixed_bytes`
     plus `row_token_bytes` a token, and a model context of `context` tokens
     (None: unknown)."""
