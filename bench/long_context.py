@@ -103,6 +103,9 @@ def part_restart(args, path: Path, system: str, record) -> None:
         pool.wait_ev("ready", model="m", timeout=300)
         restart = ask(pool, 2)
         pool.close()
+        for line in pool.stderr.decode(errors="replace").splitlines():
+            if "read from disk" in line or "not read:" in line:
+                print(f"  restarted worker: {line.strip()}", file=sys.stderr)
         rounds.append({"cold": cold, "warm": warm, "restart": restart, "disk_bytes": disk_bytes})
         record(
             "restart",

@@ -62,8 +62,8 @@ import struct
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +224,7 @@ class Loaded:
     path: Path
     tree: object
     arrays: int
+    check_s: float = 0.0  # how long the check took (the disk thread's read)
 
     def layers(self) -> tuple[list, int] | None:
         """The file's state, read by mlx's own reader (which splits a file
@@ -567,6 +568,7 @@ class PrefixDisk:
                         continue
                     took = time.monotonic() - t0
                     if loaded is not None and took > 0:
+                        loaded.check_s = took
                         self._read_rates.append(entry.size / took)
                     self._results.put((entry, loaded))
                     self.wake()

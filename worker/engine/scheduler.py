@@ -283,9 +283,17 @@ class Scheduler:
         for entry, loaded in results:
             if loaded is not None:
                 try:
+                    t0 = time.monotonic()
                     restored = loaded.layers()
                     if restored is not None:
                         self.prefix_cache.insert(entry.adapter, entry.tokens, *restored)
+                        log.info(
+                            "prefix cache: %d tokens read from disk (%d MB: checked in %.0f ms, arrays in %.0f ms)",
+                            len(entry.tokens),
+                            entry.size // 10**6,
+                            loaded.check_s * 1e3,
+                            (time.monotonic() - t0) * 1e3,
+                        )
                 except Exception:
                     log.exception("prefix cache: %s could not be restored", entry.name)
             for w in self.waiting:
