@@ -115,7 +115,12 @@ def ours(side_cls, model: Path, max_batch: int | str, prompts: list[str], sizes:
             print(f"max_batch {max_batch}: {ready.get('max_batch')} ({ready.get('max_batch_why')})", file=sys.stderr)
         side.run(prompts[: max(sizes)], 8)
         cold = {n: side.run(prompts[:n], max_tokens) for n in sizes}
-        return {n: side.run(prompts[:n], max_tokens) for n in sizes}, cold
+        measured = {n: side.run(prompts[:n], max_tokens) for n in sizes}
+        for n, run in measured.items():
+            slowest = max(range(n), key=lambda i: run["ttft_ms"][i])
+            ttft, total, tokens = run["worker_ttft_total_tokens"][slowest]
+            print(f"  N={n} slowest first token: {run['ttft_ms'][slowest]:.0f} ms from the send; in the worker {ttft:.0f} ms, {tokens} tokens", file=sys.stderr)
+        return measured, cold
     finally:
         side.close()
 

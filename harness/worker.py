@@ -252,7 +252,9 @@ def stream_figures(next_line, ids: list[bytes], t0: float) -> dict:
             done[key] = last = at
     wall = last - t0
     return {
-        "ttft_ms": [(first.get(i, t0 + wall) - t0) * 1000 for i in ids],
+        # A request whose first token ended it (an end-of-sequence token)
+        # has no token line: its first token is its done line.
+        "ttft_ms": [(first.get(i, done[i]) - t0) * 1000 for i in ids],
         "done_ms": [(done[i] - t0) * 1000 for i in ids],
         "tokens": tokens,
         "wall_s": wall,

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier: snapshots that outlive the worker and the
 pool, checked before use, bounded, and keyed by model and adapter content."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -377,3 +378,44 @@ def test_the_scheduler_times_reads_and_prompts_and_skips_a_file_that_would_cost_
     fresh = engine_for(tiny_model, prefix_disk=disk)
     _, done = run(fresh, prompt=SECOND)
     assert done["cached_tokens"] > 0 and disk.read_rate > 0
+
+
+def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_model, tmp_path, monkeypatch):
+    """Arrays are made on the main thread: a file read back at start that no
+    request waits for is held while a request waits for its own file."""
+    import threading
+
+    from ipc.messages import Generate
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.runtime.loader import load
+
+    loaded = load(tiny_model)
+    key = model_key(tiny_model, loaded.format, loaded.model)
+    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
+    run(writer, prompt=FIRST)
+    assert writer.prefix_cache.disk.flush(30)
+    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    system, turn = sorted(disk._index.values(), key=lambda e: len(e.tokens))
+    release = threading.Event()
+    original = disk._load
+
+    def load_file(entry, stop=None):
+        if entry is system:
+            release.wait(60)  # the request's file comes after the read-back
+        return original(entry, stop)
+
+    monkeypatch.setattr(disk, "_load", load_file)
+    made = []
+    layers = prefix_disk.Loaded.layers
+    monkeypatch.setattr(prefix_disk.Loaded, "layers", lambda self: made.append(self.entry.name) or layers(self))
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    assert disk.read(turn, read_back=True)
+    wait_for(lambda: disk._results.qsize(), timeout=30, message="the read-back")
+    reader.submit(Generate(rid=1, prompt=SECOND, temperature=0.0, max_tokens=4), 0.0)  # waits for the system prompt's file
+    reader.step()
+    assert made == [] and not reader.has_work  # the read-back waits; nothing spins
+    release.set()
+    reader.drain()
+    assert made == [system.name, turn.name]
+    assert "cached_tokens" in json.loads(reader.lines[-1].splitlines()[-1][len(b"@@lattice ") :])

@@ -33,7 +33,8 @@ reads the most recently used files back into memory the same way, up to
 half its memory budget, so that after a restart the prefixes in use are in
 memory again by the time their requests come. A request's read goes before
 those read-backs, even one half checked (it stops between chunks and starts
-again later), and takes the place of one of them it needs: read back
+again later; and the scheduler makes read-backs' arrays only once no request
+waits for a file), and takes the place of one of them it needs: read back
 oldest first (so the newest ends most recently used in memory), a GPU's
 budget of several GB would otherwise hold a request that comes right after
 the start behind every file but its own.

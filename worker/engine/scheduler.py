@@ -174,6 +174,9 @@ class Scheduler:
         self._trimmed = True
         self.idle_release_s = idle_release_s
         self._disk_timer: threading.Timer | None = None
+        # Files read back that wait for the requests waiting for files
+        # (_disk_results): at most one per file in the disk tier's index.
+        self._deferred: list = []
         # Prompt tokens per second of the latest long prompts read (see _end).
         self._prefill_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
         self.figures = self._figures()
@@ -277,10 +280,17 @@ class Scheduler:
         disk = self.prefix_cache.disk
         if disk is None:
             return
-        results = disk.results()
+        results = self._deferred + disk.results()
         if not results:
             return
+        self._deferred = []
+        awaited = set().union(*(w.disk for w in self.waiting))
         for entry, loaded in results:
+            if awaited and entry.name not in awaited:
+                # Making its arrays takes the main thread tens of ms a file:
+                # a read-back waits until no request waits for a file.
+                self._deferred.append((entry, loaded))
+                continue
             if loaded is not None:
                 try:
                     t0 = time.monotonic()
@@ -329,7 +339,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.generator) or (bool(self.waiting) and not self._stalled) or self.adapters.has_results
+        return (
+            bool(self.generator)
+            or (bool(self.waiting) and not self._stalled)
+            or self.adapters.has_results
+            or (bool(self._deferred) and not any(w.disk for w in self.waiting))
+        )
 
     @property
     def busy(self) -> bool:
