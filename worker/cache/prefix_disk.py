@@ -13,7 +13,10 @@ ids; the file holds both, so a lookup compares them, never the name alone.
 A file is written under a temporary name and renamed, so a crash leaves a
 whole file or none. A file is a safetensors file: the token ids, then the
 arrays, and in its metadata the adapter key, the arrays' places in the
-state, a SHA-256 of that header and one per CHUNK bytes of data. A file
+state, a SHA-256 of that header and a CRC-32 of every CHUNK bytes of data
+(a checksum against damage, not tampering: a file is as trusted as the
+directory it is in, and CRC-32 went 2.3x faster than SHA-256 on a 2-core
+EPYC, 3.7 against 1.6 GB/s a thread). A file
 that is short, malformed or fails a check is removed with a log line, never
 used. The files' modification times order them, least recently used first
 out, past the byte budget, and a hit touches its file: the order survives
@@ -22,13 +25,13 @@ restarts.
 Reads go through the same thread: a request whose prompt has a longer
 prefix on disk than in memory waits while its file is checked
 (worker.engine.scheduler): READ_THREADS threads read and hash its chunks
-at once (file reads and hashlib let go of the GIL), which also brings the
+at once (file reads and zlib let go of the GIL), which also brings the
 file into the page cache. Then the main thread has mlx read it into arrays
 (`Loaded.layers`): mlx's reader fills the arrays' memory itself, with no
 copy through Python. On a 2-core EPYC, for a 445 MB file in the page
-cache, the check took 0.17 s and mlx's read 0.13 s, where one thread that
-read and hashed the file took 0.88 s and making arrays from its bytes
-another 0.27 s on the main thread. A worker that starts
+cache, the check took 0.09-0.15 s and mlx's read 0.13-0.16 s, where one
+thread that read the file and took its SHA-256 took 0.88 s and making
+arrays from its bytes another 0.27 s on the main thread. A worker that starts
 reads the most recently used files back into memory the same way, up to
 half its memory budget, so that after a restart the prefixes in use are in
 memory again by the time their requests come. A request's read goes before
@@ -62,6 +65,7 @@ import statistics
 import struct
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -333,11 +337,11 @@ def _head_digest(tensors: dict, adapter: str | None, tree: object) -> str:
     return hashlib.sha256(json.dumps([tensors, adapter, tree], sort_keys=True).encode()).hexdigest()
 
 
-def _digest(parts: list[memoryview]) -> str:
-    h = hashlib.sha256()
+def _crc(parts: list[memoryview]) -> int:
+    crc = 0
     for part in parts:
-        h.update(part)
-    return h.hexdigest()
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefill_rate: float | None) -> bool:
@@ -596,8 +600,8 @@ class PrefixDisk:
                 layout = _read_layout(f, os.fstat(f.fileno()).st_size)
                 tokens = _read_tokens(f, layout)
             meta = layout.meta
-            chunk, digests = meta.get("chunk"), meta.get("sha256")
-            if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(digests, list) or len(digests) != -(-layout.data_size // chunk):
+            chunk, crcs = meta.get("chunk"), meta.get("crc32")
+            if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
                 raise BadEntry("its checksums do not cover its data")
             if meta.get("head") != _head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
                 raise BadEntry("its header's checksum does not match: the file is corrupt")
@@ -616,11 +620,11 @@ class PrefixDisk:
                         if not n:
                             raise BadEntry("shorter than its header says")
                         got += n
-                if hashlib.sha256(part).hexdigest() != digests[i]:
+                if zlib.crc32(part) != crcs[i]:
                     raise BadEntry("its checksum does not match: the file is corrupt")
                 return True
 
-            if not all(self._io.map(one, range(len(digests)))):
+            if not all(self._io.map(one, range(len(crcs)))):
                 return STOPPED
             self._touch(entry)
             return Loaded(entry, path, meta.get("tree"), layout.arrays)
@@ -645,9 +649,9 @@ class PrefixDisk:
         for i, ((dtype, shape), seg) in enumerate(zip(kinds, segments)):
             header["tokens" if i == 0 else f"a{i - 1}"] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(seg)]}
             at += len(seg)
-        digests = list(self._io.map(_digest, _chunks(segments, CHUNK)))
+        crcs = list(self._io.map(_crc, _chunks(segments, CHUNK)))
         head = _head_digest(header, adapter, tree)
-        header["__metadata__"] = {"lattice": json.dumps({"format": FORMAT, "adapter": adapter, "tree": tree, "chunk": CHUNK, "sha256": digests, "head": head})}
+        header["__metadata__"] = {"lattice": json.dumps({"format": FORMAT, "adapter": adapter, "tree": tree, "chunk": CHUNK, "crc32": crcs, "head": head})}
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
         if _LENGTH.size + len(raw) + at > self.budget:

@@ -262,6 +262,7 @@ class Scheduler:
         except Exception:  # the disk tier is an optimisation: never a request's failure
             log.exception("prefix cache: looking on disk failed")
         if w.disk:
+            log.info("request %s waits for %d prefix cache file(s) on disk", w.req.id_json or w.req.rid, len(w.disk))
             w.disk_until = time.monotonic() + READ_WAIT_S
             self._disk_alarm(READ_WAIT_S)
 
