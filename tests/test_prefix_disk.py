@@ -333,6 +333,32 @@ def test_a_requests_read_goes_before_read_backs_and_takes_the_place_of_its_own(t
     assert not disk.reading
 
 
+def test_read_backs_wait_for_quiet_after_a_requests_read(tmp_path):
+    """Read-backs start READ_BACK_QUIET_S after they are queued and after a
+    request's read, so a request right after a start reads its file alone."""
+    import numpy as np
+
+    from worker.cache.prefix_disk import READ_BACK_QUIET_S, PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    for i in range(2):
+        disk.write(None, np.arange(i * 1000, i * 1000 + 50), snapshot_layers(i, 50))
+    assert disk.flush(30)
+    back, asked = sorted(disk._index.values(), key=lambda e: int(e.tokens[0]))
+    now = [100.0]
+    disk._clock = lambda: now[0]
+    assert disk.read(back, read_back=True)
+    assert disk._held() == READ_BACK_QUIET_S
+    now[0] += READ_BACK_QUIET_S * 0.8
+    assert disk._next_read() == (None, True)
+    assert disk.read(asked)  # a request's: read at once, and the read-back waits again
+    wait_for(lambda: disk._results.qsize() == 1, timeout=30, message="the request's read")
+    assert disk._held() == READ_BACK_QUIET_S and [e.name for e in disk._read_backs] == [back.name]
+    now[0] += READ_BACK_QUIET_S
+    wait_for(lambda: disk._results.qsize() == 2, timeout=30, message="the read-back")
+    assert [e.name for e, loaded in disk.results() if loaded is not None] == [asked.name, back.name]
+
+
 def test_a_file_slower_to_read_than_its_tokens_to_compute_is_not_read():
     from worker.cache.prefix_disk import slower_than_prefill
 
