@@ -359,6 +359,35 @@ def test_read_backs_wait_for_quiet_after_a_requests_read(tmp_path):
     assert [e.name for e, loaded in disk.results() if loaded is not None] == [asked.name, back.name]
 
 
+def test_a_request_for_a_file_held_for_read_back_reads_it_at_once(tmp_path, monkeypatch):
+    import threading
+
+    import numpy as np
+
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    monkeypatch.setattr(prefix_disk, "READ_BACK_QUIET_S", 3600.0)
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    disk.write(None, np.arange(50), snapshot_layers(0, 50))
+    assert disk.flush(30)
+    [entry] = disk._index.values()
+    held = []
+
+    def now() -> float:
+        if threading.current_thread().name == "prefix-disk":
+            held.append(True)
+        return time.monotonic()
+
+    disk._clock = now
+    assert disk.read(entry, read_back=True)
+    # The disk thread has seen the read-back held, twice: after its read
+    # loop and before it waits out the quiet time.
+    wait_for(lambda: len(held) >= 2, timeout=30, message="the disk thread holding the read-back")
+    assert not disk.read(entry)  # already queued: it moves ahead, and the disk thread wakes
+    wait_for(lambda: disk._results.qsize() == 1, timeout=30, message="the request's read")
+
+
 def test_a_file_slower_to_read_than_its_tokens_to_compute_is_not_read():
     from worker.cache.prefix_disk import slower_than_prefill
 

@@ -470,6 +470,8 @@ class PrefixDisk:
                     if waiting is not None:
                         self._read_backs.remove(waiting)
                         self._reads.append(waiting)
+                        # The disk thread may be waiting out the quiet time.
+                        self._work.set()
                 return False
             self._reading.add(entry.name)
             if not read_back or not self._read_backs:
