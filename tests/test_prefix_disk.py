@@ -265,11 +265,10 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
     assert engine.prefix_cache.snapshot_points(len(ids), [10, CHECKPOINT + 7]) == {10, CHECKPOINT + 7, 2 * CHECKPOINT}
 
 
-def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):
-    import threading
-
+def disk_after_first(tiny_model, tmp_path):
+    """A disk tier over the files of FIRST's snapshots, as a new worker of
+    the tiny model finds them."""
     from worker.cache.prefix_disk import PrefixDisk, model_key
-    from worker.engine import scheduler as scheduler_module
     from worker.runtime.loader import load
 
     loaded = load(tiny_model)
@@ -277,7 +276,15 @@ def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, mon
     writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
     run(writer, prompt=FIRST)
     assert writer.prefix_cache.disk.flush(30)
-    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    return PrefixDisk(tmp_path, key, 1 << 30)
+
+
+def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):
+    import threading
+
+    from worker.engine import scheduler as scheduler_module
+
+    disk = disk_after_first(tiny_model, tmp_path)
     release = threading.Event()
     hung = disk._load
     # A read that does not come back until the test ends.
@@ -442,15 +449,8 @@ def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_mo
 
     from ipc.messages import Generate
     from worker.cache import prefix_disk
-    from worker.cache.prefix_disk import PrefixDisk, model_key
-    from worker.runtime.loader import load
 
-    loaded = load(tiny_model)
-    key = model_key(tiny_model, loaded.format, loaded.model)
-    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
-    run(writer, prompt=FIRST)
-    assert writer.prefix_cache.disk.flush(30)
-    disk = PrefixDisk(tmp_path, key, 1 << 30)
+    disk = disk_after_first(tiny_model, tmp_path)
     system, turn = sorted(disk._index.values(), key=lambda e: len(e.tokens))
     release = threading.Event()
     original = disk._load

@@ -16,31 +16,33 @@ arrays, and in its metadata the adapter key, the arrays' places in the
 state, a SHA-256 of that header and a CRC-32 of every CHUNK bytes of data
 (a checksum against damage, not tampering: a file is as trusted as the
 directory it is in, and CRC-32 went 2.3x faster than SHA-256 on a 2-core
-EPYC, 3.7 against 1.6 GB/s a thread). A file
-that is short, malformed or fails a check is removed with a log line, never
-used. The files' modification times order them, least recently used first
-out, past the byte budget, and a hit touches its file: the order survives
-restarts.
+EPYC, 3.7 against 1.6 GB/s a thread). A file that is short, malformed or
+fails a check is removed with a log line, never used. The files'
+modification times order them, least recently used first out, past the byte
+budget, and a hit touches its file: the order survives restarts.
 
 Reads go through the same thread: a request whose prompt has a longer
 prefix on disk than in memory waits while its file is checked
-(worker.engine.scheduler): READ_THREADS threads read and hash its chunks
-at once (file reads and zlib let go of the GIL), which also brings the
-file into the page cache. Then the main thread has mlx read it into arrays
+(worker.engine.scheduler): READ_THREADS threads read and check its chunks
+at once (file reads and zlib let go of the GIL), which also brings the file
+into the page cache. Then the main thread has mlx read it into arrays
 (`Loaded.layers`): mlx's reader fills the arrays' memory itself, with no
-copy through Python. On a 2-core EPYC, for a 445 MB file in the page
-cache, the check took 0.09-0.15 s and mlx's read 0.13-0.16 s, where one
-thread that read the file and took its SHA-256 took 0.88 s and making
-arrays from its bytes another 0.27 s on the main thread. A worker that starts
-reads the most recently used files back into memory the same way, up to
-half its memory budget, so that after a restart the prefixes in use are in
-memory again by the time their requests come. A request's read goes before
-those read-backs, even one half checked (it stops between chunks and starts
-again later; and the scheduler makes read-backs' arrays only once no request
-waits for a file), and takes the place of one of them it needs: read back
-oldest first (so the newest ends most recently used in memory), a GPU's
-budget of several GB would otherwise hold a request that comes right after
-the start behind every file but its own.
+copy through Python. On a 2-core EPYC, for a 445 MB file in the page cache,
+the check took 0.09-0.15 s and mlx's read 0.13-0.16 s, where one thread
+that read the file and took its SHA-256 took 0.88 s and making arrays from
+its bytes another 0.27 s on the main thread.
+
+A worker that starts reads the most recently used files back into memory
+the same way, up to half its memory budget, so that after a restart the
+prefixes in use are in memory again by the time their requests come.
+Read-backs start READ_BACK_QUIET_S after they are queued and after any
+request's read; a request's read goes before them, even one half checked
+(it stops between chunks and starts again later), and takes the place of
+one of them it needs; and the scheduler makes read-backs' arrays only once
+no request waits for a file. Read back oldest first (so the newest ends
+most recently used in memory), a GPU's budget of several GB would otherwise
+hold a request that comes right after the start behind every file but its
+own.
 
 A file is worth reading only while reading it is faster than computing the
 tokens it holds: at 26k tokens the 0.8b shape's state is 312 MB against
