@@ -104,6 +104,59 @@ def test_truncated_or_corrupt_files_are_dropped_never_used(tiny_model, tmp_path,
         assert w.close() == 0
 
 
+def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog):
+    """A file is input from disk, and one made to pass its checksums (the
+    header's recomputed) may still lie: a header nested past json's
+    recursion limit or shapes that do not match the bytes are dropped when
+    found; a layout that points past the arrays or is not the model's is
+    refused when read. None stops the tier, and the sound file still serves."""
+    import json as jsonlib
+    import struct
+
+    from harness.engine import engine_for
+    from worker.cache.prefix_disk import _head_digest
+
+    disk = disk_after_first(tiny_model, tmp_path)
+    system = min(disk._index.values(), key=lambda e: len(e.tokens))
+    path = disk.dir / system.name
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = jsonlib.loads(raw[8 : 8 + length])
+    meta = jsonlib.loads(header.pop("__metadata__")["lattice"])
+
+    def rewrite(tensors: dict | None = None, tree: object = None, body: bytes | None = None) -> None:
+        tensors = tensors or header
+        tree = meta["tree"] if tree is None else tree
+        head = {**tensors, "__metadata__": {"lattice": jsonlib.dumps({**meta, "tree": tree, "head": _head_digest(tensors, None, tree)})}}
+        body = body or jsonlib.dumps(head).encode()
+        path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + length :])
+
+    cache = engine_for(tiny_model).prefix_cache
+    for broken in ({"body": b"[" * 200_000 + b"]" * 200_000}, {"tensors": {**header, "a0": {**header["a0"], "shape": [7, *header["a0"]["shape"]]}}}):
+        rewrite(**broken)
+        disk._scan()
+        assert not path.exists() and system.name not in disk._index
+        path.write_bytes(raw)
+        disk._scan()
+    tree = meta["tree"]
+    # A linear-attention layer's state where an attention layer's keys and
+    # values belong, and back (two layers of one kind swapped would pass:
+    # the checks guard against damage and against what would break the
+    # engine, not against a file made to mislead).
+    kv = next(i for i, layer in enumerate(tree) if isinstance(layer, dict))
+    swapped = list(tree)
+    swapped[0], swapped[kv] = tree[kv], tree[0]
+    for broken_tree in ([999, *tree[1:]], swapped, tree[:-1]):
+        rewrite(tree=broken_tree)
+        loaded = disk.load_now(disk._index[system.name])
+        restored = loaded.layers() if loaded is not None else None
+        assert restored is None or not cache.insert_read(None, system.tokens, *restored)
+    assert len(cache) == 0
+    path.write_bytes(raw)
+    restored = disk.load_now(disk._index[system.name]).layers()
+    assert cache.insert_read(None, system.tokens, *restored) and len(cache) == 1
+
+
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
     """Lookups read the model key's directory alone, and the key follows the
     weights' content (and the dtype and quantization a worker runs with)."""

@@ -261,6 +261,34 @@ class PrefixCache:
         self.used += nbytes
         return True
 
+    def insert_read(self, adapter: str | None, want: np.ndarray, layers: list, nbytes: int) -> bool:
+        """Holds a snapshot read from disk, if it is laid out as this model's
+        caches are; False, logged, when it is not (a file passes its
+        checksums whatever it holds)."""
+        problem = self._layout_problem(layers, len(want))
+        if problem is not None:
+            log.warning("prefix cache: a snapshot read from disk does not fit this model (%s); not used", problem)
+            return False
+        return self.insert(adapter, want, layers, nbytes)
+
+    def _layout_problem(self, layers: object, length: int) -> str | None:
+        cache = make_prompt_cache(self.model)
+        if not isinstance(layers, list) or len(layers) != len(cache):
+            return f"{len(layers) if isinstance(layers, list) else 'no'} layers for {len(cache)}"
+        for i, (c, saved) in enumerate(zip(cache, layers)):
+            if isinstance(c, _KV):
+                if saved is None:
+                    continue
+                if not isinstance(saved, tuple) or len(saved) != 2:
+                    return f"layer {i} is not keys and values"
+                for part in saved:
+                    arrays = part if isinstance(part, tuple) else (part,)
+                    if not all(isinstance(a, mx.array) and a.ndim == 4 and a.shape[-2] == length for a in arrays):
+                        return f"layer {i} does not hold {length} tokens"
+            elif not isinstance(saved, list) or len(saved) != len(c.cache) or not all(a is None or isinstance(a, mx.array) for a in saved):
+                return f"layer {i} is not {len(c.cache)} state arrays"
+        return None
+
     @property
     def pinned_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.pinned)

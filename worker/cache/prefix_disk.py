@@ -302,7 +302,8 @@ def _read_layout(f, size: int) -> Layout:
         tokens = header["tokens"]
         if tokens["dtype"] != "I32" or len(tokens["shape"]) != 1:
             raise BadEntry("its token ids are malformed")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    # A header nested deeper than json's recursion limit raises RecursionError.
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise BadEntry(f"malformed header ({exc!r})") from None
     start = _LENGTH.size + length
     if size != start + at:
@@ -661,7 +662,7 @@ class PrefixDisk:
             with self._lock:
                 self._index.pop(entry.name, None)
             return None
-        except (BadEntry, KeyError, TypeError, ValueError) as exc:
+        except (BadEntry, KeyError, TypeError, ValueError, RecursionError) as exc:
             self._discard(path, str(exc))
             return None
         except OSError as exc:

@@ -296,8 +296,7 @@ class Scheduler:
                 try:
                     t0 = time.monotonic()
                     restored = loaded.layers()
-                    if restored is not None:
-                        self.prefix_cache.insert(entry.adapter, entry.tokens, *restored)
+                    if restored is not None and self.prefix_cache.insert_read(entry.adapter, entry.tokens, *restored):
                         log.info(
                             "prefix cache: %d tokens read from disk (%d MB: checked in %.0f ms, arrays in %.0f ms)",
                             len(entry.tokens),

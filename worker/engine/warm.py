@@ -63,7 +63,7 @@ def warm_prompts(scheduler, texts: list[str]) -> int:
                 loaded = disk.load_now(entry)
                 restored = loaded.layers() if loaded is not None else None
                 if restored is not None:
-                    cache.insert(entry.adapter, entry.tokens, *restored)
+                    cache.insert_read(entry.adapter, entry.tokens, *restored)
         row = Row(0, run, RowSampling(greedy, scheduler.vocab_size, run))
         generator.start([row])
         while row in generator.prefilling:
