@@ -240,9 +240,9 @@ class Loaded:
     check_s: float = 0.0  # how long the check took (the disk thread's read)
 
     def layers(self) -> tuple[list, int] | None:
-        """The file's state, read by mlx's own reader (which splits a file
-        across threads and reads into the arrays' memory: no copy through
-        Python); None, logged, when the file changed since it was checked."""
+        """The file's state, read by mlx's own reader (into the arrays'
+        memory: no copy through Python); None, logged, when the file changed
+        since it was checked."""
         try:
             found = mx.load(str(self.path), format="safetensors", stream=mx.cpu)
             tokens = found["tokens"]
