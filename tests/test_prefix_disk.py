@@ -114,7 +114,7 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
     import struct
 
     from harness.engine import engine_for
-    from worker.cache.prefix_disk import _head_digest
+    from worker.cache.prefix_file import head_digest
 
     disk = disk_after_first(tiny_model, tmp_path)
     system = min(disk._index.values(), key=lambda e: len(e.tokens))
@@ -127,7 +127,7 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
     def rewrite(tensors: dict | None = None, tree: object = None, body: bytes | None = None) -> None:
         tensors = tensors or header
         tree = meta["tree"] if tree is None else tree
-        head = {**tensors, "__metadata__": {"lattice": jsonlib.dumps({**meta, "tree": tree, "head": _head_digest(tensors, None, tree)})}}
+        head = {**tensors, "__metadata__": {"lattice": jsonlib.dumps({**meta, "tree": tree, "head": head_digest(tensors, None, tree)})}}
         body = body or jsonlib.dumps(head).encode()
         path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + length :])
 
@@ -160,7 +160,8 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
     """Lookups read the model key's directory alone, and the key follows the
     weights' content (and the dtype and quantization a worker runs with)."""
-    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.cache.prefix_file import model_key
     from worker.runtime.loader import load
 
     one, other = load(tiny_model), load(second_model)
@@ -272,7 +273,7 @@ def test_a_file_is_read_and_checked_in_chunks(tmp_path, monkeypatch):
 
 
 def path_of(disk, tokens) -> Path:
-    from worker.cache.prefix_disk import entry_name
+    from worker.cache.prefix_file import entry_name
 
     return disk.dir / entry_name(None, tokens)
 
@@ -283,7 +284,8 @@ def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
     import shutil
 
     from tests.lora_files import lora_pairs, targets_of, write_peft
-    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.cache.prefix_file import model_key
     from worker.runtime.loader import load
 
     one = write_peft(tmp_path / "one", lora_pairs(targets_of(tiny_model), seed=31, strength=2.0), r=4, alpha=8.0)
@@ -321,7 +323,8 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
 def disk_after_first(tiny_model, tmp_path):
     """A disk tier over the files of FIRST's snapshots, as a new worker of
     the tiny model finds them."""
-    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.cache.prefix_file import model_key
     from worker.runtime.loader import load
 
     loaded = load(tiny_model)
@@ -467,7 +470,8 @@ def test_the_scheduler_times_reads_and_prompts_and_skips_a_file_that_would_cost_
     unmeasured."""
     import logging
 
-    from worker.cache.prefix_disk import PrefixDisk, model_key
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.cache.prefix_file import model_key
     from worker.engine import scheduler as scheduler_module
     from worker.runtime.loader import load
 

@@ -11,15 +11,11 @@ same tokens. A file's name hashes its adapter's content key and its token
 ids; the file holds both, so a lookup compares them, never the name alone.
 
 A file is written under a temporary name and renamed, so a crash leaves a
-whole file or none. A file is a safetensors file: the token ids, then the
-arrays, and in its metadata the adapter key, the arrays' places in the
-state, a SHA-256 of that header and a CRC-32 of every CHUNK bytes of data
-(a checksum against damage, not tampering: a file is as trusted as the
-directory it is in, and CRC-32 went 2.3x faster than SHA-256 on a 2-core
-EPYC, 3.7 against 1.6 GB/s a thread). A file that is short, malformed or
-fails a check is removed with a log line, never used. The files'
-modification times order them, least recently used first out, past the byte
-budget, and a hit touches its file: the order survives restarts.
+whole file or none; its layout, a safetensors file with its checksums, is
+worker.cache.prefix_file's. A file that is short, malformed or fails a
+check is removed with a log line, never used. The files' modification times
+order them, least recently used first out, past the byte budget, and a hit
+touches its file: the order survives restarts.
 
 Reads go through the same thread: a request whose prompt has a longer
 prefix on disk than in memory waits while its file is checked
@@ -56,15 +52,12 @@ more than it saves. Until both are measured, files are read.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import queue
 import shutil
 import statistics
-import struct
 import threading
 import time
 import zlib
@@ -77,16 +70,27 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from worker.cache.prefix_file import (
+    DTYPES,
+    FORMAT,
+    LENGTH,
+    MAX_CHUNK,
+    SUFFIX,
+    BadEntry,
+    bytes_of,
+    crc_of,
+    dtype_name,
+    entry_name,
+    flatten,
+    head_digest,
+    pieces,
+    read_layout,
+    read_tokens,
+    unflatten,
+)
+
 log = logging.getLogger("worker")
 
-SUFFIX = ".lpx"
-# What a file's metadata says it is: a file of another layout (an earlier
-# version's) is removed when seen.
-FORMAT = "lattice-pool prefix 2"
-_LENGTH = struct.Struct("<Q")
-# The largest header a file may claim (its JSON: layout, adapter key,
-# checksums).
-MAX_HEADER = 1 << 20
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
@@ -105,28 +109,10 @@ RATE_SAMPLES = 5
 # the READ_THREADS threads keeps one buffer of it (at most MAX_CHUNK, what
 # a file may claim).
 CHUNK = 4 << 20
-MAX_CHUNK = 64 << 20
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))
 # LM Studio's rule for its disk cache: at most 30 GiB, at most a quarter of
 # the free space.
 DEFAULT_CAP = 30 << 30
-
-# safetensors' names of the dtypes a snapshot holds, and their sizes.
-_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "int8": "I8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8}
 
 
 def default_budget(root: Path) -> int:
@@ -139,80 +125,6 @@ def default_budget(root: Path) -> int:
     except OSError:
         return 0
     return min(DEFAULT_CAP, free // 4)
-
-
-def _compute_dtype(model) -> str:
-    """The dtype most of the model's parameters are held in (float32 on the
-    CPU, as the checkpoint stores them elsewhere)."""
-    from mlx.utils import tree_flatten
-
-    counts: dict[str, int] = {}
-    for _, p in tree_flatten(model.parameters()):
-        counts[str(p.dtype)] = counts.get(str(p.dtype), 0) + p.size
-    return max(counts, key=counts.get) if counts else "none"
-
-
-def model_key(model_dir: Path, fmt: str, model) -> str:
-    """A hash of what decides a snapshot's values besides its tokens: the
-    model's config and weights, the dtype it computes in, mlx's version.
-    Weights are identified by their safetensors headers (names, shapes,
-    offsets) and a MiB read at the start, middle and end of each file, so a
-    model of many gigabytes is not read whole at every start."""
-    h = hashlib.sha256()
-    h.update(f"mlx {mx.__version__} format {fmt} dtype {_compute_dtype(model)}\n".encode())
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("model*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"\n{path.name} {size}\n".encode())
-        with open(path, "rb") as f:
-            head = f.read(8)
-            h.update(head)
-            if len(head) == 8:
-                h.update(f.read(min(int.from_bytes(head, "little"), MAX_HEADER)))
-            for at in (0, size // 2, max(0, size - (1 << 20))):
-                f.seek(at)
-                h.update(f.read(1 << 20))
-    return h.hexdigest()[:32]
-
-
-def entry_name(adapter: str | None, tokens: np.ndarray) -> str:
-    h = hashlib.sha256((adapter or "").encode() + b"\0")
-    h.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
-    return h.hexdigest()[:40] + SUFFIX
-
-
-# -- a snapshot's layers as a JSON tree and a list of arrays ---------------------
-
-
-def _flatten(node, arrays: list) -> object:
-    if node is None:
-        return None
-    if isinstance(node, mx.array):
-        arrays.append(node)
-        return len(arrays) - 1
-    items = [_flatten(x, arrays) for x in node]
-    return {"t": items} if isinstance(node, tuple) else items
-
-
-def _unflatten(tree, arrays: list):
-    if tree is None:
-        return None
-    if isinstance(tree, int):
-        return arrays[tree]
-    if isinstance(tree, dict):
-        return tuple(_unflatten(x, arrays) for x in tree["t"])
-    return [_unflatten(x, arrays) for x in tree]
-
-
-def _dtype_name(a: mx.array) -> str:
-    return str(a.dtype).rsplit(".", 1)[-1]
-
-
-def _bytes_of(a: mx.array) -> memoryview:
-    """An array's bytes, in row-major order, copied only where the array
-    is not contiguous."""
-    m = memoryview(a)
-    return (m if m.c_contiguous else memoryview(m.tobytes())).cast("B")
 
 
 # What `_load` returns for a read-back that stopped for a request's read.
@@ -250,107 +162,10 @@ class Loaded:
             mx.eval(tokens, arrays)
             if not np.array_equal(np.array(tokens), self.entry.tokens):
                 raise ValueError("its token ids changed since its check")
-            return _unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
+            return unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError, OSError) as exc:
             log.warning("prefix cache: %s could not be read after its check (%s); not used", self.entry.name, exc)
             return None
-
-
-class BadEntry(Exception):
-    pass
-
-
-@dataclass
-class Layout:
-    """A file's header: what its metadata says and where its data lies."""
-
-    meta: dict
-    tensors: dict  # safetensors' entries: dtype, shape, data_offsets
-    arrays: int  # named a0, a1, ... after "tokens"
-    tokens: int
-    data_start: int
-    data_size: int
-
-
-def _read_layout(f, size: int) -> Layout:
-    """A file is a safetensors file: its header's `__metadata__` holds this
-    tier's own JSON, and its tensors are "tokens" then a0, a1, ... in the
-    order of their bytes."""
-    head = f.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        raise BadEntry("shorter than its header")
-    (length,) = _LENGTH.unpack(head)
-    if length > MAX_HEADER:
-        raise BadEntry("not a prefix cache file")
-    raw = f.read(length)
-    if len(raw) < length:
-        raise BadEntry("shorter than its header says")
-    try:
-        header = json.loads(raw)
-        meta = json.loads(header.pop("__metadata__")["lattice"])
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise BadEntry("not a prefix cache file of this version")
-        names = ["tokens", *(f"a{i}" for i in range(len(header) - 1))]
-        at = 0
-        for name in names:
-            dtype, shape, (lo, hi) = header[name]["dtype"], header[name]["shape"], header[name]["data_offsets"]
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise BadEntry(f"array {name} has a malformed shape")
-            if lo != at or hi - lo != _ITEMSIZE[dtype] * math.prod(shape):
-                raise BadEntry(f"array {name} is not where its header says")
-            at = hi
-        tokens = header["tokens"]
-        if tokens["dtype"] != "I32" or len(tokens["shape"]) != 1:
-            raise BadEntry("its token ids are malformed")
-    # A header nested deeper than json's recursion limit raises RecursionError.
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise BadEntry(f"malformed header ({exc!r})") from None
-    start = _LENGTH.size + length
-    if size != start + at:
-        raise BadEntry(f"{size} bytes where its header says {start + at}: truncated or extended")
-    return Layout(meta, header, len(names) - 1, tokens["shape"][0], start, at)
-
-
-def _read_tokens(f, layout: Layout) -> np.ndarray:
-    f.seek(layout.data_start)
-    raw = f.read(4 * layout.tokens)
-    if layout.tokens <= 0 or len(raw) < 4 * layout.tokens:
-        raise BadEntry("its token ids are missing")
-    return np.frombuffer(raw, dtype=np.int32).astype(np.int64)
-
-
-def _chunks(segments: list[memoryview], size: int) -> list[list[memoryview]]:
-    """The bytes of `segments`, end to end, cut into pieces of `size` (a
-    piece may span segments)."""
-    out: list[list[memoryview]] = []
-    piece: list[memoryview] = []
-    room = size
-    for seg in segments:
-        at = 0
-        while at < len(seg):
-            take = min(room, len(seg) - at)
-            piece.append(seg[at : at + take])
-            at += take
-            room -= take
-            if room == 0:
-                out.append(piece)
-                piece, room = [], size
-    if piece:
-        out.append(piece)
-    return out
-
-
-def _head_digest(tensors: dict, adapter: str | None, tree: object) -> str:
-    """A SHA-256 of what a file's header says beside its checksums: a flipped
-    byte there could otherwise put a sound array in the wrong place."""
-    return hashlib.sha256(json.dumps([tensors, adapter, tree], sort_keys=True).encode()).hexdigest()
-
-
-def _crc(parts: list[memoryview]) -> int:
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
 
 
 def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefill_rate: float | None) -> bool:
@@ -422,8 +237,8 @@ class PrefixDisk:
     def _read_index(self, path: Path) -> DiskEntry:
         st = path.stat()
         with open(path, "rb") as f:
-            layout = _read_layout(f, st.st_size)
-            tokens = _read_tokens(f, layout)
+            layout = read_layout(f, st.st_size)
+            tokens = read_tokens(f, layout)
         adapter = layout.meta.get("adapter")
         if entry_name(adapter, tokens) != path.name:
             raise BadEntry("its name does not match its tokens")
@@ -627,13 +442,13 @@ class PrefixDisk:
         path = self.dir / entry.name
         try:
             with open(path, "rb") as f:
-                layout = _read_layout(f, os.fstat(f.fileno()).st_size)
-                tokens = _read_tokens(f, layout)
+                layout = read_layout(f, os.fstat(f.fileno()).st_size)
+                tokens = read_tokens(f, layout)
             meta = layout.meta
             chunk, crcs = meta.get("chunk"), meta.get("crc32")
             if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
                 raise BadEntry("its checksums do not cover its data")
-            if meta.get("head") != _head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
+            if meta.get("head") != head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
                 raise BadEntry("its header's checksum does not match: the file is corrupt")
             if meta.get("adapter") != entry.adapter or not np.array_equal(tokens, entry.tokens):
                 raise BadEntry("its adapter or token ids changed since it was indexed")
@@ -671,26 +486,26 @@ class PrefixDisk:
 
     def _store(self, name: str, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
         arrays: list[mx.array] = []
-        tree = _flatten(layers, arrays)
-        segments = [memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B"), *(_bytes_of(a) for a in arrays)]
-        kinds = [("I32", [len(tokens)]), *((_DTYPES[_dtype_name(a)], list(a.shape)) for a in arrays)]
+        tree = flatten(layers, arrays)
+        segments = [memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B"), *(bytes_of(a) for a in arrays)]
+        kinds = [("I32", [len(tokens)]), *((DTYPES[dtype_name(a)], list(a.shape)) for a in arrays)]
         header: dict = {}
         at = 0
         for i, ((dtype, shape), seg) in enumerate(zip(kinds, segments)):
             header["tokens" if i == 0 else f"a{i - 1}"] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(seg)]}
             at += len(seg)
-        crcs = list(self._io.map(_crc, _chunks(segments, CHUNK)))
-        head = _head_digest(header, adapter, tree)
+        crcs = list(self._io.map(crc_of, pieces(segments, CHUNK)))
+        head = head_digest(header, adapter, tree)
         header["__metadata__"] = {"lattice": json.dumps({"format": FORMAT, "adapter": adapter, "tree": tree, "chunk": CHUNK, "crc32": crcs, "head": head})}
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
-        if _LENGTH.size + len(raw) + at > self.budget:
+        if LENGTH.size + len(raw) + at > self.budget:
             return
         path = self.dir / name
         tmp = path.with_name(f"{name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(_LENGTH.pack(len(raw)))
+                f.write(LENGTH.pack(len(raw)))
                 f.write(raw)
                 for seg in segments:
                     f.write(seg)
