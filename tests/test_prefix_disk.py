@@ -157,6 +157,26 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
     assert cache.insert_read(None, system.tokens, *restored) and len(cache) == 1
 
 
+def test_a_file_replaced_after_its_check_is_not_used(tmp_path, caplog):
+    """The check and mlx's read are two reads: a file that another one
+    replaced in between (other tokens under its name) is refused when read."""
+    import numpy as np
+
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    for start in (0, 1000):
+        disk.write(None, np.arange(start, start + 50), snapshot_layers(start, 50))
+    assert disk.flush(30)
+    first, other = sorted(disk._index.values(), key=lambda e: int(e.tokens[0]))
+    loaded = disk.load_now(first)
+    (disk.dir / first.name).write_bytes((disk.dir / other.name).read_bytes())
+    assert loaded.layers() is None
+    assert "could not be read after its check" in caplog.text
+    (disk.dir / first.name).unlink()
+    assert loaded.layers() is None  # gone: the same answer
+
+
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
     """Lookups read the model key's directory alone, and the key follows the
     weights' content (and the dtype and quantization a worker runs with)."""
