@@ -44,10 +44,11 @@ A file is worth reading only while reading it is faster than computing the
 tokens it holds: at 26k tokens the 0.8b shape's state is 312 MB against
 2.4 s of prefill on an H100, but the 8B shape's would be 3.8 GB, over 10 s
 at 0.3 GB/s (what one H100 machine gave a single thread that read and
-hashed a file). The disk tier times its reads (`read_rate`, the
-median of the last RATE_SAMPLES, bytes per second); the scheduler, its
-prompts' reading, and skips a file that `slower_than_prefill` says costs
-more than it saves. Until both are measured, files are read.
+hashed a file). The scheduler times each read whole, check and arrays
+(`record_read`; `read_rate` is the median of the last RATE_SAMPLES, bytes
+per second), and its prompts' reading, and skips a file that
+`slower_than_prefill` says costs more than it saves. Until both are
+measured, files are read.
 """
 
 from __future__ import annotations
@@ -339,6 +340,12 @@ class PrefixDisk:
                 self._reading.discard(entry.name)
             out.append((entry, loaded))
 
+    def record_read(self, nbytes: int, seconds: float) -> None:
+        """A file's read, timed whole: its check and its arrays (the main
+        thread's part, as long again as the check on an H100)."""
+        if seconds > 0:
+            self._read_rates.append(nbytes / seconds)
+
     @property
     def read_rate(self) -> float | None:
         """Bytes per second of the latest reads (their median); None before one."""
@@ -417,9 +424,8 @@ class PrefixDisk:
                             self._read_backs.appendleft(entry)
                         continue
                     took = time.monotonic() - t0
-                    if loaded is not None and took > 0:
+                    if loaded is not None:
                         loaded.check_s = took
-                        self._read_rates.append(entry.size / took)
                     self._results.put((entry, loaded))
                     self.wake()
                     continue

@@ -296,13 +296,15 @@ class Scheduler:
                 try:
                     t0 = time.monotonic()
                     restored = loaded.layers()
+                    arrays_s = time.monotonic() - t0
                     if restored is not None and self.prefix_cache.insert_read(entry.adapter, entry.tokens, *restored):
+                        disk.record_read(entry.size, loaded.check_s + arrays_s)
                         log.info(
                             "prefix cache: %d tokens read from disk (%d MB: checked in %.0f ms, arrays in %.0f ms)",
                             len(entry.tokens),
                             entry.size // 10**6,
                             loaded.check_s * 1e3,
-                            (time.monotonic() - t0) * 1e3,
+                            arrays_s * 1e3,
                         )
                 except Exception:
                     log.exception("prefix cache: %s could not be restored", entry.name)
