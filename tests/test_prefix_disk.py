@@ -177,6 +177,31 @@ def test_a_file_replaced_after_its_check_is_not_used(tmp_path, caplog):
     assert loaded.layers() is None  # gone: the same answer
 
 
+def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkeypatch):
+    """A file read back beside running rows is made a few arrays per step,
+    so no step waits for a whole file's arrays."""
+    from worker.cache import prefix_disk
+    from worker.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(prefix_disk, "READ_BACK_QUIET_S", 0.0)
+    monkeypatch.setattr(scheduler_module, "READ_BACK_STEP_BYTES", 16 << 10)
+    disk = disk_after_first(tiny_model, tmp_path)
+    system = min(disk._index.values(), key=lambda e: e.size)
+    assert system.size > 4 * (16 << 10)
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    assert disk.read(system, read_back=True)
+    wait_for(lambda: disk._results.qsize(), timeout=30, message="the read-back's check")
+    reader.step()  # as the worker's loop does when the disk thread wakes it
+    steps = 1
+    while reader.has_work:
+        reader.step()
+        steps += 1
+        assert steps < 1000
+    assert steps > 4 and len(reader.prefix_cache) == 1
+    _, done = run(reader, prompt=SECOND)
+    assert done["cached_tokens"] > 0
+
+
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):
     """Lookups read the model key's directory alone, and the key follows the
     weights' content (and the dtype and quantization a worker runs with)."""
@@ -539,8 +564,13 @@ def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_mo
 
     monkeypatch.setattr(disk, "_load", load_file)
     made = []
-    layers = prefix_disk.Loaded.layers
-    monkeypatch.setattr(prefix_disk.Loaded, "layers", lambda self: made.append(self.entry.name) or layers(self))
+    parts = prefix_disk.Loaded.parts
+
+    def tracked(self, step_bytes):
+        made.append(self.entry.name)  # when its first array is made
+        return (yield from parts(self, step_bytes))
+
+    monkeypatch.setattr(prefix_disk.Loaded, "parts", tracked)
     reader = engine_for(tiny_model, prefix_disk=disk)
     assert disk.read(turn, read_back=True)
     wait_for(lambda: disk._results.qsize(), timeout=30, message="the read-back")
