@@ -40,11 +40,12 @@ TRIAL_AT_MOST = 64  # steps a trial takes at most
 
 
 class _Size:
-    __slots__ = ("traced", "times", "left", "since", "steps")
+    __slots__ = ("traced", "times", "turn", "left", "since", "steps")
 
     def __init__(self) -> None:
         self.traced: bool | None = None  # the choice; None while trying
         self.times: dict[bool, list[float]] = {True: [], False: []}
+        self.turn = True  # the trial's current way
         self.left = BLOCK  # steps of the current block (its way: `turn`)
         self.since = 0  # steps since the choice
         self.steps = 0  # steps of the trial
@@ -53,32 +54,27 @@ class _Size:
 class StepChoice:
     def __init__(self) -> None:
         self._sizes: dict[int, _Size] = {}
-        self._turn: dict[int, bool] = {}  # each trial's current way
 
     def traced(self, batch: int) -> bool:
         """The way the next decode step of `batch` rows runs (True: traced)."""
         size = self._sizes.get(batch)
         if size is None:
             size = self._sizes[batch] = _Size()
-            self._turn[batch] = True
         if size.traced is not None:
             size.since += 1
             if size.since < RETRY:
                 return size.traced
             self._sizes[batch] = size = _Size()
-            self._turn[batch] = True
         size.steps += 1
         if size.steps > TRIAL_AT_MOST:
             self._choose(batch, size)
             return size.traced
-        turn = self._turn[batch]
-        if size.left == 0 or len(size.times[turn]) >= TRIAL:
-            other = not turn
-            if len(size.times[other]) < TRIAL:
-                turn = self._turn[batch] = other
+        if size.left == 0 or len(size.times[size.turn]) >= TRIAL:
+            if len(size.times[not size.turn]) < TRIAL:
+                size.turn = not size.turn
             size.left = BLOCK
         size.left -= 1
-        return turn
+        return size.turn
 
     def timed(self, batch: int, traced: bool, seconds: float) -> None:
         """A step of `batch` rows run that way took `seconds` (see the module's
