@@ -219,11 +219,10 @@ def part_decode(args, path: Path, codec, record) -> None:
     # CPU compiled; on CUDA traced or op by op, whichever its timing of
     # both chose); "0e": the same, op by op; "8" and "8e": 8 bits, the same
     # two; "8k" (CPU): 8 bits, compiled, with the scores from mlx's
-    # quantized matmul. The
-    # attention is rebound on the model's module, shared by every engine
-    # here, so the route is a module setting switched around each run (a
-    # trace keeps the route it was made with, and each engine traces its
-    # own). Engines of the same cache share one loaded model (a 16 GB load
+    # quantized matmul. The attention is rebound on the model's module,
+    # shared by every engine here, so how `8k` scores its keys is a module
+    # setting switched around each run (a trace keeps the setting it was
+    # made with, and each engine traces its own). Engines of the same cache share one loaded model (a 16 GB load
     # apiece on the 8B shape).
     keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8e")
     engines = {}
