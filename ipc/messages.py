@@ -237,7 +237,10 @@ class Embed(msgspec.Struct, tag="embed", frozen=True):
 
 
 class Stats(msgspec.Struct, tag="stats", frozen=True):
-    pass
+    # Echoed in the worker_stats line that answers it: the reader thread
+    # answers at once, so a line measured before `ready` can reach the pool
+    # after it; the number tells the pool which request a line answers.
+    seq: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):

@@ -119,6 +119,7 @@ class WorkerStats(MemoryFigures, tag_field="ev", tag=WORKER_STATS):
     adapters: list[AdapterFigures] = []
     max_adapters: int = 0
     ranks: list[RankFigures] | None = None
+    seq: int = 0  # the Stats message it answers (ipc.messages.Stats)
 
 
 # The adapter events name the adapter by its path, as the pool sent it.

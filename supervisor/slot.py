@@ -125,7 +125,13 @@ class WorkerSlot:
         self.stats: WorkerStats | None = None
         self.stderr_tail = LastMessage()
         self.reading_paused = False
-        self._stats_waiters: list[asyncio.Future] = []
+        # Futures of fresh_stats, each with the number of its Stats message.
+        self._stats_waiters: list[tuple[int, asyncio.Future]] = []
+        self._stats_sent = 0  # the number of the last Stats message sent
+        # Lines answering a Stats sent before the running worker's `ready`
+        # measured it loading (weights_bytes 0); once it is ready they are
+        # dropped, whenever they come.
+        self._stats_floor = 0
         self._restart_timer: asyncio.TimerHandle | None = None
         self.kill_reason: str | None = None  # set while it is killed as broken
         self._stopped = asyncio.Event()
@@ -258,7 +264,7 @@ class WorkerSlot:
         self.sm.to(State.READY, "worker ready")
         self.settled.set()
         self.roster.worker_ready(line)
-        self.request_stats_nowait()
+        self._stats_floor = self.request_stats_nowait()
         self.traffic.dispatch()
         self.traffic.quiet()
 
@@ -272,18 +278,23 @@ class WorkerSlot:
 
     # -- stats -------------------------------------------------------------------
 
-    def request_stats_nowait(self) -> None:
-        self.traffic.send(Stats())
+    def request_stats_nowait(self) -> int:
+        """Asks the worker for its figures; the number of the request."""
+        self._stats_sent += 1
+        self.traffic.send(Stats(seq=self._stats_sent))
+        return self._stats_sent
 
     async def fresh_stats(self, timeout: float = 2.0) -> WorkerStats | None:
-        """The worker's measured figures now, or the last ones it reported
-        (None before its first report)."""
+        """The worker's figures measured after this call, or the last ones
+        it reported (None before its first report)."""
         if self.child is None or self.state not in LIVE:
             return self.stats
         future = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(future)
-        if not self.traffic.send(Stats()):
-            self._stats_waiters.remove(future)
+        self._stats_sent += 1
+        entry = (self._stats_sent, future)
+        self._stats_waiters.append(entry)
+        if not self.traffic.send(Stats(seq=self._stats_sent)):
+            self._stats_waiters.remove(entry)
             return self.stats
         try:
             return await asyncio.wait_for(future, timeout)
@@ -295,13 +306,18 @@ class WorkerSlot:
         return min(self.spec.max_batch, rows) if isinstance(self.spec.max_batch, int) else rows
 
     def _got_stats(self, stats: WorkerStats) -> None:
+        if stats.seq < self._stats_floor:
+            return
         self.stats = stats
         if stats.max_batch:
             # A worker whose architecture cannot batch runs one at a time;
             # the rest then wait here, where a cancel stays local.
             self.max_batch = self._capped(stats.max_batch)
-        waiters, self._stats_waiters = self._stats_waiters, []
-        for future in waiters:
+        # The worker answers in order: this line answers every request up
+        # to its number, and none after it.
+        answered = [f for seq, f in self._stats_waiters if seq <= stats.seq]
+        self._stats_waiters = [(seq, f) for seq, f in self._stats_waiters if seq > stats.seq]
+        for future in answered:
             if not future.done():
                 future.set_result(stats)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from harness.procs import async_wait_for
 from ipc.events import encode_done, encode_event, encode_token
-from ipc.messages import Cancel, Generate
+from ipc.messages import Cancel, Generate, Stats
 from supervisor.job import Job
 from supervisor.policy import RestartPolicy
 from supervisor.slot import WorkerSlot
@@ -147,5 +147,47 @@ def test_a_slot_runs_requests_through_an_in_memory_child():
 
         await slot.stop("test over")
         assert slot.state == State.UNLOADED and b'"ev":"unloaded"' in lines.lines[-1]
+
+    asyncio.run(main())
+
+
+def test_stats_lines_answer_the_request_they_name():
+    """A worker answers Stats on its reader thread, so a line measured while
+    it loaded can reach the pool after `ready`: that line (weights_bytes 0)
+    neither answers a later request nor replaces the figures of the ready
+    worker."""
+
+    async def main():
+        children: list[MemoryChild] = []
+
+        def factory(*callbacks):
+            children.append(MemoryChild(*callbacks))
+            return children[-1]
+
+        spec = ModelSpec("m", Path("/nowhere"))
+        slot = WorkerSlot(spec, Told(), Lines(), lambda: (["worker"], {}), RestartPolicy(), random.Random(0), child_factory=factory)
+        slot.roster.join(spec)
+        await slot.start("test")
+        child = children[0]
+
+        def asked() -> list[int]:
+            return [m.seq for m in child.sent if isinstance(m, Stats)]
+
+        loading_seq = slot.request_stats_nowait()
+        child.on_lines(encode_event("ready", model="m", load_ms=7, weights_bytes=100))
+        ready_seq = asked()[-1]
+        fresh = asyncio.ensure_future(slot.fresh_stats(timeout=30))
+        await async_wait_for(lambda: len(asked()) == 3, 5, message="status's Stats sent")
+        status_seq = asked()[-1]
+        assert loading_seq < ready_seq < status_seq
+
+        child.on_lines(encode_event("worker_stats", model="m", weights_bytes=0, seq=loading_seq))
+        assert slot.stats is None and not fresh.done()
+        child.on_lines(encode_event("worker_stats", model="m", weights_bytes=100, rss_bytes=1, seq=ready_seq))
+        await asyncio.sleep(0)
+        assert slot.stats.weights_bytes == 100 and not fresh.done()
+        child.on_lines(encode_event("worker_stats", model="m", weights_bytes=100, rss_bytes=2, seq=status_seq))
+        assert (await fresh).rss_bytes == 2
+        await slot.stop("test over")
 
     asyncio.run(main())

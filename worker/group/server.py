@@ -113,11 +113,11 @@ class LeaderServer(WorkerServer):
             self.launcher.broken(f"rank 0 lost the group: {exc}; the group restarts")
         return kept
 
-    def stats_event(self) -> bytes:
+    def stats_event(self, seq: int) -> bytes:
         mine = RankFigures(rank=0, host=self.plan.hosts[0].name, pid=os.getpid(), weights_bytes=self.weights_bytes, **memory_figures())
         ranks = [mine, *self.launcher.figures()]
         sums = {f: sum(getattr(r, f) for r in ranks) for f in SUMMED}
-        return self.encode_stats(sums.pop("weights_bytes"), sums, ranks=[msgspec.to_builtins(r) for r in ranks])
+        return self.encode_stats(seq, sums.pop("weights_bytes"), sums, ranks=[msgspec.to_builtins(r) for r in ranks])
 
 
 class FollowerServer(WorkerServer):

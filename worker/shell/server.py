@@ -82,7 +82,7 @@ class WorkerServer:
                     case Embed():
                         items.append(EmbedArrived(msg, time.perf_counter()))
                     case Stats():
-                        self.channel.write(self.stats_event())
+                        self.channel.write(self.stats_event(msg.seq))
                     case _:
                         items.append(msg)
             if items:
@@ -97,10 +97,10 @@ class WorkerServer:
         log.warning("malformed frame: %s", problem)
         self.channel.write(encode_error(f"malformed frame: {problem}", BAD_REQUEST))
 
-    def stats_event(self) -> bytes:
-        return self.encode_stats(self.weights_bytes, memory_figures())
+    def stats_event(self, seq: int) -> bytes:
+        return self.encode_stats(seq, self.weights_bytes, memory_figures())
 
-    def encode_stats(self, weights_bytes: int, memory: dict, **extra) -> bytes:
+    def encode_stats(self, seq: int, weights_bytes: int, memory: dict, **extra) -> bytes:
         """The worker_stats line: this process's identity and batch figures
         with the given memory figures (a group's are its ranks' sums)."""
         batch = dict(self.scheduler.figures) if self.scheduler else {}
@@ -114,6 +114,7 @@ class WorkerServer:
             **memory,
             **batch,
             **extra,
+            seq=seq,
         )
 
     # -- main thread --------------------------------------------------------
