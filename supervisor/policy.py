@@ -127,6 +127,14 @@ def make_room(
     return Wait("every loaded model that would have to be unloaded is busy")
 
 
+def footprint(rss_bytes: int, mlx_active_bytes: int, mlx_cache_bytes: int) -> int:
+    """The memory a worker holds, as eviction counts it: its resident size,
+    or MLX's buffers (in use and kept for reuse) where they are more. On a
+    CPU those buffers are part of the resident size; on a GPU they are not,
+    and they hold the weights, the rows' caches and the prefix cache."""
+    return max(rss_bytes, mlx_active_bytes + mlx_cache_bytes)
+
+
 # Without max_loaded or memory_budget the pool still bounds its workers: as
 # many as fit in this share of the machine's memory at the footprint of the
 # largest (its weights and the runtime a worker takes besides), never more

@@ -29,7 +29,7 @@ from supervisor.child import worker_command
 from supervisor.config import Config, parse_size
 from supervisor.job import Job
 from supervisor.names import Name
-from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, make_room
+from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, footprint, make_room
 from supervisor.resolve import Resolver
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -41,7 +41,8 @@ from supervisor.stdout import Output
 log = logging.getLogger("lattice.pool")
 
 # Python, MLX and the tokenizer cost about this much before any weights;
-# replaced by measurements (RSS minus weights) once a worker has reported.
+# replaced by measurements (held memory minus weights, policy.footprint)
+# once a worker has reported.
 DEFAULT_RUNTIME_BYTES = 256 * 1024 * 1024
 HOUSEKEEPING_INTERVAL = 0.25
 STATS_REFRESH_INTERVAL = 5.0
@@ -86,6 +87,12 @@ class PoolSide(Protocol):
         """A worker has room now: the pool checks whether nothing is left."""
 
     def idless_waiting(self, spec: ModelSpec) -> int: ...
+
+
+def held(slot: WorkerSlot) -> int:
+    """The memory the slot's worker last reported holding (0: none yet)."""
+    s = slot.stats
+    return footprint(s.rss_bytes, s.mlx_active_bytes, s.mlx_cache_bytes) if s else 0
 
 
 class Workers:
@@ -188,7 +195,7 @@ class Workers:
             # a model from starting; its worker will say what is wrong.
             log.warning("model=%s: cannot size the weights in %s: %s", spec.name, spec.path, exc)
             weights = 0
-        measured = [s.stats.rss_bytes - s.stats.weights_bytes for s in self.slots.values() if s.stats and s.stats.rss_bytes and s.state in LIVE]
+        measured = [held(s) - s.stats.weights_bytes for s in self.slots.values() if held(s) and s.state in LIVE]
         return weights + (int(statistics.median(measured)) if measured else DEFAULT_RUNTIME_BYTES)
 
     def _residents(self, exclude: WorkerSlot) -> list[Resident]:
@@ -197,7 +204,7 @@ class Workers:
                 key=s.spec.key,
                 idle=s.traffic.idle,
                 last_used=s.last_used,
-                memory_bytes=(s.stats.rss_bytes if s.stats else 0) or self._estimate_bytes(s.spec),
+                memory_bytes=held(s) or self._estimate_bytes(s.spec),
             )
             for s in self.slots.values()
             if s is not exclude and (s.state in LIVE or s.state == State.RESTARTING)

@@ -22,6 +22,7 @@ from supervisor.policy import (
     Wait,
     default_max_loaded,
     failed_rows_to_drop,
+    footprint,
     make_room,
     on_crash,
 )
@@ -187,6 +188,13 @@ class TestDefaultMaxLoaded:
         assert default_max_loaded(8 * self.GIB, [40 * self.GIB]) == 1
         assert default_max_loaded(512 * self.GIB, [300 << 20]) == DEFAULT_MAX_LOADED_CEILING == 16
         assert default_max_loaded(512 * self.GIB, []) == DEFAULT_MAX_LOADED_CEILING
+
+
+def test_footprint_counts_mlx_buffers_that_rss_does_not_show():
+    # A CPU worker: MLX's buffers are part of its resident size.
+    assert footprint(rss_bytes=900, mlx_active_bytes=600, mlx_cache_bytes=100) == 900
+    # A GPU worker: the weights, rows and prefix cache sit in device memory.
+    assert footprint(rss_bytes=900, mlx_active_bytes=16_000, mlx_cache_bytes=4_000) == 20_000
 
 
 class TestFailedRows:

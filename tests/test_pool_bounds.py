@@ -43,6 +43,25 @@ def test_with_no_max_loaded_the_workers_that_fit_in_memory_stay_loaded(fakes, sp
     assert pool.close() == 0
 
 
+def test_memory_budget_counts_gpu_buffers_that_rss_does_not_show(fakes, spawn_pool):
+    """A GPU worker's weights, rows and prefix cache live in device memory,
+    outside its RSS: eviction counts MLX's buffers where they are more. 'a'
+    reports 600 MB of them; 'b' is estimated at its (empty) weights plus the
+    600 MB overhead measured on 'a'; under a 1 GB budget 'a' makes room."""
+    for name in "ab":
+        fakes.add(name, {"mlx_active_bytes": 600_000_000})
+    pool = spawn_pool("--config", fakes.config('memory_budget = "1GB"\nheartbeat_interval = 0.1\n', preload=False), env=FAKE_ENV)
+    pool.send({"model": "a", "id": "a", "prompt": "x", "max_tokens": 1})
+    assert pool.terminal("a")["ev"] == "gen_token"
+    assert status(pool)["a"]["mlx_active_bytes"] == 600_000_000
+    pool.send({"model": "b", "id": "b", "prompt": "x", "max_tokens": 1})
+    assert pool.terminal("b")["ev"] == "gen_token"
+    assert pool.wait_ev("unloaded", model="a")
+    assert said(pool.stderr, b"evicted to make room for 'b'")
+    assert sorted(status(pool)) == ["b"]
+    assert pool.close() == 0
+
+
 def test_failed_model_dirs_named_in_requests_leave_the_table_past_a_bound(fakes, spawn_pool, tmp_path):
     """Every failed dir stayed in status and `ps` for good. Past
     MAX_FAILED_ROWS the oldest go; a configured model that failed stays."""
