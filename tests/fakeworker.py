@@ -147,7 +147,17 @@ class FakeWorker:
                 else:
                     self.cancelled.add(msg.rid)
         elif isinstance(msg, Stats):
-            self.out.write(encode_event("worker_stats", model=self.name, format="fake", rss_bytes=rss_bytes(), uss_bytes=rss_bytes(), mlx_active_bytes=self.knobs.get("mlx_active_bytes", 0), seq=msg.seq))
+            self.out.write(
+                encode_event(
+                    "worker_stats",
+                    model=self.name,
+                    format="fake",
+                    rss_bytes=rss_bytes(),
+                    uss_bytes=rss_bytes(),
+                    mlx_active_bytes=self.knobs.get("mlx_active_bytes", 0),
+                    seq=msg.seq,
+                )
+            )
         else:
             self.jobs.put(msg)
 
