@@ -153,7 +153,11 @@ class PrefixCache:
         self.used = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
-        kinds = {type(c) for c in make_prompt_cache(model)}
+        cache = make_prompt_cache(model)
+        kinds = {type(c) for c in cache}
+        # What a snapshot read from disk must hold, layer by layer: keys and
+        # values (None) or that many state arrays.
+        self._layout = [None if isinstance(c, _KV) else len(c.cache) for c in cache]
         # A snapshot cut back below quantized_kv_start would resume quantized
         # what a fresh prompt holds plain: such a model's snapshots serve
         # only their whole length, as a hybrid model's do.
@@ -272,11 +276,11 @@ class PrefixCache:
         return self.insert(adapter, want, layers, nbytes)
 
     def _layout_problem(self, layers: object, length: int) -> str | None:
-        cache = make_prompt_cache(self.model)
-        if not isinstance(layers, list) or len(layers) != len(cache):
-            return f"{len(layers) if isinstance(layers, list) else 'no'} layers for {len(cache)}"
-        for i, (c, saved) in enumerate(zip(cache, layers)):
-            if isinstance(c, _KV):
+        layout = self._layout
+        if not isinstance(layers, list) or len(layers) != len(layout):
+            return f"{len(layers) if isinstance(layers, list) else 'no'} layers for {len(layout)}"
+        for i, (states, saved) in enumerate(zip(layout, layers)):
+            if states is None:
                 if saved is None:
                     continue
                 if not isinstance(saved, tuple) or len(saved) != 2:
@@ -285,8 +289,8 @@ class PrefixCache:
                     arrays = part if isinstance(part, tuple) else (part,)
                     if not all(isinstance(a, mx.array) and a.ndim == 4 and a.shape[-2] == length for a in arrays):
                         return f"layer {i} does not hold {length} tokens"
-            elif not isinstance(saved, list) or len(saved) != len(c.cache) or not all(a is None or isinstance(a, mx.array) for a in saved):
-                return f"layer {i} is not {len(c.cache)} state arrays"
+            elif not isinstance(saved, list) or len(saved) != states or not all(a is None or isinstance(a, mx.array) for a in saved):
+                return f"layer {i} is not {states} state arrays"
         return None
 
     @property
