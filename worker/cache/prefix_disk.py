@@ -48,7 +48,8 @@ hashed a file). The scheduler times each read whole, check and arrays
 (`record_read`; `read_rate` is the median of the last RATE_SAMPLES, bytes
 per second), and its prompts' reading, and skips a file that
 `slower_than_prefill` says costs more than it saves. Until both are
-measured, files are read.
+measured, files are read, and after PROBE_AFTER_SKIPS skipped in a row
+the next is read, to time the disk again.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import statistics
 import threading
 import time
@@ -106,6 +108,11 @@ READ_WAIT_S = 30.0
 READ_BACK_QUIET_S = 0.5
 # Reads timed for `read_rate` (the latest).
 RATE_SAMPLES = 5
+# Files skipped in a row as slower to read than to compute (`skip`), after
+# which the next one is read anyway: the rate is the latest reads', and a
+# slow spell (a busy disk, a cold page cache at start) would otherwise
+# stop every read for the worker's life, with no read left to time.
+PROBE_AFTER_SKIPS = 8
 # Data bytes under one checksum: the unit a check is split into. Each of
 # the READ_THREADS threads keeps one buffer of it (at most MAX_CHUNK, what
 # a file may claim).
@@ -117,7 +124,9 @@ DEFAULT_CAP = 30 << 30
 
 
 def default_budget(root: Path) -> int:
-    """min(30 GiB, a quarter of the free space where the files go)."""
+    """min(30 GiB, a quarter of the free space where the files go), the
+    files already there counted as free: else each start would see less
+    free space than the last, its own files taking it, and evict more."""
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -125,11 +134,55 @@ def default_budget(root: Path) -> int:
         free = shutil.disk_usage(probe).free
     except OSError:
         return 0
-    return min(DEFAULT_CAP, free // 4)
+    return min(DEFAULT_CAP, (free + _bytes_under(root)) // 4)
+
+
+def _bytes_under(root: Path) -> int:
+    """Bytes of the files one level below each folder of `root` (a model's
+    cache files); 0 where they cannot be listed."""
+    total = 0
+    try:
+        with os.scandir(root) as entries:
+            folders = [e for e in entries if e.is_dir(follow_symlinks=False)]
+        for folder in folders:
+            with os.scandir(folder.path) as files:
+                total += sum(f.stat(follow_symlinks=False).st_size for f in files if f.is_file(follow_symlinks=False))
+    except OSError:
+        return total
+    return total
 
 
 # What `_load` returns for a read-back that stopped for a request's read.
 STOPPED = object()
+
+
+def open_regular(path: Path, buffering: int = -1):
+    """Opens a file to read; OSError when it is not a regular file: open()
+    of a FIFO under a file's name would wait for a writer for ever (at a
+    worker's start, or on the disk thread)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering)
+
+
+def writer_runs(name: str) -> bool:
+    """Whether the process that a temporary file's name ("<entry>.<pid>.tmp",
+    `_store`) names still runs."""
+    pid = name.rsplit(".", 2)[-2]
+    if not pid.isdecimal() or int(pid) <= 0:
+        return False  # not a name of `_store`'s (0 and -1 would ask about groups)
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True  # another user's
+    except (OSError, OverflowError):
+        return False
+    return True
 
 
 @dataclass
@@ -213,7 +266,10 @@ class PrefixDisk:
         self._read_backs: deque[DiskEntry] = deque()
         self._results: queue.Queue = queue.Queue()
         self._reading: set[str] = set()
+        # Those of them a request asked for (`read`), until `results`.
+        self._asked: set[str] = set()
         self._read_rates: deque[float] = deque(maxlen=RATE_SAMPLES)  # bytes/s of the latest reads
+        self._skipped = 0  # files `skip` left unread in a row
         self._work = threading.Event()
         self._clock = time.monotonic
         # When a request last asked for a file, or read-backs were queued
@@ -237,8 +293,11 @@ class PrefixDisk:
     def _scan(self) -> None:
         for path in self.dir.iterdir():
             if path.name.endswith(".tmp"):
-                # A write that a crash cut short.
-                path.unlink(missing_ok=True)
+                # A write that a crash cut short; not one of a process that
+                # still runs (another worker of this model, or the one a
+                # pool restart replaces): its rename would fail.
+                if not writer_runs(path.name):
+                    path.unlink(missing_ok=True)
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
@@ -256,8 +315,8 @@ class PrefixDisk:
         self._evict()
 
     def _read_index(self, path: Path) -> DiskEntry:
-        st = path.stat()
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
             layout = read_layout(f, st.st_size)
             tokens = read_tokens(f, layout)
         adapter = layout.meta.get("adapter")
@@ -267,7 +326,11 @@ class PrefixDisk:
 
     def _discard(self, path: Path, why: str) -> None:
         log.warning("prefix cache: dropping %s: %s", path.name, why)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            # A read-only folder: the file stays, out of the index.
+            log.warning("prefix cache: cannot remove %s: %s", path.name, exc)
         with self._lock:
             self._index.pop(path.name, None)
 
@@ -302,6 +365,8 @@ class PrefixDisk:
         in memory again; False when it is already being read (a request's
         read then goes before the read-backs still waiting)."""
         with self._lock:
+            if not read_back:
+                self._asked.add(entry.name)
             if entry.name in self._reading:
                 if not read_back:
                     self._quiet_since = self._clock()
@@ -358,7 +423,18 @@ class PrefixDisk:
                 return out
             with self._lock:
                 self._reading.discard(entry.name)
+                self._asked.discard(entry.name)
             out.append((entry, loaded))
+
+    def skip(self, nbytes: int, tokens: int, prefill_rate: float | None) -> bool:
+        """Whether to leave a file of `nbytes` that saves `tokens` unread
+        (`slower_than_prefill`), but for one in PROBE_AFTER_SKIPS + 1 in a
+        row, read to time the disk again. Main thread."""
+        if self._skipped < PROBE_AFTER_SKIPS and slower_than_prefill(nbytes, tokens, self.read_rate, prefill_rate):
+            self._skipped += 1
+            return True
+        self._skipped = 0
+        return False
 
     def record_read(self, nbytes: int, seconds: float) -> None:
         """A file's read, timed whole: its check and its arrays (the main
@@ -390,8 +466,7 @@ class PrefixDisk:
         name = entry_name(adapter, tokens)
         with self._lock:
             known = self._index.get(name)
-        if known is not None:
-            self._touch(known)
+        if known is not None and self._touch(known):
             return
         try:
             self._writes.put_nowait((name, adapter, tokens, layers))
@@ -405,12 +480,22 @@ class PrefixDisk:
         if entry is not None:
             self._touch(entry)
 
-    def _touch(self, entry: DiskEntry) -> None:
+    def _touch(self, entry: DiskEntry) -> bool:
+        """Marks an entry used; False when its file is gone (another
+        worker's eviction, or a user clearing the directory): it leaves the
+        index, which no longer counts it against the budget, and a write
+        makes it again."""
         entry.used = time.time()
         try:
             os.utime(self.dir / entry.name, (entry.used, entry.used))
+        except FileNotFoundError:
+            with self._lock:
+                if self._index.get(entry.name) is entry:
+                    del self._index[entry.name]
+            return False
         except OSError:
             pass
+        return True
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued write is on disk (tests, benchmarks)."""
@@ -441,7 +526,11 @@ class PrefixDisk:
                         loaded = None
                     if loaded is STOPPED:
                         with self._lock:
-                            self._read_backs.appendleft(entry)
+                            # A request that asked for it while it was read
+                            # back waits for it: back among the read-backs,
+                            # it would wait for quiet (up to READ_WAIT_S
+                            # under a flow of requests).
+                            (self._reads if entry.name in self._asked else self._read_backs).appendleft(entry)
                         continue
                     took = time.monotonic() - t0
                     if loaded is not None:
@@ -467,7 +556,7 @@ class PrefixDisk:
         when `stop` said so between chunks."""
         path = self.dir / entry.name
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 layout = read_layout(f, os.fstat(f.fileno()).st_size)
                 tokens = read_tokens(f, layout)
             meta = layout.meta
@@ -483,7 +572,7 @@ class PrefixDisk:
                 if stop is not None and stop():
                     return False
                 part = self._buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
-                with open(path, "rb", buffering=0) as f:
+                with open_regular(path, buffering=0) as f:
                     f.seek(layout.data_start + i * chunk)
                     got = 0
                     while got < len(part):

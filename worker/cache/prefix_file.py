@@ -161,6 +161,11 @@ def read_layout(f, size: int) -> Layout:
         meta = json.loads(header.pop("__metadata__")["lattice"])
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadEntry("not a prefix cache file of this version")
+        # The adapter key is hashed into the file's name (`entry_name`): a
+        # number, or a lone surrogate that does not encode, raised there.
+        adapter = meta.get("adapter")
+        if adapter is not None and not (isinstance(adapter, str) and _encodes(adapter)):
+            raise BadEntry("its adapter key is not a valid string")
         names = ["tokens", *(f"a{i}" for i in range(len(header) - 1))]
         at = 0
         for name in names:
@@ -180,6 +185,14 @@ def read_layout(f, size: int) -> Layout:
     if size != start + at:
         raise BadEntry(f"{size} bytes where its header says {start + at}: truncated or extended")
     return Layout(meta, header, len(names) - 1, tokens["shape"][0], start, at)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_tokens(f, layout: Layout) -> np.ndarray:

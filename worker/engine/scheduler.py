@@ -41,7 +41,7 @@ from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, e
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
 from worker.cache.prefix_cache import PrefixCache, cut_points
-from worker.cache.prefix_disk import RATE_SAMPLES, READ_WAIT_S, DiskEntry, Loaded, PrefixDisk, slower_than_prefill
+from worker.cache.prefix_disk import RATE_SAMPLES, READ_WAIT_S, DiskEntry, Loaded, PrefixDisk
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
@@ -188,7 +188,8 @@ class Scheduler:
         self.idle_since: float | None = None
         self._trimmed = True
         self.idle_release_s = idle_release_s
-        self._disk_timer: threading.Timer | None = None
+        # When the alarm last set wakes the worker (time.monotonic()).
+        self._disk_due: float | None = None
         # Files whose arrays are made a part a step (_disk_results), while
         # no request waits for a file: at most one per file in the disk
         # tier's index.
@@ -262,7 +263,7 @@ class Scheduler:
         try:
             prefill_rate = statistics.median(self._prefill_rates) if self._prefill_rates else None
             for entry, saved in self.prefix_cache.disk_reads(w.ids, cut_points(w.ids, self.generator.chat_marker)):
-                if slower_than_prefill(entry.size, saved, disk.read_rate, prefill_rate):
+                if disk.skip(entry.size, saved, prefill_rate):
                     log.info(
                         "request %s: prefix cache file %s not read: %d MB at %.2f GB/s takes longer than %d tokens at %.0f tokens/s",
                         w.req.id_json or w.req.rid,
@@ -285,11 +286,15 @@ class Scheduler:
     def _disk_alarm(self, seconds: float) -> None:
         """Wakes the worker after `seconds`, when a request stops waiting
         for the disk: one timer at a time, set again for the next deadline
-        by _admit."""
-        if self._disk_timer is None or not self._disk_timer.is_alive():
-            self._disk_timer = threading.Timer(seconds, self.prefix_cache.disk.wake)
-            self._disk_timer.daemon = True
-            self._disk_timer.start()
+        by _admit. A timer counts until it is due, not while it is alive:
+        the one whose wake started this _admit may still run."""
+        now = time.monotonic()
+        if self._disk_due is not None and now < self._disk_due <= now + seconds:
+            return
+        self._disk_due = now + seconds
+        timer = threading.Timer(seconds, self.prefix_cache.disk.wake)
+        timer.daemon = True
+        timer.start()
 
     def _disk_results(self) -> None:
         """Files read since the last step go into the memory tier, and the

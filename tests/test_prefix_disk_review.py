@@ -1,0 +1,290 @@
+"""The prefix cache's disk tier under what a shared, long-lived directory
+meets: files that lie in their metadata or are not files at all, a second
+worker of the same model, files removed behind a worker's back, reads that
+cross each other, and a disk that hangs."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+from harness.engine import engine_for
+from harness.procs import wait_for
+from ipc.messages import Generate
+from tests.test_prefix_disk import SECOND, disk_after_first, files, path_of, snapshot_layers
+
+
+def disk_of(root, n: int = 1):
+    """A disk tier over n sound files of 50 tokens each (the first at 0, the next at 1000, ...)."""
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(root, "model", budget=1 << 30)
+    for i in range(n):
+        disk.write(None, np.arange(i * 1000, i * 1000 + 50), snapshot_layers(i, 50))
+    assert disk.flush(30)
+    return disk
+
+
+def with_meta(raw: bytes, **changes) -> bytes:
+    """A file's bytes with its metadata changed, and its header's checksum
+    made again to match (what a file made to pass its checks holds)."""
+    from worker.cache.prefix_file import head_digest
+
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    meta = {**json.loads(header.pop("__metadata__")["lattice"]), **changes}
+    meta["head"] = head_digest(header, meta["adapter"], meta["tree"])
+    body = json.dumps({**header, "__metadata__": {"lattice": json.dumps(meta)}}).encode()
+    return struct.pack("<Q", len(body)) + body + raw[8 + length :]
+
+
+def test_a_file_whose_adapter_key_is_not_a_string_is_dropped_and_the_worker_starts(tmp_path):
+    """The adapter key is hashed into the file's name at every start: one
+    that is a number, a list or a lone surrogate raised out of the tier's
+    constructor, and every worker of the model failed to start."""
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = disk_of(tmp_path)
+    [sound] = files(tmp_path)
+    raw = sound.read_bytes()
+    hostile = []
+    for i, adapter in enumerate((5, ["a"], "\ud800", True)):
+        path = disk.dir / f"{i:040x}.lpx"
+        path.write_bytes(with_meta(raw, adapter=adapter))
+        hostile.append(path)
+    again = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    assert list(again._index) == [sound.name]
+    assert not any(p.exists() for p in hostile)
+
+
+def unblock(fifo) -> None:
+    """Opens a FIFO to write, so that a reader blocked opening it goes on
+    (a test that fails must still end)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader waits
+
+
+def test_a_fifo_where_a_file_should_be_never_blocks_a_start_or_a_read(tmp_path):
+    """open() of a FIFO waits for a writer: a worker that found one named
+    like a file at its start never became ready (the supervisor's restarts
+    hung alike), and one put in place of an indexed file hung the reader."""
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = disk_of(tmp_path, 2)
+    fifo = disk.dir / ("f" * 40 + ".lpx")
+    os.mkfifo(fifo)
+    made = []
+    threading.Thread(target=lambda: made.append(PrefixDisk(tmp_path, "model", budget=1 << 30)), daemon=True).start()
+    try:
+        [again] = wait_for(lambda: made, timeout=20, message="the tier to start beside a FIFO")
+    finally:
+        unblock(fifo)
+    assert len(again) == 2 and fifo.exists()  # the sound files serve; the FIFO is not ours to remove
+
+    entry = min(again._index.values(), key=lambda e: int(e.tokens[0]))
+    (again.dir / entry.name).unlink()
+    os.mkfifo(again.dir / entry.name)
+    got = []
+    threading.Thread(target=lambda: got.append(again.load_now(entry)), daemon=True).start()
+    try:
+        assert wait_for(lambda: got, timeout=20, message="the read of a FIFO to end") == [None]
+    finally:
+        unblock(again.dir / entry.name)
+
+
+def test_a_start_leaves_the_temporary_file_of_a_writer_that_still_runs(tmp_path, monkeypatch):
+    """Two workers of one model share its directory (two pool entries of
+    one path, or a pool restarted while the old worker still writes): a
+    start removed every temporary file, so the other worker's write in
+    progress failed and its snapshot was lost. Those of dead processes go."""
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    writing, go = threading.Event(), threading.Event()
+
+    class Held:
+        """The file's length prefix, written once the temporary file is open: a write held in the middle."""
+
+        size = struct.calcsize("<Q")
+
+        def pack(self, n: int) -> bytes:
+            writing.set()
+            go.wait(30)
+            return struct.pack("<Q", n)
+
+    monkeypatch.setattr(prefix_disk, "LENGTH", Held())
+    old = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    tokens = np.arange(50)
+    old.write(None, tokens, snapshot_layers(0, 50))
+    try:
+        assert writing.wait(30)
+        [tmp] = old.dir.glob("*.tmp")
+        PrefixDisk(tmp_path, "model", budget=1 << 30)  # another worker of the model starts
+        assert tmp.exists()
+    finally:
+        go.set()
+    assert old.flush(30)
+    assert path_of(old, tokens).exists() and len(old) == 1
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = [old.dir / f"{'0' * 40}.lpx.{gone.pid}.tmp", old.dir / "no-pid.tmp"]
+    for path in stale:
+        path.write_bytes(b"cut short")
+    PrefixDisk(tmp_path, "model", budget=1 << 30)
+    assert not any(path.exists() for path in stale)
+
+
+def test_a_file_removed_behind_the_workers_back_leaves_its_index_and_is_written_again(tmp_path):
+    """Another worker's eviction or a user clearing the directory removes a
+    file this worker indexed: it kept counting it against the budget
+    (evicting sound files early) and, the same snapshot made again, only
+    touched the missing file, so it was never on disk again."""
+    disk = disk_of(tmp_path, 2)
+    tokens = np.arange(50)
+    path = path_of(disk, tokens)
+    path.unlink()
+    disk.write(None, tokens, snapshot_layers(0, 50))  # the memory tier made it again
+    assert disk.flush(30)
+    assert path.exists() and len(disk) == 2
+    assert disk.used == sum(p.stat().st_size for p in files(tmp_path))
+
+    other = path_of(disk, np.arange(1000, 1050))
+    other.unlink()
+    disk.touch(None, np.arange(1000, 1050))  # a hit in memory
+    assert len(disk) == 1 and disk.used == path.stat().st_size
+
+
+def test_a_read_back_a_request_waits_for_is_not_put_back_behind_the_quiet_time(tmp_path, monkeypatch):
+    """A request that needs a file being read back waits for that read; one
+    read-back stopped for another request's file went back among the
+    read-backs, after READ_BACK_QUIET_S of no request: under a steady flow
+    of requests, the first one waited out READ_WAIT_S and ran cold."""
+    from worker.cache.prefix_disk import READ_BACK_QUIET_S
+
+    disk = disk_of(tmp_path, 2)
+    back, other = sorted(disk._index.values(), key=lambda e: int(e.tokens[0]))
+    now = [100.0]
+    disk._clock = lambda: now[0]  # no quiet time passes but the test's
+    started, go = threading.Event(), threading.Event()
+    original = disk._load
+
+    def load(entry, stop=None):
+        if entry is back and not started.is_set():
+            started.set()
+            go.wait(30)  # the read-back has begun
+        return original(entry, stop)
+
+    monkeypatch.setattr(disk, "_load", load)
+    assert disk.read(back, read_back=True)
+    now[0] += READ_BACK_QUIET_S
+    disk._work.set()
+    try:
+        assert started.wait(30)
+        assert not disk.read(back)  # a request waits for it: already being read
+        assert disk.read(other)  # another request's file: the read-back stops for it
+    finally:
+        go.set()
+    wait_for(lambda: disk._results.qsize() == 2, timeout=10, message="both requests' files")
+    assert sorted(e.name for e, loaded in disk.results() if loaded is not None) == sorted([back.name, other.name])
+
+
+def test_a_request_waiting_for_a_hung_disk_gets_its_alarm_after_an_earlier_one_fired(tiny_model, tmp_path, monkeypatch):
+    """One timer wakes the worker at the next deadline of a request waiting
+    for the disk, and `_admit` sets the next one. The timer whose wake
+    started that `_admit` is still alive while it runs, so no timer was set:
+    with nothing else to do, the worker slept past the request's deadline
+    until some other message came (for ever, on an idle worker)."""
+    from worker.engine import scheduler as scheduler_module
+
+    disk = disk_after_first(tiny_model, tmp_path)
+    release = threading.Event()
+    hung = disk._load
+    monkeypatch.setattr(disk, "_load", lambda entry, stop=None: release.wait(60) and hung(entry, stop))
+    fired, go = threading.Event(), threading.Event()
+    wakes = []
+
+    def wake():
+        wakes.append(threading.current_thread().name)
+        if len(wakes) == 1:
+            fired.set()
+            go.wait(30)  # the worker's loop takes the wake while the timer's thread still runs
+
+    disk.wake = wake
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    try:
+        monkeypatch.setattr(scheduler_module, "READ_WAIT_S", 0.2)
+        reader.submit(Generate(rid=1, prompt=SECOND, temperature=0.0, max_tokens=4), 0.0)
+        monkeypatch.setattr(scheduler_module, "READ_WAIT_S", 2.0)
+        reader.submit(Generate(rid=2, prompt=SECOND, temperature=0.0, max_tokens=4), 0.0)
+        assert [bool(w.disk) for w in reader.waiting] == [True, True]
+        reader.cancel(1)  # its alarm still comes
+        assert fired.wait(30)
+        reader.step()  # the worker's loop, woken
+        assert len(reader.waiting) == 1 and not reader.has_work  # the loop sleeps until a wake
+        go.set()
+        wait_for(lambda: len(wakes) >= 2, timeout=20, message="a wake at the second request's deadline")
+        reader.drain()
+        done = json.loads(reader.lines[-1].splitlines()[-1][len(b"@@lattice ") :])
+        assert done.get("done") and "cached_tokens" not in done
+    finally:
+        go.set()
+        release.set()
+
+
+def test_the_default_budget_counts_the_caches_own_files_as_free(tmp_path, monkeypatch):
+    """A quarter of the free space, where the tier's files take part of it,
+    shrank at every start, and each start evicted more."""
+    import shutil
+
+    from worker.cache import prefix_disk
+
+    disk_of(tmp_path, 2)
+    own = sum(p.stat().st_size for p in files(tmp_path))
+    free = 1 << 30
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2 * free, free, free))
+    assert prefix_disk.default_budget(tmp_path) == (free + own) // 4
+    assert prefix_disk.default_budget(tmp_path / "nowhere") == free // 4
+
+
+def test_a_file_that_cannot_be_removed_leaves_the_index_and_the_tier_goes_on(tmp_path, monkeypatch, caplog):
+    """On a read-only folder a corrupt file's removal raised out of the
+    tier's read (a warm prompt's load_now ran it on the main thread)."""
+    from pathlib import Path
+
+    disk = disk_of(tmp_path, 2)
+    bad, good = sorted(files(tmp_path))
+    bad.write_bytes(bad.read_bytes()[:-7])
+    real_unlink = Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self == bad:
+            raise PermissionError(13, "Read-only file system", str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    entry = disk._index[bad.name]
+    assert disk.load_now(entry) is None
+    assert bad.name not in disk._index and good.name in disk._index and bad.exists()
+    assert "cannot remove" in caplog.text
+
+
+def test_after_files_skipped_in_a_row_one_is_read_to_time_the_disk_again(tmp_path):
+    """A read rate measured in a slow spell left every later file unread,
+    and with no read left to time, for the worker's life."""
+    from worker.cache.prefix_disk import PROBE_AFTER_SKIPS
+
+    disk = disk_of(tmp_path)
+    disk._read_rates.append(1.0)  # a byte a second
+    asked = [disk.skip(10 << 20, 100, 1e6) for _ in range(2 * PROBE_AFTER_SKIPS + 2)]
+    read = [i for i, skipped in enumerate(asked) if not skipped]
+    assert read == [PROBE_AFTER_SKIPS, 2 * PROBE_AFTER_SKIPS + 1]
+    # A file faster to read than to compute is read, and starts the count afresh.
+    disk._skipped = 3
+    assert not disk.skip(10, 100, 1.0) and disk._skipped == 0
