@@ -288,3 +288,42 @@ def test_after_files_skipped_in_a_row_one_is_read_to_time_the_disk_again(tmp_pat
     # A file faster to read than to compute is read, and starts the count afresh.
     disk._skipped = 3
     assert not disk.skip(10, 100, 1.0) and disk._skipped == 0
+
+
+_EXITING_WORKER = """
+import os, sys, threading, time
+from pathlib import Path
+import numpy as np
+from tests.test_prefix_disk import snapshot_layers
+from worker.cache.prefix_disk import PrefixDisk
+from worker.shell.channel import EventChannel
+from worker.shell.server import WorkerServer
+
+disk = PrefixDisk(Path(sys.argv[1]), "model", budget=1 << 30)
+store = disk._store
+
+def slow(*job):
+    time.sleep(0.5)  # a write still under way when the pipe closes
+    store(*job)
+
+disk._store = slow
+r, w = os.pipe()
+server = WorkerServer("m", EventChannel(os.dup(1)), request_fd=r)
+server.before_exit = disk.closing
+disk.write(None, np.arange(50), snapshot_layers(0, 50))
+os.close(w)
+server.start_reader()
+threading.Event().wait()  # the reader thread ends the process
+"""
+
+
+def test_a_worker_whose_pipe_closes_writes_its_queued_snapshots_first(tmp_path):
+    """An unload or a pool restart closes the worker's pipe, and it exited
+    at once: the snapshots still queued for the disk were lost."""
+    root = tmp_path / "prefix"
+    child = subprocess.run([sys.executable, "-c", _EXITING_WORKER, str(root)], capture_output=True, timeout=60)
+    assert child.returncode == 0, child.stderr.decode()
+    assert len(files(root)) == 1
+    from worker.cache.prefix_disk import PrefixDisk
+
+    assert len(PrefixDisk(root, "model", budget=1 << 30)._index) == 1

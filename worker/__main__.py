@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded, codec = load_model(args, server, group)
         args.prefix_cache_bytes = prefix_cache_budget(args)
         prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
+        if prefix_disk is not None:
+            server.before_exit = prefix_disk.closing
         scheduler = build_scheduler(args, loaded, codec, server, group, prefix_disk)
         warm(args, scheduler, prefix_disk)
         start_embedder(args, loaded, codec, server, group, scheduler)
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # Messages that came meanwhile (adapter messages too) wait in the inbox,
     # so every answer comes after `ready`.
     server.serve_forever()
+    server.before_exit()
     return 0
 
 

@@ -97,6 +97,9 @@ log = logging.getLogger("worker")
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
+# How long an exiting worker waits for the writes queued (`closing`): less
+# than the pool's 5 s between closing a worker's pipe and SIGTERM.
+EXIT_FLUSH_S = 3.0
 # How long a request waits for prefix cache files before it starts without
 # them (a disk that hangs must not hold requests for ever).
 READ_WAIT_S = 30.0
@@ -496,6 +499,13 @@ class PrefixDisk:
         except OSError:
             pass
         return True
+
+    def closing(self) -> None:
+        """The worker exits: the snapshots queued by then go to disk, within
+        EXIT_FLUSH_S (an unload or a pool restart would otherwise lose the
+        last long prompts' files)."""
+        if not self.flush(EXIT_FLUSH_S):
+            log.warning("prefix cache: exiting with %d snapshot(s) not written", self._writes.unfinished_tasks)
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued write is on disk (tests, benchmarks)."""

@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from ipc.events import BAD_REQUEST, encode_error, encode_event
 from ipc.framing import read_messages
@@ -50,6 +51,10 @@ class WorkerServer:
         # scheduler's waiting line (MAX_WAITING, beyond which requests are
         # refused).
         self._inbox: queue.Queue[list[Item]] = queue.Queue()
+        # Run before the process exits: on the reader thread when the request
+        # pipe closes, on the main thread after a Shutdown (the prefix
+        # cache's queued writes, within a deadline).
+        self.before_exit: Callable[[], None] = lambda: None
 
     def wake(self) -> None:
         """Called by the adapter reader when a read ends (any thread)."""
@@ -91,6 +96,10 @@ class WorkerServer:
                 self._inbox.put(items)
         # The supervisor closed the pipe or died: nobody is left to serve.
         log.info("request pipe closed; exiting")
+        try:
+            self.before_exit()
+        except Exception:
+            log.exception("before exiting")
         os._exit(0)
 
     def _malformed(self, problem: Exception) -> None:
