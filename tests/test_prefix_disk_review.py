@@ -327,3 +327,22 @@ def test_a_worker_whose_pipe_closes_writes_its_queued_snapshots_first(tmp_path):
     from worker.cache.prefix_disk import PrefixDisk
 
     assert len(PrefixDisk(root, "model", budget=1 << 30)._index) == 1
+
+
+def test_snapshots_waiting_for_the_disk_are_bounded_in_bytes(tmp_path, caplog):
+    """A queued snapshot keeps its arrays alive after the memory tier lets
+    them go: 64 of an 8B model's 26k-token prompts would be 240 GB."""
+    from worker.cache.prefix_disk import PrefixDisk
+
+    gate = threading.Event()
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30, max_pending_bytes=1)
+    store = disk._store
+    disk._store = lambda *job: (gate.wait(30), store(*job))
+    for i in range(3):
+        disk.write(None, np.arange(i * 1000, i * 1000 + 50), snapshot_layers(i, 50))
+    assert "wait for the disk; a snapshot of 50 tokens is not written" in caplog.text
+    gate.set()
+    assert disk.flush(30) and len(files(tmp_path)) == 1 and disk._pending_bytes == 0
+    # Once written, the next is taken again.
+    disk.write(None, np.arange(5000, 5050), snapshot_layers(5, 50))
+    assert disk.flush(30) and len(files(tmp_path)) == 2

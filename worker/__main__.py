@@ -401,7 +401,8 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
             # Snapshots hold what this setting computes: the start decides
             # which tokens were computed over a quantized cache.
             kv += f"s{args.quantized_kv_start}"
-        prefix_disk = PrefixDisk(root, model_key(args.model, f"{loaded.format} {kv}", loaded.model), budget, wake=wake)
+        key = model_key(args.model, f"{loaded.format} {kv}", loaded.model)
+        prefix_disk = PrefixDisk(root, key, budget, wake=wake, max_pending_bytes=args.prefix_cache_bytes)
     except OSError as exc:
         # A read-only or full disk costs the disk tier, not the worker.
         log.warning("prefix cache on disk off: %s", exc)

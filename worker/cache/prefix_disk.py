@@ -97,6 +97,9 @@ log = logging.getLogger("worker")
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
+# Bytes of the snapshots queued to be written, beyond which more are
+# dropped (logged); a worker passes its prefix_cache_bytes.
+DEFAULT_PENDING_BYTES = 1 << 30
 # How long an exiting worker waits for the writes queued (`closing`): less
 # than the pool's 5 s between closing a worker's pipe and SIGTERM.
 EXIT_FLUSH_S = 3.0
@@ -255,8 +258,10 @@ def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefi
 
 
 class PrefixDisk:
-    def __init__(self, root: Path, key: str, budget: int, wake: Callable[[], None] = lambda: None):
+    def __init__(self, root: Path, key: str, budget: int, wake: Callable[[], None] = lambda: None, max_pending_bytes: int = DEFAULT_PENDING_BYTES):
         self.dir = root / key
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # arrays of the snapshots queued to be written
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget = budget
         self.wake = wake
@@ -471,10 +476,22 @@ class PrefixDisk:
             known = self._index.get(name)
         if known is not None and self._touch(known):
             return
+        arrays: list = []
+        flatten(layers, arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        with self._lock:
+            # A queued snapshot keeps its arrays alive after the memory tier
+            # lets them go; one is always taken, whatever its size.
+            if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
+                log.warning("prefix cache: %d MB wait for the disk; a snapshot of %d tokens is not written", self._pending_bytes >> 20, len(tokens))
+                return
+            self._pending_bytes += nbytes
         try:
-            self._writes.put_nowait((name, adapter, tokens, layers))
+            self._writes.put_nowait((name, adapter, tokens, layers, nbytes))
             self._work.set()
         except queue.Full:
+            with self._lock:
+                self._pending_bytes -= nbytes
             log.warning("prefix cache: %d snapshots wait for the disk; one of %d tokens is not written", MAX_PENDING_WRITES, len(tokens))
 
     def touch(self, adapter: str | None, tokens: np.ndarray) -> None:
@@ -552,11 +569,14 @@ class PrefixDisk:
                     job = self._writes.get_nowait()
                 except queue.Empty:
                     break
+                *job, nbytes = job
                 try:
                     self._store(*job)
                 except Exception:
                     log.exception("prefix cache: writing a snapshot failed")
                 finally:
+                    with self._lock:
+                        self._pending_bytes -= nbytes
                     self._writes.task_done()
 
     def _load(self, entry: DiskEntry, stop: Callable[[], bool] | None = None) -> Loaded | None:
