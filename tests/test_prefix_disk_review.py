@@ -346,3 +346,43 @@ def test_snapshots_waiting_for_the_disk_are_bounded_in_bytes(tmp_path, caplog):
     # Once written, the next is taken again.
     disk.write(None, np.arange(5000, 5050), snapshot_layers(5, 50))
     assert disk.flush(30) and len(files(tmp_path)) == 2
+
+
+def test_a_file_whose_arrays_have_other_shapes_than_the_models_is_refused(tiny_model, tmp_path, caplog):
+    """A file passes its checksums with any shapes: one whose state arrays
+    (or keys and values) are laid out in other dimensions, the bytes the
+    same, joined a batch and failed every row of it. The worker learns its
+    arrays' shapes from the warm-up's forward."""
+    from worker.cache.prefix_file import head_digest
+
+    disk = disk_after_first(tiny_model, tmp_path)
+    entry = min(disk._index.values(), key=lambda e: len(e.tokens))
+    path = disk.dir / entry.name
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    meta = json.loads(header.pop("__metadata__")["lattice"])
+    engine = engine_for(tiny_model)
+    engine.warm_up()
+    cache = engine.prefix_cache
+
+    def with_shape(name: str, shape: list) -> None:
+        tensors = {**header, name: {**header[name], "shape": shape}}
+        head = {**tensors, "__metadata__": {"lattice": json.dumps({**meta, "head": head_digest(tensors, None, meta["tree"])})}}
+        body = json.dumps(head).encode()
+        path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + length :])
+
+    # The first layer is a gated-delta one (its states), the fourth attention (keys).
+    state = next(f"a{layer[0]}" for layer in meta["tree"] if isinstance(layer, list) and layer and layer[0] is not None)
+    keys = next(f"a{layer['t'][0]}" for layer in meta["tree"] if isinstance(layer, dict) and isinstance(layer["t"][0], int))
+    for name in (state, keys):
+        shape = header[name]["shape"]
+        turned = [*shape[:-3], shape[-1], shape[-2], shape[-3]] if name == state else [shape[0], shape[3], shape[2], shape[1]]
+        assert turned != shape
+        with_shape(name, turned)
+        restored = disk.load_now(disk._index[entry.name]).layers()
+        assert not cache.insert_read(None, entry.tokens, *restored)
+        assert "holds arrays of shapes" in caplog.text
+    assert len(cache) == 0
+    path.write_bytes(raw)
+    assert cache.insert_read(None, entry.tokens, *disk.load_now(disk._index[entry.name]).layers()) and len(cache) == 1

@@ -132,6 +132,14 @@ def _snapshot(cache: list) -> tuple[list, int]:
     return layers, nbytes
 
 
+def _map_arrays(f, node):
+    """`node` (a snapshot's layer: arrays in tuples and lists, None where a
+    state is unset) with f applied to each array, as nested tuples."""
+    if isinstance(node, (tuple, list)):
+        return tuple(_map_arrays(f, x) for x in node)
+    return None if node is None else f(node)
+
+
 def _restore(model, layers: list, length: int) -> list:
     cache = make_prompt_cache(model)
     for c, saved in zip(cache, layers):
@@ -156,8 +164,10 @@ class PrefixCache:
         cache = make_prompt_cache(model)
         kinds = {type(c) for c in cache}
         # What a snapshot read from disk must hold, layer by layer: keys and
-        # values (None) or that many state arrays.
+        # values (None) or that many state arrays; once `learn_layout` has
+        # seen a forward's caches, their arrays' shapes too.
         self._layout = [None if isinstance(c, _KV) else len(c.cache) for c in cache]
+        self._shapes: list | None = None
         # A snapshot cut back below quantized_kv_start would resume quantized
         # what a fresh prompt holds plain: such a model's snapshots serve
         # only their whole length, as a hybrid model's do.
@@ -275,7 +285,38 @@ class PrefixCache:
             return False
         return self.insert(adapter, want, layers, nbytes)
 
+    def learn_layout(self, cache: list) -> None:
+        """The shapes of the arrays of a snapshot of `cache` (a forward's,
+        made by this model), which a snapshot read from disk must have but
+        for its token count: a file passes its checksums with any shapes,
+        and one that did not fit would fail every row of the batch it
+        joined."""
+        if getattr(self.model, "quantized_kv_start", 0):
+            # Keys below the start are plain arrays, past it quantized
+            # triples: a one-token forward's are not a long prompt's.
+            return
+        layers, _ = _snapshot(cache)
+        self._shapes = [self._shapes_of(i, saved) for i, saved in enumerate(layers)]
+
+    def _shapes_of(self, i: int, saved) -> tuple | None:
+        """Layer i's arrays' shapes, as nested tuples; keys' and values'
+        without their token count (axis 2)."""
+        if saved is None:
+            return None
+        tokens = self._layout[i] is None
+        return _map_arrays(lambda a: (*a.shape[:2], *a.shape[3:]) if tokens else tuple(a.shape), saved)
+
     def _layout_problem(self, layers: object, length: int) -> str | None:
+        problem = self._structure_problem(layers, length)
+        if problem is not None or self._shapes is None:
+            return problem
+        for i, (shapes, saved) in enumerate(zip(self._shapes, layers)):
+            got = self._shapes_of(i, saved)
+            if shapes is not None and saved is not None and got != shapes:
+                return f"layer {i} holds arrays of shapes {got}, not {shapes}"
+        return None
+
+    def _structure_problem(self, layers: object, length: int) -> str | None:
         layout = self._layout
         if not isinstance(layers, list) or len(layers) != len(layout):
             return f"{len(layers) if isinstance(layers, list) else 'no'} layers for {len(layout)}"

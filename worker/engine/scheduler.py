@@ -36,6 +36,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
@@ -678,5 +679,7 @@ class Scheduler:
             generator.step()
             generator.remove([rows.pop()])
         self.adapters.route([None])
-        self.masks.warm_up(self.loaded.model(mx.array([[0]]))[:, -1, :], self.max_batch)
+        cache = make_prompt_cache(self.loaded.model)
+        self.masks.warm_up(self.loaded.model(mx.array([[0]]), cache=cache)[:, -1, :], self.max_batch)
+        self.prefix_cache.learn_layout(cache)
         mx.clear_cache()
