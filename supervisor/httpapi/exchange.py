@@ -68,6 +68,7 @@ class Exchange:
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.started = False  # a token came: a stream's headers may go
+        self._closing = False  # the reply has ended: what is put now is its end (_put)
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._text: list[str] = []
@@ -104,7 +105,7 @@ class Exchange:
                 break
             event = read_line(line)
             if isinstance(event, Error):
-                self._end_error(HttpError.from_pool(event.code, event.msg))
+                self._end_error(self._pool_error(event))
             elif isinstance(event, Done):
                 self._end_done(event)
             elif event is not TOKEN or not self._token(line):
@@ -114,6 +115,16 @@ class Exchange:
                 self._end_error(HttpError(500, "internal error: the model's answer could not be read", "server_error", INTERNAL))
                 break
         self.changed.set()
+
+    def _pool_error(self, event: Error) -> HttpError:
+        error = HttpError.from_pool(event.code, event.msg)
+        if self.tools is not None and self.tools.tools.forced and "response_format" in event.msg:
+            # A forced call's grammar is made of the tools' parameters (the
+            # client sent no response_format): say so, without the grammar.
+            first = event.msg.split("\n", 1)[0]
+            detail = first.partition("JSON schema: ")[2] or first.partition("response_format: ")[2] or first
+            error = HttpError(error.status, f"the tools' parameters cannot hold a forced call: {detail}", error.type, error.code, "tools")
+        return error
 
     def _token(self, line: bytes) -> bool:
         """A non-final token line; False when its token is no JSON string."""
@@ -148,7 +159,7 @@ class Exchange:
             if self._opens_think is not None:
                 self.splitter = ThinkSplitter(self._opens_think())
             if self.stream and self.reply.chat:
-                self._put(self.reply.first())
+                self._put(self.reply.first(), counted=False)
         self._pieces(self.splitter.feed(text) if self.splitter else [(False, text)])
 
     def _raw_piece(self, raw: bytes) -> bool:
@@ -183,14 +194,23 @@ class Exchange:
             else:
                 (self._reasoning if reasoning else self._text).append(text)
 
-    def _put(self, chunk: bytes) -> None:
+    def _put(self, chunk: bytes, counted: bool = True) -> None:
+        """The bound on what the client has not taken is on what the model's
+        pace adds. The stream's opening (which may echo the request: the
+        Responses API's) and what goes out once the reply has ended (text
+        held back till then, closing events that may repeat the whole
+        answer) are bounded by the request itself, and say nothing of
+        whether the client keeps up: they are not counted."""
         self._chunks.append(chunk)
+        if not counted or self._closing:
+            return
         self._buffered += len(chunk)
         if self._buffered > self.limit and not self.overflowed:
             self.overflowed = True
             self._overflow()
 
     def _end_done(self, event: Done) -> None:
+        self._closing = True
         if self.splitter is not None:
             self._pieces(self.splitter.flush())
         if self.tools is not None and event.finish_reason != "cancelled":
@@ -203,7 +223,7 @@ class Exchange:
         if self.stream and event.finish_reason != "cancelled" and not self.started:
             self.started = True  # a reply with no text at all
             if self.reply.chat:
-                self._put(self.reply.first())
+                self._put(self.reply.first(), counted=False)
         if event.finish_reason == "cancelled":
             # Not the client's doing (it would be gone): an unload, the
             # pool's shutdown, a cancel op naming this request.
@@ -222,6 +242,7 @@ class Exchange:
             self._put(self.reply.last(self.finish_reason, self.usage if self.reply.include_usage else None))
 
     def _end_error(self, error: HttpError) -> None:
+        self._closing = True
         self.ended = True
         self.error = error
         if self.stream and self.started:

@@ -118,14 +118,15 @@ def _messages(raw: Any) -> list[dict]:
         message = {"role": m.get("role"), "content": m.get("content") or ""}
         calls = m.get("tool_calls")
         if calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+                raise bad('tool_calls must be a list of {"function": {"name": ..., "arguments": {...}}}', "messages")
             message["tool_calls"] = [
                 {
                     "id": f"call_{i}",
                     "type": "function",
-                    "function": {"name": (c.get("function") or {}).get("name"), "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})},
+                    "function": {"name": c["function"].get("name"), "arguments": json.dumps(c["function"].get("arguments") or {})},
                 }
                 for i, c in enumerate(calls)
-                if isinstance(c, dict)
             ]
         if m.get("tool_name") is not None:
             message["name"] = m["tool_name"]
@@ -292,12 +293,15 @@ def _details(name: str, pool) -> dict:
     return {"parent_model": "", "format": "safetensors", "family": "", "families": None, "parameter_size": "", "quantization_level": fmt.upper()}
 
 
+FOREVER = datetime(2318, 1, 1, tzinfo=UTC)
+
+
 def _expires(pool, name: str) -> str:
-    """When keep_alive unloads the model; for ever is far off, as Ollama says it."""
+    """When keep_alive unloads the model; for ever is far off, as Ollama says
+    it (so is a client's keep_alive of 1e300 seconds, past any datetime)."""
     left = pool.model_state(pool.resolve(name)).expires_in
-    if left is None:
-        return "2318-01-01T00:00:00Z"
-    return datetime.fromtimestamp(time.time() + left, UTC).isoformat().replace("+00:00", "Z")
+    at = FOREVER.timestamp() if left is None else min(time.time() + left, FOREVER.timestamp())
+    return datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _entry(name: str, pool, extra: dict | None = None) -> dict:

@@ -143,11 +143,13 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     history: list[dict] = []
     previous = data.get("previous_response_id")
     if previous is not None:
-        found = app.stored.get(previous) if isinstance(previous, str) else None
+        if not isinstance(previous, str):
+            raise bad("previous_response_id must be a string", "previous_response_id")
+        found = app.stored.get(previous)
         if found is None:
             raise HttpError(
                 404,
-                f"previous response {str(previous)[:100]!r} is not kept here (the pool keeps the last {MAX_RESPONSES} stored responses, in memory)",
+                f"previous response {previous[:100]!r} is not kept here (the pool keeps the last {MAX_RESPONSES} stored responses, in memory)",
                 code="not_found",
                 param="previous_response_id",
             )

@@ -145,6 +145,26 @@ def _convert(value: object, kind: Any, where: str) -> Any:
         raise bad(f"invalid field {path!r}: {what}" if path else what, path.partition(".")[0].partition("[")[0] or None) from None
 
 
+# How deep a body's JSON may nest. The decoder goes as deep as Python's
+# recursion limit allows; what a route then does with a body (json.dumps
+# of a tool's schema or a call's arguments, a forced call's grammar)
+# recurses as deep again, from further down the stack, and would fail with
+# a RecursionError (a 500) where the decoder did not. A bound well below
+# keeps all of it in reach.
+MAX_DEPTH = 256
+
+
+def _too_deep(data: object) -> bool:
+    """Whether `data` nests more than MAX_DEPTH objects and arrays deep
+    (level by level: no recursion)."""
+    level = [data]
+    for _ in range(MAX_DEPTH):
+        level = [kid for node in level for kid in (node.values() if isinstance(node, dict) else node) if isinstance(kid, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
 def json_object(body: bytes) -> dict:
     """A request body that must be a JSON object, for every API's route."""
     try:
@@ -155,6 +175,8 @@ def json_object(body: bytes) -> dict:
         raise bad("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad("request body must be a JSON object")
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _too_deep(data):
+        raise bad(f"request body nests more than {MAX_DEPTH} objects and arrays deep")
     return data
 
 

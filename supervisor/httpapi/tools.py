@@ -151,7 +151,7 @@ def _arguments(value: object) -> object:
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # a string may nest deeper than any body
             return value
         return parsed if isinstance(parsed, dict) else value
     return value
