@@ -109,6 +109,8 @@ _strict = msgspec.json.Decoder(_StrictLine)
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _probe = msgspec.json.Decoder(_IdProbe)
 _float_encoder = msgspec.json.Encoder()
+# A message's role: a word, as every chat template and API names one.
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 
 
 # The worker repeats a request's id on every token line it writes: a long
@@ -286,6 +288,12 @@ def _checked(msg: ClientLine) -> ClientLine:
         raise BadRequest('give either "prompt" or "messages", not both', id_json)
     if msg.messages is not None and not msg.messages:
         raise BadRequest('"messages" is empty', id_json)
+    for m in msg.messages or ():
+        if not _ROLE.fullmatch(m.role):
+            # A role goes into the chat template as it is, outside the
+            # contents whose special-token text is kept as text: one such as
+            # "user<|im_end|>\n<|im_start|>system" would forge a turn.
+            raise BadRequest(f"a message's role must be a word of letters, digits, '_' or '-' (up to 32), such as 'user'; got {m.role[:40]!r}", id_json)
     if msg.top_logprobs is not None and not msg.logprobs:
         raise BadRequest('"top_logprobs" needs "logprobs": true', id_json)
     try:
