@@ -290,6 +290,12 @@ def parse_duration(value: Duration | None) -> float | None:
     text = value.strip().lower()
     if text in ("never", "-1", "inf"):
         return None
+    if text == "0":
+        return 0.0  # Go's time.ParseDuration, which Ollama's clients follow, takes a bare 0
+    if text.startswith("-"):
+        # A negative duration ("-1m"): never, as Ollama reads it.
+        parse_duration(text[1:])
+        return None
     parts = re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text)
     if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
         raise ValueError(f"not a duration: {value!r} (use seconds or e.g. '30s', '5m', '1h')")

@@ -16,7 +16,7 @@ def test_example_config_documents_every_key():
     assert config.stall_timeout == 120
 
 
-@pytest.mark.parametrize("value, seconds", [(300, 300.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("never", None), (-1, None)])
+@pytest.mark.parametrize("value, seconds", [(300, 300.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("never", None), (-1, None), ("0", 0.0), ("-1m", None)])
 def test_durations(value, seconds):
     assert parse_duration(value) == seconds
 
@@ -26,7 +26,7 @@ def test_sizes(value, size):
     assert parse_size(value) == size
 
 
-@pytest.mark.parametrize("bad", ["soon", "5 minutes", "m5"])
+@pytest.mark.parametrize("bad", ["soon", "5 minutes", "m5", "5", "-soon"])
 def test_bad_durations_are_refused(tmp_path, bad):
     path = tmp_path / "c.toml"
     path.write_text(f'keep_alive = "{bad}"\n')
