@@ -16,7 +16,9 @@ def test_example_config_documents_every_key():
     assert config.stall_timeout == 120
 
 
-@pytest.mark.parametrize("value, seconds", [(300, 300.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("never", None), (-1, None), ("0", 0.0), ("-1m", None)])
+@pytest.mark.parametrize(
+    "value, seconds", [(300, 300.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("never", None), (-1, None), ("0", 0.0), ("-1m", None)]
+)
 def test_durations(value, seconds):
     assert parse_duration(value) == seconds
 

@@ -4,20 +4,15 @@ pool, checked before use, bounded, and keyed by model and adapter content."""
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from harness.engine import engine_for, run
+from harness.prefix_files import FIRST, SECOND, disk_after_first, files, path_of, snapshot_layers, wait_files
 from harness.procs import said, wait_for
-from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
 from ipc.paths import pool_cache_dir
-
-LONG_SYSTEM = SYSTEM + " " + "The mill wheel turns all day beside the bridge. " * 12
-FIRST = chatml([("user", "Where does the river bend?")], LONG_SYSTEM)
-SECOND = chatml([("user", "Who built the mill?")], LONG_SYSTEM)
 
 _rid = iter(range(1, 1_000_000))
 
@@ -26,14 +21,6 @@ def ask(w, prompt: str, **kw) -> tuple[str, dict]:
     w.send(Generate(rid=next(_rid), prompt=prompt, temperature=0.0, max_tokens=16, **kw))
     events = w.collect()
     return text_of(events), terminal(events)
-
-
-def files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.lpx"))
-
-
-def wait_files(root: Path, n: int) -> list[Path]:
-    return wait_for(lambda: len(files(root)) >= n and files(root), timeout=30, message=f"{n} prefix cache files")
 
 
 @pytest.fixture(scope="module")
@@ -224,16 +211,6 @@ def test_another_models_files_are_in_another_directory(tiny_model, second_model,
 # -- in-process: the store itself -------------------------------------------------
 
 
-def snapshot_layers(seed: int, tokens: int):
-    import mlx.core as mx
-
-    mx.random.seed(seed)
-    kv = (mx.random.normal((1, 2, tokens, 8)).astype(mx.bfloat16), mx.random.normal((1, 2, tokens, 8)).astype(mx.bfloat16))
-    state = [mx.random.normal((1, 3, 4)), None]
-    mx.eval(kv, state)
-    return [kv, state, None]
-
-
 def test_files_round_trip_exactly_and_the_bound_evicts_least_recently_used(tmp_path):
     import mlx.core as mx
     import numpy as np
@@ -317,12 +294,6 @@ def test_a_file_is_read_and_checked_in_chunks(tmp_path, monkeypatch):
     assert not path.exists()
 
 
-def path_of(disk, tokens) -> Path:
-    from worker.cache.prefix_file import entry_name
-
-    return disk.dir / entry_name(None, tokens)
-
-
 def test_entries_read_back_are_keyed_by_adapter_content(tiny_model, tmp_path):
     """A snapshot read from disk serves only requests whose adapter has the
     same content (another path with the same bytes included)."""
@@ -363,21 +334,6 @@ def test_long_prompts_are_cut_and_kept_at_checkpoints(engine):
     # checkpoint: a long message edited near its end resumes from there.
     assert not engine.prefix_cache.trimmable
     assert engine.prefix_cache.snapshot_points(len(ids), [10, CHECKPOINT + 7]) == {10, CHECKPOINT + 7, 2 * CHECKPOINT}
-
-
-def disk_after_first(tiny_model, tmp_path):
-    """A disk tier over the files of FIRST's snapshots, as a new worker of
-    the tiny model finds them."""
-    from worker.cache.prefix_disk import PrefixDisk
-    from worker.cache.prefix_file import model_key
-    from worker.runtime.loader import load
-
-    loaded = load(tiny_model)
-    key = model_key(tiny_model, loaded.format, loaded.model)
-    writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
-    run(writer, prompt=FIRST)
-    assert writer.prefix_cache.disk.flush(30)
-    return PrefixDisk(tmp_path, key, 1 << 30)
 
 
 def test_a_request_stops_waiting_for_a_disk_that_hangs(tiny_model, tmp_path, monkeypatch):

@@ -13,9 +13,9 @@ import threading
 import numpy as np
 
 from harness.engine import engine_for
+from harness.prefix_files import SECOND, disk_after_first, files, path_of, snapshot_layers
 from harness.procs import wait_for
 from ipc.messages import Generate
-from tests.test_prefix_disk import SECOND, disk_after_first, files, path_of, snapshot_layers
 
 
 def disk_of(root, n: int = 1):
@@ -294,7 +294,7 @@ _EXITING_WORKER = """
 import os, sys, threading, time
 from pathlib import Path
 import numpy as np
-from tests.test_prefix_disk import snapshot_layers
+from harness.prefix_files import snapshot_layers
 from worker.cache.prefix_disk import PrefixDisk
 from worker.shell.channel import EventChannel
 from worker.shell.server import WorkerServer

@@ -163,16 +163,16 @@ class PrefixCache:
         self._next = 0
         cache = make_prompt_cache(model)
         kinds = {type(c) for c in cache}
-        # What a snapshot read from disk must hold, layer by layer: keys and
-        # values (None) or that many state arrays; once `learn_layout` has
-        # seen a forward's caches, their arrays' shapes too.
-        self._layout = [None if isinstance(c, _KV) else len(c.cache) for c in cache]
-        self._shapes: list | None = None
+        self._shapes: list | None = None  # set by learn_layout
         # A snapshot cut back below quantized_kv_start would resume quantized
         # what a fresh prompt holds plain: such a model's snapshots serve
         # only their whole length, as a hybrid model's do.
         self.trimmable = all(issubclass(k, _KV) for k in kinds) and not getattr(model, "quantized_kv_start", 0)
         self.supported = all(issubclass(k, (*_KV, ArraysCache)) for k in kinds)
+        # What a snapshot read from disk must hold, layer by layer: keys and
+        # values (None) or that many state arrays; once `learn_layout` has
+        # seen a forward's caches, their arrays' shapes too.
+        self._layout = [None if isinstance(c, _KV) else len(c.cache) for c in cache] if self.supported else []
         if not self.supported:
             log.info("prefix cache off: cache types %s", sorted(k.__name__ for k in kinds))
 
