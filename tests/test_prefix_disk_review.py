@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -386,3 +387,24 @@ def test_a_file_whose_arrays_have_other_shapes_than_the_models_is_refused(tiny_m
     assert len(cache) == 0
     path.write_bytes(raw)
     assert cache.insert_read(None, entry.tokens, *disk.load_now(disk._index[entry.name]).layers()) and len(cache) == 1
+
+
+def test_files_no_worker_used_for_30_days_leave_the_other_folders_at_a_start(tmp_path):
+    """Each worker bounds its own folder only: the folder of a model no
+    longer served (or of this one before its weights or mlx changed) kept
+    its files for ever."""
+    from worker.cache.prefix_disk import UNUSED_S, PrefixDisk
+
+    for key, n in (("old-model", 1), ("other-model", 2)):
+        other = PrefixDisk(tmp_path, key, budget=1 << 30)
+        for i in range(n):
+            other.write(None, np.arange(i * 1000, i * 1000 + 50), snapshot_layers(i, 50))
+        assert other.flush(30)
+    (stale,) = files(tmp_path / "old-model")
+    aged, recent = files(tmp_path / "other-model")
+    long_ago = time.time() - UNUSED_S - 3600
+    for path in (stale, aged):
+        os.utime(path, (long_ago, long_ago))
+    PrefixDisk(tmp_path, "model", budget=1 << 30)
+    assert not (tmp_path / "old-model").exists()
+    assert files(tmp_path / "other-model") == [recent]

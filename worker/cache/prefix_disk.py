@@ -54,6 +54,7 @@ the next is read, to time the disk again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -100,6 +101,9 @@ MAX_PENDING_WRITES = 64
 # Bytes of the snapshots queued to be written, beyond which more are
 # dropped (logged); a worker passes its prefix_cache_bytes.
 DEFAULT_PENDING_BYTES = 1 << 30
+# Files of other folders (another model, or this one before its weights or
+# mlx changed) unused this long are removed when a worker starts.
+UNUSED_S = 30 * 86400
 # How long an exiting worker waits for the writes queued (`closing`): less
 # than the pool's 5 s between closing a worker's pipe and SIGTERM.
 EXIT_FLUSH_S = 3.0
@@ -321,6 +325,35 @@ class PrefixDisk:
         if self._index:
             log.info("prefix cache on disk: %d entries, %d bytes in %s", len(self._index), self.used, self.dir)
         self._evict()
+        self._drop_unused_elsewhere()
+
+    def _drop_unused_elsewhere(self) -> None:
+        """Removes the files of the other folders beside this one (other
+        models, or this model before its weights, format or mlx changed)
+        that nothing has used for UNUSED_S, and the folders they leave
+        empty: each worker bounds only its own folder, and a folder no
+        worker serves any more would keep its files for ever."""
+        cutoff = time.time() - UNUSED_S
+        removed = 0
+        try:
+            with os.scandir(self.dir.parent) as entries:
+                folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != self.dir.name]
+            for folder in folders:
+                with os.scandir(folder) as entries:
+                    old = [
+                        e
+                        for e in entries
+                        if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff
+                    ]
+                for e in old:
+                    os.unlink(e.path)
+                    removed += 1
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only when empty
+        except OSError as exc:
+            log.warning("prefix cache: cannot clear unused files beside %s: %s", self.dir, exc)
+        if removed:
+            log.info("prefix cache: %d file(s) unused for %d days removed from other folders of %s", removed, UNUSED_S // 86400, self.dir.parent)
 
     def _read_index(self, path: Path) -> DiskEntry:
         with open_regular(path) as f:
