@@ -195,6 +195,9 @@ HOSTILE = [
     (ANTHROPIC, {"stream": "yes"}),
     (ANTHROPIC, {"stop_sequences": [""]}),
     (ANTHROPIC, {"thinking": {"type": "enabled", "budget_tokens": -5}}),
+    (ANTHROPIC, {"thinking": "enabled"}),
+    (ANTHROPIC, {"tools": [{"name": "get_time", "input_schema": CLOCK}], "tool_choice": "any"}),
+    (ANTHROPIC, {"output_config": ["json"]}),
     (ANTHROPIC, {"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "file:///etc/passwd"}}}}),
     (ANTHROPIC, {"lora": "../../etc"}),
     # OpenAI Responses

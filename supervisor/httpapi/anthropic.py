@@ -135,14 +135,22 @@ def _tools(data: dict, body: dict) -> None:
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
     body["tools"] = converted
-    choice = data.get("tool_choice")
-    if isinstance(choice, dict):
+    choice = _object(data, "tool_choice")
+    if choice is not None:
         kind = choice.get("type")
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or (
             {"type": "function", "function": {"name": choice.get("name")}} if kind == "tool" else "invalid"
         )
         if choice.get("disable_parallel_tool_use"):
             body["parallel_tool_calls"] = False
+
+
+def _object(data: dict, key: str) -> dict | None:
+    """An optional field that must be an object when given."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise bad(f"{key} must be an object", key)
+    return value
 
 
 def request(body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
@@ -158,14 +166,14 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     ):
         if data.get(theirs) is not None:
             chat[ours] = data[theirs]
-    thinking = data.get("thinking")
-    if isinstance(thinking, dict):
+    thinking = _object(data, "thinking")
+    if thinking is not None:
         if thinking.get("type") == "enabled" and isinstance(thinking.get("budget_tokens"), int):
             chat["reasoning_budget"] = thinking["budget_tokens"]
         elif thinking.get("type") == "disabled":
             chat["reasoning_budget"] = 0
-    output = data.get("output_config")
-    if isinstance(output, dict):
+    output = _object(data, "output_config")
+    if output is not None:
         if output.get("effort") is not None:
             chat["reasoning_effort"] = "xhigh" if output["effort"] == "max" else output["effort"]
         fmt = output.get("format")
