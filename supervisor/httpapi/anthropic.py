@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object, optional_object
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "msg_"
@@ -135,7 +135,7 @@ def _tools(data: dict, body: dict) -> None:
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
     body["tools"] = converted
-    choice = _object(data, "tool_choice")
+    choice = optional_object(data, "tool_choice")
     if choice is not None:
         kind = choice.get("type")
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or (
@@ -143,14 +143,6 @@ def _tools(data: dict, body: dict) -> None:
         )
         if choice.get("disable_parallel_tool_use"):
             body["parallel_tool_calls"] = False
-
-
-def _object(data: dict, key: str) -> dict | None:
-    """An optional field that must be an object when given."""
-    value = data.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise bad(f"{key} must be an object", key)
-    return value
 
 
 def request(body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
@@ -166,13 +158,13 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     ):
         if data.get(theirs) is not None:
             chat[ours] = data[theirs]
-    thinking = _object(data, "thinking")
+    thinking = optional_object(data, "thinking")
     if thinking is not None:
         if thinking.get("type") == "enabled" and isinstance(thinking.get("budget_tokens"), int):
             chat["reasoning_budget"] = thinking["budget_tokens"]
         elif thinking.get("type") == "disabled":
             chat["reasoning_budget"] = 0
-    output = _object(data, "output_config")
+    output = optional_object(data, "output_config")
     if output is not None:
         if output.get("effort") is not None:
             chat["reasoning_effort"] = "xhigh" if output["effort"] == "max" else output["effort"]

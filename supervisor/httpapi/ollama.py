@@ -22,7 +22,7 @@ import msgspec
 from supervisor.config import parse_duration
 from supervisor.httpapi.logprobs import chat_entry
 from supervisor.httpapi.models import list_models, model_name
-from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object
+from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object, optional_bool
 from supervisor.httpapi.tools import TemplateInfo
 from supervisor.local_models import model_format
 from supervisor.resolve import UnknownModel
@@ -83,7 +83,7 @@ def _common(data: dict, chat: dict, raw_completion: bool = False) -> None:
         if value is None or (theirs == "num_predict" and isinstance(value, int) and value < 0):
             continue  # num_predict -1: no limit of the client's; the pool's max_tokens holds
         chat[ours] = value
-    chat["stream"] = data.get("stream", True) is not False
+    chat["stream"] = optional_bool(data, "stream", True)
     fmt = data.get("format")
     if fmt == "json":
         chat["response_format"] = {"type": "json_object"}
@@ -153,7 +153,7 @@ class _Api:
                 raise bad("prompt must be a string", "prompt")
             if data.get("images"):
                 raise bad("images are not supported: text only", "images")
-            raw = bool(data.get("raw"))
+            raw = optional_bool(data, "raw", False)
             if raw:
                 body_ = {"model": data.get("model"), "prompt": prompt}
             else:

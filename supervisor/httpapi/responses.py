@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object, optional_bool, optional_object
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "resp_"
@@ -166,10 +166,12 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     for name in ("top_k", "repetition_penalty", "seed", "lora", "reasoning_budget"):
         if data.get(name) is not None:
             chat[name] = data[name]
-    reasoning = data.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+    reasoning = optional_object(data, "reasoning")
+    if reasoning is not None and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
-    fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
+    fmt = (optional_object(data, "text") or {}).get("format")
+    store = optional_bool(data, "store", True)
+    metadata = optional_object(data, "metadata") or {}
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
@@ -179,7 +181,7 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     opts.include_usage = True
     opts.extra = {
         "conversation": conversation,
-        "store": data.get("store", True) is not False,
+        "store": store,
         "echo": {
             "instructions": instructions,
             "previous_response_id": previous,
@@ -189,9 +191,9 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
             "temperature": data.get("temperature"),
             "top_p": data.get("top_p"),
             "max_output_tokens": data.get("max_output_tokens"),
-            "metadata": data.get("metadata") or {},
+            "metadata": metadata,
             "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}},
-            "store": data.get("store", True) is not False,
+            "store": store,
         },
     }
     return msg, opts

@@ -165,6 +165,24 @@ def _too_deep(data: object) -> bool:
     return True
 
 
+def optional_object(data: dict, key: str) -> dict | None:
+    """A field that must be an object when given."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise bad(f"{key} must be an object", key)
+    return value
+
+
+def optional_bool(data: dict, key: str, default: bool) -> bool:
+    """A field that must be true or false when given."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"{key} must be true or false", key)
+    return value
+
+
 def json_object(body: bytes) -> dict:
     """A request body that must be a JSON object, for every API's route."""
     try:
