@@ -408,3 +408,14 @@ def test_files_no_worker_used_for_30_days_leave_the_other_folders_at_a_start(tmp
     PrefixDisk(tmp_path, "model", budget=1 << 30)
     assert not (tmp_path / "old-model").exists()
     assert files(tmp_path / "other-model") == [recent]
+
+
+def test_the_files_of_a_model_are_bounded_in_number_as_well_as_bytes(tmp_path, monkeypatch):
+    """The index holds every file's token ids and a request's lookup reads
+    them all: small files under a large byte budget grew it without bound."""
+    from worker.cache import prefix_disk
+
+    monkeypatch.setattr(prefix_disk, "MAX_FILES", 3)
+    disk = disk_of(tmp_path, 5)
+    assert len(disk._index) == 3 == len(files(tmp_path))
+    assert sorted(int(e.tokens[0]) for e in disk._index.values()) == [2000, 3000, 4000]

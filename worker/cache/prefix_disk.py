@@ -98,6 +98,10 @@ log = logging.getLogger("worker")
 # Snapshots waiting to be written; more are dropped (logged): the engine
 # never waits for the disk.
 MAX_PENDING_WRITES = 64
+# Files in a model's folder, least recently used out beyond it, whatever
+# the byte budget: the index holds each file's token ids in memory, and a
+# request's lookup compares its prompt with every one, on the main thread.
+MAX_FILES = 4096
 # Bytes of the snapshots queued to be written, beyond which more are
 # dropped (logged); a worker passes its prefix_cache_bytes.
 DEFAULT_PENDING_BYTES = 1 << 30
@@ -701,13 +705,16 @@ class PrefixDisk:
         with self._lock:
             total = sum(e.size for e in self._index.values())
             gone = []
+            count = len(self._index)
             for entry in sorted(self._index.values(), key=lambda e: e.used):
-                if total <= self.budget:
+                if total <= self.budget and count <= MAX_FILES:
                     break
                 if entry.name in self._reading:
                     continue
                 total -= entry.size
+                count -= 1
                 gone.append(self._index.pop(entry.name))
         for entry in gone:
-            (self.dir / entry.name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (self.dir / entry.name).unlink(missing_ok=True)
             log.debug("prefix cache: %s evicted from disk (least recently used)", entry.name)
