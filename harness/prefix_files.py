@@ -4,6 +4,9 @@ snapshots and where their files go."""
 
 from __future__ import annotations
 
+import json
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.engine import engine_for, run
@@ -52,3 +55,32 @@ def disk_after_first(tiny_model, tmp_path):
     run(writer, prompt=FIRST)
     assert writer.prefix_cache.disk.flush(30)
     return PrefixDisk(tmp_path, key, 1 << 30)
+
+
+@dataclass
+class FileParts:
+    """A cache file's bytes taken apart: its header's tensors, its own
+    metadata and the data after the header."""
+
+    header: dict
+    meta: dict
+    data: bytes
+
+    @classmethod
+    def of(cls, raw: bytes) -> FileParts:
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + length])
+        meta = json.loads(header.pop("__metadata__")["lattice"])
+        return cls(header, meta, raw[8 + length :])
+
+    def made(self, tensors: dict | None = None, body: bytes | None = None, **meta) -> bytes:
+        """The file's bytes with these tensors and metadata, its header's
+        checksum made again to match (what a file made to pass its checks
+        holds); `body` stands for the whole header."""
+        from worker.cache.prefix_file import head_digest
+
+        tensors = self.header if tensors is None else tensors
+        meta = {**self.meta, **meta}
+        meta["head"] = head_digest(tensors, meta["adapter"], meta["tree"])
+        body = body or json.dumps({**tensors, "__metadata__": {"lattice": json.dumps(meta)}}).encode()
+        return struct.pack("<Q", len(body)) + body + self.data

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from harness.engine import engine_for, run
-from harness.prefix_files import FIRST, SECOND, disk_after_first, files, path_of, snapshot_layers, wait_files
+from harness.prefix_files import FIRST, SECOND, FileParts, disk_after_first, files, path_of, snapshot_layers, wait_files
 from harness.procs import said, wait_for
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
@@ -97,26 +97,15 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
     recursion limit or shapes that do not match the bytes are dropped when
     found; a layout that points past the arrays or is not the model's is
     refused when read. None stops the tier, and the sound file still serves."""
-    import json as jsonlib
-    import struct
-
-    from harness.engine import engine_for
-    from worker.cache.prefix_file import head_digest
-
     disk = disk_after_first(tiny_model, tmp_path)
     system = min(disk._index.values(), key=lambda e: len(e.tokens))
     path = disk.dir / system.name
     raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = jsonlib.loads(raw[8 : 8 + length])
-    meta = jsonlib.loads(header.pop("__metadata__")["lattice"])
+    parts = FileParts.of(raw)
+    header, meta = parts.header, parts.meta
 
     def rewrite(tensors: dict | None = None, tree: object = None, body: bytes | None = None) -> None:
-        tensors = tensors or header
-        tree = meta["tree"] if tree is None else tree
-        head = {**tensors, "__metadata__": {"lattice": jsonlib.dumps({**meta, "tree": tree, "head": head_digest(tensors, None, tree)})}}
-        body = body or jsonlib.dumps(head).encode()
-        path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + length :])
+        path.write_bytes(parts.made(tensors, body, **({} if tree is None else {"tree": tree})))
 
     cache = engine_for(tiny_model).prefix_cache
     for broken in ({"body": b"[" * 200_000 + b"]" * 200_000}, {"tensors": {**header, "a0": {**header["a0"], "shape": [7, *header["a0"]["shape"]]}}}):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from harness.engine import engine_for
-from harness.prefix_files import SECOND, disk_after_first, files, path_of, snapshot_layers
+from harness.prefix_files import SECOND, FileParts, disk_after_first, files, path_of, snapshot_layers
 from harness.procs import wait_for
 from ipc.messages import Generate
 
@@ -30,19 +30,6 @@ def disk_of(root, n: int = 1):
     return disk
 
 
-def with_meta(raw: bytes, **changes) -> bytes:
-    """A file's bytes with its metadata changed, and its header's checksum
-    made again to match (what a file made to pass its checks holds)."""
-    from worker.cache.prefix_file import head_digest
-
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + length])
-    meta = {**json.loads(header.pop("__metadata__")["lattice"]), **changes}
-    meta["head"] = head_digest(header, meta["adapter"], meta["tree"])
-    body = json.dumps({**header, "__metadata__": {"lattice": json.dumps(meta)}}).encode()
-    return struct.pack("<Q", len(body)) + body + raw[8 + length :]
-
-
 def test_a_file_whose_adapter_key_is_not_a_string_is_dropped_and_the_worker_starts(tmp_path):
     """The adapter key is hashed into the file's name at every start: one
     that is a number, a list or a lone surrogate raised out of the tier's
@@ -55,7 +42,7 @@ def test_a_file_whose_adapter_key_is_not_a_string_is_dropped_and_the_worker_star
     hostile = []
     for i, adapter in enumerate((5, ["a"], "\ud800", True)):
         path = disk.dir / f"{i:040x}.lpx"
-        path.write_bytes(with_meta(raw, adapter=adapter))
+        path.write_bytes(FileParts.of(raw).made(adapter=adapter))
         hostile.append(path)
     again = PrefixDisk(tmp_path, "model", budget=1 << 30)
     assert list(again._index) == [sound.name]
@@ -354,24 +341,18 @@ def test_a_file_whose_arrays_have_other_shapes_than_the_models_is_refused(tiny_m
     (or keys and values) are laid out in other dimensions, the bytes the
     same, joined a batch and failed every row of it. The worker learns its
     arrays' shapes from the warm-up's forward."""
-    from worker.cache.prefix_file import head_digest
-
     disk = disk_after_first(tiny_model, tmp_path)
     entry = min(disk._index.values(), key=lambda e: len(e.tokens))
     path = disk.dir / entry.name
     raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + length])
-    meta = json.loads(header.pop("__metadata__")["lattice"])
+    parts = FileParts.of(raw)
+    header, meta = parts.header, parts.meta
     engine = engine_for(tiny_model)
     engine.warm_up()
     cache = engine.prefix_cache
 
     def with_shape(name: str, shape: list) -> None:
-        tensors = {**header, name: {**header[name], "shape": shape}}
-        head = {**tensors, "__metadata__": {"lattice": json.dumps({**meta, "head": head_digest(tensors, None, meta["tree"])})}}
-        body = json.dumps(head).encode()
-        path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + length :])
+        path.write_bytes(parts.made(tensors={**header, name: {**header[name], "shape": shape}}))
 
     # The first layer is a gated-delta one (its states), the fourth attention (keys).
     state = next(f"a{layer[0]}" for layer in meta["tree"] if isinstance(layer, list) and layer and layer[0] is not None)
