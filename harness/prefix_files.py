@@ -57,6 +57,16 @@ def disk_after_first(tiny_model, tmp_path):
     return PrefixDisk(tmp_path, key, 1 << 30)
 
 
+def shortest_file(tiny_model, tmp_path):
+    """disk_after_first's tier, its entry of the fewest tokens (the system
+    prompt's), and that file's path, bytes and parts (FileParts)."""
+    disk = disk_after_first(tiny_model, tmp_path)
+    entry = min(disk._index.values(), key=lambda e: len(e.tokens))
+    path = disk.dir / entry.name
+    raw = path.read_bytes()
+    return disk, entry, path, raw, FileParts.of(raw)
+
+
 @dataclass
 class FileParts:
     """A cache file's bytes taken apart: its header's tensors, its own

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from harness.engine import engine_for, run
-from harness.prefix_files import FIRST, SECOND, FileParts, disk_after_first, files, path_of, snapshot_layers, wait_files
+from harness.prefix_files import FIRST, SECOND, disk_after_first, files, path_of, shortest_file, snapshot_layers, wait_files
 from harness.procs import said, wait_for
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate
@@ -97,11 +97,7 @@ def test_files_with_hostile_headers_are_never_used(tiny_model, tmp_path, caplog)
     recursion limit or shapes that do not match the bytes are dropped when
     found; a layout that points past the arrays or is not the model's is
     refused when read. None stops the tier, and the sound file still serves."""
-    disk = disk_after_first(tiny_model, tmp_path)
-    system = min(disk._index.values(), key=lambda e: len(e.tokens))
-    path = disk.dir / system.name
-    raw = path.read_bytes()
-    parts = FileParts.of(raw)
+    disk, system, path, raw, parts = shortest_file(tiny_model, tmp_path)
     header, meta = parts.header, parts.meta
 
     def rewrite(tensors: dict | None = None, tree: object = None, body: bytes | None = None) -> None:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from harness.engine import engine_for
-from harness.prefix_files import SECOND, FileParts, disk_after_first, files, path_of, snapshot_layers
+from harness.prefix_files import SECOND, FileParts, disk_after_first, files, path_of, shortest_file, snapshot_layers
 from harness.procs import wait_for
 from ipc.messages import Generate
 
@@ -341,11 +341,7 @@ def test_a_file_whose_arrays_have_other_shapes_than_the_models_is_refused(tiny_m
     (or keys and values) are laid out in other dimensions, the bytes the
     same, joined a batch and failed every row of it. The worker learns its
     arrays' shapes from the warm-up's forward."""
-    disk = disk_after_first(tiny_model, tmp_path)
-    entry = min(disk._index.values(), key=lambda e: len(e.tokens))
-    path = disk.dir / entry.name
-    raw = path.read_bytes()
-    parts = FileParts.of(raw)
+    disk, entry, path, raw, parts = shortest_file(tiny_model, tmp_path)
     header, meta = parts.header, parts.meta
     engine = engine_for(tiny_model)
     engine.warm_up()
