@@ -411,3 +411,21 @@ def test_a_stream_ends_with_its_apis_terminal_event(pool, path):
         assert lines[-1] == b"data: [DONE]", lines[-1]
     else:
         assert json.loads(lines[-1])["done"] is True, lines[-1]
+
+
+@pytest.mark.parametrize(
+    "path, fields, named",
+    [
+        (RESPONSES, {"max_output_tokens": -1}, "max_output_tokens"),
+        (RESPONSES, {"input": []}, '"input"'),
+        (ANTHROPIC, {"stop_sequences": [""]}, "stop_sequences"),
+        (ANTHROPIC, {"thinking": {"type": "enabled", "budget_tokens": -5}}, "thinking.budget_tokens"),
+        (OLLAMA_CHAT, {"options": {"num_predict": 1.5}}, "options.num_predict"),
+        (OLLAMA_CHAT, {"options": {"repeat_penalty": -1}}, "options.repeat_penalty"),
+    ],
+)
+def test_a_refusal_names_the_field_as_the_client_sent_it(pool, tiny_model, path, fields, named):
+    """Every API is read as a chat completion: its refusals named the chat's
+    fields (max_tokens for max_output_tokens, stop for stop_sequences)."""
+    status, answer = call(pool, "POST", path, with_(path, **fields))
+    assert named in api_error(path, status, answer, tiny_model)

@@ -145,6 +145,10 @@ def _tools(data: dict, body: dict) -> None:
             body["parallel_tool_calls"] = False
 
 
+# Chat fields as this API names them, for its errors.
+NAMES = {"stop": "stop_sequences", "reasoning_budget": "thinking.budget_tokens"}
+
+
 def request(body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
     data = json_object(body)
     chat: dict = {"model": data.get("model"), "messages": _messages(data)}
@@ -175,7 +179,10 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
         if data.get(name) is not None:
             chat[name] = data[name]
     _tools(data, chat)
-    msg, opts = chat_request(chat, request_id, model_name, template)
+    try:
+        msg, opts = chat_request(chat, request_id, model_name, template)
+    except HttpError as exc:
+        raise exc.renamed({ours: theirs for ours, theirs in NAMES.items() if ours not in data}) from None
     opts.include_usage = True
     return msg, opts
 

@@ -167,10 +167,13 @@ class _Api:
             if data.get("tools") is not None:
                 body_["tools"] = data["tools"]
         _common(data, body_, raw)
-        if raw:
-            msg, opts = completion_request(body_, request_id, model_name)
-        else:
-            msg, opts = chat_request(body_, request_id, model_name, template)
+        try:
+            if raw:
+                msg, opts = completion_request(body_, request_id, model_name)
+            else:
+                msg, opts = chat_request(body_, request_id, model_name, template)
+        except HttpError as exc:
+            raise exc.renamed({ours: f"options.{theirs}" for theirs, ours in OPTIONS.items()}) from None
         opts.include_usage = True
         opts.extra = {"keep_alive": keep, "raw": raw}
         return msg, opts

@@ -136,6 +136,10 @@ def _tools(data: dict, chat: dict) -> None:
         chat["parallel_tool_calls"] = data["parallel_tool_calls"]
 
 
+# Chat fields as this API names them, for its errors.
+NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
 def request(body: bytes, request_id: str, model_name: Callable, template: Callable[[str], TemplateInfo], app) -> tuple:
     data = json_object(body)
     if data.get("input") is None:
@@ -177,7 +181,10 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     _tools(data, chat)
-    msg, opts = chat_request(chat, request_id, model_name, template)
+    try:
+        msg, opts = chat_request(chat, request_id, model_name, template)
+    except HttpError as exc:
+        raise exc.renamed({ours: theirs for ours, theirs in NAMES.items() if ours not in data}) from None
     opts.include_usage = True
     opts.extra = {
         "conversation": conversation,

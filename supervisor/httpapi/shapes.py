@@ -77,6 +77,17 @@ class HttpError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
 
+    def renamed(self, names: dict[str, str]) -> HttpError:
+        """The same error with the chat fields in `names` called by another
+        API's names for them (`max_tokens`: Responses' `max_output_tokens`),
+        in `param` and where the message quotes them."""
+        if not names:
+            return self
+        quoted = re.compile(r"""(['"])(%s)(?=['"\[.])""" % "|".join(map(re.escape, names)))
+        message = quoted.sub(lambda m: m.group(1) + names[m.group(2)], self.message)
+        param = self.param if self.param is None else names.get(self.param, self.param)
+        return type(self)(self.status, message, self.type, self.code, param)
+
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     return _encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
