@@ -396,3 +396,31 @@ def test_the_files_of_a_model_are_bounded_in_number_as_well_as_bytes(tmp_path, m
     disk = disk_of(tmp_path, 5)
     assert len(disk._index) == 3 == len(files(tmp_path))
     assert sorted(int(e.tokens[0]) for e in disk._index.values()) == [2000, 3000, 4000]
+
+
+_SWAPPED_FOR_A_FIFO = """
+import os, sys
+from pathlib import Path
+from worker.cache.prefix_disk import PrefixDisk
+
+disk = PrefixDisk(Path(sys.argv[1]), sys.argv[2], budget=1 << 30)
+entry = min(disk._index.values(), key=lambda e: len(e.tokens))
+loaded = disk.load_now(entry)
+path = disk.dir / entry.name
+path.unlink()
+os.mkfifo(path)
+print(loaded.layers())
+"""
+
+
+def test_a_fifo_put_under_a_files_name_after_its_check_does_not_block_mlxs_read(tiny_model, tmp_path):
+    """mlx reads a checked file on the main thread: a FIFO put under its
+    name between the check and that read blocked the worker for ever, its
+    heartbeat thread too (mx.load waits in open() holding the GIL). In a
+    child process, which the test can stop."""
+    disk = disk_after_first(tiny_model, tmp_path)
+    try:
+        child = subprocess.run([sys.executable, "-c", _SWAPPED_FOR_A_FIFO, str(tmp_path), disk.dir.name], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("mlx's read of the file waited on the FIFO") from None
+    assert child.returncode == 0 and child.stdout.strip() == b"None", child.stderr.decode()[-2000:]

@@ -236,24 +236,34 @@ class Loaded:
         state. A read-back beside running rows holds them up a part a step,
         not a whole file (the 8B shape's 3.8 GB took 0.4 s on an H100)."""
         try:
-            found = mx.load(str(self.path), format="safetensors", stream=mx.cpu)
-            tokens = found["tokens"]
-            arrays = [found[f"a{i}"] for i in range(self.arrays)]
-            part, size = [tokens], 0
-            for a in arrays:
-                part.append(a)
-                size += a.nbytes
-                if step_bytes is not None and size >= step_bytes:
-                    mx.eval(part)
-                    part, size = [], 0
-                    yield
-            mx.eval(part)
+            # mlx reads the file opened here, through its descriptor: a FIFO
+            # put under the name since the check would block mx.load (on
+            # the main thread) for ever, and open_regular refuses one.
+            with open_regular(self.path) as f:
+                found = mx.load(_fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
+                tokens = found["tokens"]
+                arrays = [found[f"a{i}"] for i in range(self.arrays)]
+                part, size = [tokens], 0
+                for a in arrays:
+                    part.append(a)
+                    size += a.nbytes
+                    if step_bytes is not None and size >= step_bytes:
+                        mx.eval(part)
+                        part, size = [], 0
+                        yield
+                mx.eval(part)
             if not np.array_equal(np.array(tokens), self.entry.tokens):
                 raise ValueError("its token ids changed since its check")
             return unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError, OSError) as exc:
             log.warning("prefix cache: %s could not be read after its check (%s); not used", self.entry.name, exc)
             return None
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens the file behind this process's descriptor `fd`
+    (Linux's /proc; /dev/fd on macOS)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
 def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefill_rate: float | None) -> bool:
