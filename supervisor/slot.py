@@ -300,6 +300,11 @@ class WorkerSlot:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             return self.stats
+        finally:
+            # Bounded whatever the worker does: a worker that never answers
+            # leaves no waiter behind for each status asked of it.
+            if entry in self._stats_waiters:
+                self._stats_waiters.remove(entry)
 
     def _capped(self, rows: int) -> int:
         """The worker's number of rows, within a configured max_batch."""

@@ -191,3 +191,27 @@ def test_stats_lines_answer_the_request_they_name():
         await slot.stop("test over")
 
     asyncio.run(main())
+
+
+def test_a_status_a_worker_never_answers_leaves_no_waiter_behind():
+    async def main():
+        children: list[MemoryChild] = []
+        spec = ModelSpec("m", Path("/nowhere"))
+        slot = WorkerSlot(
+            spec,
+            Told(),
+            Lines(),
+            lambda: (["worker"], {}),
+            RestartPolicy(),
+            random.Random(0),
+            child_factory=lambda *cb: children.append(MemoryChild(*cb)) or children[-1],
+        )
+        slot.roster.join(spec)
+        await slot.start("test")
+        children[0].on_lines(encode_event("ready", model="m", load_ms=7))
+        for _ in range(3):
+            assert await slot.fresh_stats(timeout=0.01) is None
+        assert slot._stats_waiters == []
+        await slot.stop("test over")
+
+    asyncio.run(main())
