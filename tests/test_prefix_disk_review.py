@@ -424,3 +424,35 @@ def test_a_fifo_put_under_a_files_name_after_its_check_does_not_block_mlxs_read(
     except subprocess.TimeoutExpired:
         raise AssertionError("mlx's read of the file waited on the FIFO") from None
     assert child.returncode == 0 and child.stdout.strip() == b"None", child.stderr.decode()[-2000:]
+
+
+def test_a_file_renamed_over_the_one_being_checked_is_neither_failed_nor_deleted(tmp_path, monkeypatch):
+    """Each chunk of a check opened the file by its name again: another
+    worker's write of the same entry, renamed over it mid-check, failed the
+    checksums of the chunks read after it, and its good file was deleted."""
+    from worker.cache import prefix_disk
+
+    monkeypatch.setattr(prefix_disk, "CHUNK", 256)  # many chunks
+    monkeypatch.setattr(prefix_disk, "READ_THREADS", 1)  # read in order
+    tokens = np.arange(50)
+    disks = []
+    for seed, root in enumerate((tmp_path / "mine", tmp_path / "theirs")):
+        disk = prefix_disk.PrefixDisk(root, "model", budget=1 << 30)
+        disk.write(None, tokens, snapshot_layers(seed, 50))
+        assert disk.flush(30)
+        disks.append(disk)
+    mine, theirs = disks
+    [entry] = mine._index.values()
+    [path], [other] = files(tmp_path / "mine"), files(tmp_path / "theirs")
+    assert path.read_bytes() != other.read_bytes()
+    calls = []
+
+    def renamed_over_after_the_first_chunk() -> bool:
+        calls.append(1)
+        if len(calls) == 2:
+            os.replace(other, path)
+        return False
+
+    loaded = mine._load(entry, renamed_over_after_the_first_chunk)
+    assert len(calls) > 2 and isinstance(loaded, prefix_disk.Loaded)
+    assert path.exists() and entry.name in mine._index

@@ -633,38 +633,12 @@ class PrefixDisk:
         when `stop` said so between chunks."""
         path = self.dir / entry.name
         try:
+            # Every chunk is read from the file opened here: a file renamed
+            # over this one meanwhile (another worker's write of the same
+            # entry) would fail the checksums of the chunks read after it,
+            # and be deleted, good as it is.
             with open_regular(path) as f:
-                layout = read_layout(f, os.fstat(f.fileno()).st_size)
-                tokens = read_tokens(f, layout)
-            meta = layout.meta
-            chunk, crcs = meta.get("chunk"), meta.get("crc32")
-            if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
-                raise BadEntry("its checksums do not cover its data")
-            if meta.get("head") != head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
-                raise BadEntry("its header's checksum does not match: the file is corrupt")
-            if meta.get("adapter") != entry.adapter or not np.array_equal(tokens, entry.tokens):
-                raise BadEntry("its adapter or token ids changed since it was indexed")
-
-            def one(i: int) -> bool:
-                if stop is not None and stop():
-                    return False
-                part = self._buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
-                with open_regular(path, buffering=0) as f:
-                    f.seek(layout.data_start + i * chunk)
-                    got = 0
-                    while got < len(part):
-                        n = f.readinto(part[got:])
-                        if not n:
-                            raise BadEntry("shorter than its header says")
-                        got += n
-                if zlib.crc32(part) != crcs[i]:
-                    raise BadEntry("its checksum does not match: the file is corrupt")
-                return True
-
-            if not all(self._io.map(one, range(len(crcs)))):
-                return STOPPED
-            self._touch(entry)
-            return Loaded(entry, path, meta.get("tree"), layout.arrays)
+                return self._checked(entry, path, f, stop)
         except FileNotFoundError:
             with self._lock:
                 self._index.pop(entry.name, None)
@@ -675,6 +649,39 @@ class PrefixDisk:
         except OSError as exc:
             log.warning("prefix cache: cannot read %s: %s", path, exc)
             return None
+
+    def _checked(self, entry: DiskEntry, path: Path, f, stop: Callable[[], bool] | None) -> Loaded | object:
+        """`_load`'s check of the open file `f`: Loaded, or STOPPED; raises
+        BadEntry (and what a malformed header raises) when it is bad."""
+        layout = read_layout(f, os.fstat(f.fileno()).st_size)
+        tokens = read_tokens(f, layout)
+        meta = layout.meta
+        chunk, crcs = meta.get("chunk"), meta.get("crc32")
+        if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
+            raise BadEntry("its checksums do not cover its data")
+        if meta.get("head") != head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
+            raise BadEntry("its header's checksum does not match: the file is corrupt")
+        if meta.get("adapter") != entry.adapter or not np.array_equal(tokens, entry.tokens):
+            raise BadEntry("its adapter or token ids changed since it was indexed")
+
+        def one(i: int) -> bool:
+            if stop is not None and stop():
+                return False
+            part = self._buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
+            got = 0
+            while got < len(part):
+                n = os.preadv(f.fileno(), [part[got:]], layout.data_start + i * chunk + got)
+                if not n:
+                    raise BadEntry("shorter than its header says")
+                got += n
+            if zlib.crc32(part) != crcs[i]:
+                raise BadEntry("its checksum does not match: the file is corrupt")
+            return True
+
+        if not all(self._io.map(one, range(len(crcs)))):
+            return STOPPED
+        self._touch(entry)
+        return Loaded(entry, path, meta.get("tree"), layout.arrays)
 
     def _store(self, name: str, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
         arrays: list[mx.array] = []
