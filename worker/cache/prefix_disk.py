@@ -260,6 +260,35 @@ class Loaded:
             return None
 
 
+def drop_unused_beside(own: Path) -> None:
+    """Removes the files of the other folders beside a model's folder `own`
+    (other models, or this model before its weights, format or mlx
+    changed) that nothing has used for UNUSED_S, and the folders they leave
+    empty: each worker bounds only its own folder, and a folder no worker
+    serves any more would keep its files for ever."""
+    cutoff = time.time() - UNUSED_S
+    removed = 0
+    try:
+        with os.scandir(own.parent) as entries:
+            folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != own.name]
+        for folder in folders:
+            with os.scandir(folder) as entries:
+                old = [
+                    e
+                    for e in entries
+                    if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff
+                ]
+            for e in old:
+                os.unlink(e.path)
+                removed += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when empty
+    except OSError as exc:
+        log.warning("prefix cache: cannot clear unused files beside %s: %s", own, exc)
+    if removed:
+        log.info("prefix cache: %d file(s) unused for %d days removed from other folders of %s", removed, UNUSED_S // 86400, own.parent)
+
+
 def _fd_path(fd: int) -> str:
     """A path that opens the file behind this process's descriptor `fd`
     (Linux's /proc; /dev/fd on macOS)."""
@@ -339,35 +368,7 @@ class PrefixDisk:
         if self._index:
             log.info("prefix cache on disk: %d entries, %d bytes in %s", len(self._index), self.used, self.dir)
         self._evict()
-        self._drop_unused_elsewhere()
-
-    def _drop_unused_elsewhere(self) -> None:
-        """Removes the files of the other folders beside this one (other
-        models, or this model before its weights, format or mlx changed)
-        that nothing has used for UNUSED_S, and the folders they leave
-        empty: each worker bounds only its own folder, and a folder no
-        worker serves any more would keep its files for ever."""
-        cutoff = time.time() - UNUSED_S
-        removed = 0
-        try:
-            with os.scandir(self.dir.parent) as entries:
-                folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != self.dir.name]
-            for folder in folders:
-                with os.scandir(folder) as entries:
-                    old = [
-                        e
-                        for e in entries
-                        if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff
-                    ]
-                for e in old:
-                    os.unlink(e.path)
-                    removed += 1
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only when empty
-        except OSError as exc:
-            log.warning("prefix cache: cannot clear unused files beside %s: %s", self.dir, exc)
-        if removed:
-            log.info("prefix cache: %d file(s) unused for %d days removed from other folders of %s", removed, UNUSED_S // 86400, self.dir.parent)
+        drop_unused_beside(self.dir)
 
     def _read_index(self, path: Path) -> DiskEntry:
         with open_regular(path) as f:
