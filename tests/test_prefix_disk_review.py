@@ -279,7 +279,7 @@ def test_after_files_skipped_in_a_row_one_is_read_to_time_the_disk_again(tmp_pat
 
 
 _EXITING_WORKER = """
-import os, sys, threading, time
+import os, sys, threading
 from pathlib import Path
 import numpy as np
 from harness.prefix_files import snapshot_layers
@@ -289,15 +289,20 @@ from worker.shell.server import WorkerServer
 
 disk = PrefixDisk(Path(sys.argv[1]), "model", budget=1 << 30)
 store = disk._store
+exiting = threading.Event()
 
-def slow(*job):
-    time.sleep(0.5)  # a write still under way when the pipe closes
+def held(*job):
+    exiting.wait()  # the write is still under way when the pipe closes
     store(*job)
 
-disk._store = slow
+def before_exit():
+    exiting.set()
+    disk.closing()
+
+disk._store = held
 r, w = os.pipe()
 server = WorkerServer("m", EventChannel(os.dup(1)), request_fd=r)
-server.before_exit = disk.closing
+server.before_exit = before_exit
 disk.write(None, np.arange(50), snapshot_layers(0, 50))
 os.close(w)
 server.start_reader()
