@@ -326,14 +326,14 @@ class Scheduler:
         t0 = time.monotonic()
         try:
             next(restoring.parts)
-            restoring.spent += time.monotonic() - t0
             return False
         except StopIteration as end:
-            restoring.spent += time.monotonic() - t0
             restored = end.value
         except Exception:
             log.exception("prefix cache: %s could not be restored", restoring.entry.name)
             return True
+        finally:
+            restoring.spent += time.monotonic() - t0
         entry, loaded = restoring.entry, restoring.loaded
         try:
             if restored is not None and self.prefix_cache.insert_read(entry.adapter, entry.tokens, *restored):
