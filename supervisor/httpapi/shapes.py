@@ -185,12 +185,12 @@ def optional_object(data: dict, key: str) -> dict | None:
 
 
 def optional_bool(data: dict, key: str, default: bool) -> bool:
-    """A field that must be true or false when given."""
+    """A field that must be a boolean when given."""
     value = data.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(f"{key} must be true or false", key)
+        raise bad(f"{key} must be a boolean", key)
     return value
 
 
