@@ -1,22 +1,34 @@
-"""End to end: decode tok/s through `lattice-pool serve` vs mlx-lm direct on
-the demo model, in one run.
+"""End to end: decode tok/s through `lattice-pool serve` vs mlx-lm direct, in
+one run, every side loaded at once.
 
-    python -m bench.serve [--size tiny] [--rounds 5] [--tokens 256]
+    python -m bench.serve [--size tiny|small|0.8b|4b|8b[-q4]] [--rounds 5] [--tokens 256] [--skip worker] [--tag T]
 
 Both sides decode greedily from the same prompt with the same weights.
 "serve" is seen as a client sees it: the arrival times of token lines on
-the pool's stdout, the worker behind the supervisor. "worker" is the same
-worker program driven over its own pipes, no supervisor, timed the same
-way: serve/worker is the supervisor's share, worker/mlx-lm the engine's.
-"mlx-lm" is mlx_lm.stream_generate in this process, timed at each yielded
-token.
+the pool's stdout, the worker behind the supervisor (its default
+settings). "worker" is the same worker program driven over its own pipes,
+no supervisor, timed the same way: serve/worker is the supervisor's share,
+worker/mlx-lm the engine's. "mlx-lm" is mlx_lm.stream_generate in this
+process, timed at each yielded token.
+
+Every side is loaded before the first round and stays loaded, and each
+round runs one request per side back to back, the order rotating from
+round to round: the sides of a round run seconds apart, under the same
+state of the host. On the lent GPU machines that matters: a lone row of a
+4B-8B model is bound by the host launching its kernels, and there the
+host's speed moved mlx-lm's own decode rate by up to 1.8x within minutes
+on one machine, so sides measured in processes minutes apart
+(`bench.batch --through serve`) compare the machine's moments as much as
+the engines.
 Decode rate = (tokens - 1) / (time of the last token - time of the first),
-so prompt processing stays out of it. Tokens are counted, not lines: a
-character split across tokens arrives as one line, so for the pool and the
-worker the count is the done line's gen_tokens and the last token's time is
-the done line's arrival. Rounds alternate; each side warms up
-first. The goal is serve >= 0.98x mlx-lm.
-Writes bench/results/serve.json.
+so prompt processing stays out of it (the same prompt every round: the
+pool's prefix cache would make its first token incomparable). Tokens are
+counted, not lines: a character split across tokens arrives as one line,
+so for the pool and the worker the count is the done line's gen_tokens
+and the last token's time is the done line's arrival. Each side warms up
+first. The goal is serve >= 0.98x mlx-lm. The results file
+(bench/results/serve-<backend>-<size>[-tag].json) is written after every
+round.
 """
 
 from __future__ import annotations
@@ -24,16 +36,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import NOISY, machine, summary, write  # noqa: E402
+from bench.common import NOISY, backend, demo_model, machine, summary, tagged, write  # noqa: E402
 from harness.pool import PoolProc  # noqa: E402
-from harness.procs import build_demo_model  # noqa: E402
 from harness.worker import WorkerProc  # noqa: E402
 
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
@@ -100,74 +110,99 @@ class Direct:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="demo model size (default tiny, the built-in demo)")
+    p.add_argument("--size", default="tiny", help="demo model size (default tiny, the built-in demo): tiny, small, 0.8b, 4b, 8b; a -q4 suffix for 4-bit")
     p.add_argument("--rounds", type=int, default=5, help="requests per side (default 5)")
     p.add_argument("--tokens", type=int, default=256, help="max tokens per request (default 256)")
+    p.add_argument("--skip", choices=["worker"], action="append", default=[], help="leave a side out (the worker without the supervisor: one model copy less)")
+    p.add_argument("--tag", default="", help="suffix for the results file name")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
-    serve_rates, direct_rates, worker_rates, bare_rates = [], [], [], []
+    name = tagged(f"serve-{backend()}-{args.size}", args.tag)
+    model = demo_model(args.size)
+    direct = Direct(model)
+    serve = Serve(model)
+    bare = None if "worker" in args.skip else Worker(model)
+    rates: dict[str, list[float]] = {"serve": [], "serve_worker_reported": [], "worker": [], "mlx_lm": []}
     counts: dict[str, set] = {"serve": set(), "worker": set(), "mlx_lm": set()}
-    with tempfile.TemporaryDirectory(prefix="lattice-bench-serve-") as tmp:
-        model = Path(tmp) / "demo"
-        build_demo_model(model, "--size", args.size)
-        direct = Direct(model)
-        serve = Serve(model)
-        bare = Worker(model)
-        try:
-            serve.decode(16)
-            bare.decode(16)
-            direct.decode(16)
-            for _ in range(args.rounds):
-                rate, n, own = serve.decode(args.tokens)
-                serve_rates.append(rate)
-                worker_rates.append(own)
-                counts["serve"].add(n)
-                rate, n = bare.decode(args.tokens)
-                bare_rates.append(rate)
-                counts["worker"].add(n)
-                rate, n = direct.decode(args.tokens)
-                direct_rates.append(rate)
-                counts["mlx_lm"].add(n)
-        finally:
-            serve.close()
-            bare.close()
 
-    ratio = statistics.median(serve_rates) / statistics.median(direct_rates)
-    paired = statistics.median(s / d for s, d in zip(serve_rates, direct_rates))
+    def run_serve() -> None:
+        rate, n, own = serve.decode(args.tokens)
+        rates["serve"].append(rate)
+        rates["serve_worker_reported"].append(own)
+        counts["serve"].add(n)
+
+    def run_worker() -> None:
+        rate, n = bare.decode(args.tokens)
+        rates["worker"].append(rate)
+        counts["worker"].add(n)
+
+    def run_direct() -> None:
+        rate, n = direct.decode(args.tokens)
+        rates["mlx_lm"].append(rate)
+        counts["mlx_lm"].add(n)
+
+    sides = [run_serve, run_direct] + ([run_worker] if bare is not None else [])
+    try:
+        serve.decode(16)
+        direct.decode(16)
+        if bare is not None:
+            bare.decode(16)
+        for r in range(args.rounds):
+            k = r % len(sides)
+            for side in sides[k:] + sides[:k]:
+                side()
+            result = _result(args, serve.ready, rates, counts)
+            write(name, result, args.out)
+    finally:
+        serve.close()
+        if bare is not None:
+            bare.close()
+    _report(args, result)
+    return 0
+
+
+def _result(args, ready: dict, rates: dict[str, list[float]], counts: dict[str, set]) -> dict:
+    serve_rates, direct_rates, bare_rates = rates["serve"], rates["mlx_lm"], rates["worker"]
+    paired = [s / d for s, d in zip(serve_rates, direct_rates)]
+    ratio = statistics.median(paired)
     result = {
         "note": NOISY,
         "machine": machine(),
-        "model": {"demo_size": args.size, "format": serve.ready["format"], "load_ms": serve.ready["load_ms"]},
+        "model": {"demo_size": args.size, "format": ready["format"], "load_ms": ready["load_ms"]},
         "max_tokens": args.tokens,
-        "tokens_generated": {k: sorted(v) for k, v in counts.items()},
+        "rounds": len(serve_rates),
+        "tokens_generated": {k: sorted(v) for k, v in counts.items() if v},
         "decode_tok_s": {
             "serve_client_side": summary(serve_rates, 2),
-            "serve_worker_reported": summary(worker_rates, 2),
-            "worker_without_supervisor": summary(bare_rates, 2),
+            "serve_worker_reported": summary(rates["serve_worker_reported"], 2),
             "mlx_lm_direct": summary(direct_rates, 2),
         },
-        "serve_over_worker_without_supervisor": round(statistics.median(serve_rates) / statistics.median(bare_rates), 3),
-        "worker_without_supervisor_over_mlx_lm": round(statistics.median(bare_rates) / statistics.median(direct_rates), 3),
-        "serve_over_mlx_lm": round(ratio, 3),
-        "serve_over_mlx_lm_paired_median": round(paired, 3),
+        # Per round (its sides ran seconds apart), then the median.
+        "serve_over_mlx_lm": summary(paired),
         "goal": 0.98,
         "meets_goal": ratio >= 0.98,
     }
+    if bare_rates:
+        result["decode_tok_s"]["worker_without_supervisor"] = summary(bare_rates, 2)
+        result["serve_over_worker_without_supervisor"] = summary([s / b for s, b in zip(serve_rates, bare_rates)])
+        result["worker_without_supervisor_over_mlx_lm"] = summary([b / d for b, d in zip(bare_rates, direct_rates)])
+    return result
+
+
+def _report(args, result: dict) -> None:
     d = result["decode_tok_s"]
     print(NOISY)
-    print(f"demo model {args.size} ({result['model']['format']}), {args.tokens} tokens, greedy")
+    print(f"demo model {args.size} ({result['model']['format']}), {args.tokens} tokens, greedy, {result['rounds']} rounds")
+    alone = f"  worker alone {d['worker_without_supervisor']['median']}" if "worker_without_supervisor" in d else ""
     print(
-        f"decode tok/s  serve {d['serve_client_side']['median']} (worker says {d['serve_worker_reported']['median']})  "
-        f"worker alone {d['worker_without_supervisor']['median']}  mlx-lm {d['mlx_lm_direct']['median']}"
+        f"decode tok/s  serve {d['serve_client_side']['median']} (worker says {d['serve_worker_reported']['median']}){alone}  mlx-lm {d['mlx_lm_direct']['median']}"
     )
-    print(
-        f"serve/mlx-lm {result['serve_over_mlx_lm']} (paired {result['serve_over_mlx_lm_paired_median']}; "
-        f"goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'}) = supervisor share {result['serve_over_worker_without_supervisor']}"
-        f" x engine share {result['worker_without_supervisor_over_mlx_lm']}"
-    )
-    write("serve", result, args.out)
-    return 0
+    ratio = result["serve_over_mlx_lm"]
+    shares = ""
+    if "serve_over_worker_without_supervisor" in result:
+        shares = f" = supervisor share {result['serve_over_worker_without_supervisor']['median']} x engine share {result['worker_without_supervisor_over_mlx_lm']['median']}"
+    print(f"serve/mlx-lm {ratio['median']} ({ratio['min']}-{ratio['max']}; goal >= 0.98: {'met' if result['meets_goal'] else 'MISSED'}){shares}")
 
 
 if __name__ == "__main__":
