@@ -100,3 +100,25 @@ def test_a_worker_leaves_its_prefix_cache_budget_out_of_the_rows_memory(tiny_mod
     monkeypatch.setattr(scheduler_module, "device_memory", lambda: mx.get_active_memory() + room)
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0).max_batch == 40
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=int(20 * row / FREE_SHARE)).max_batch == 20
+
+
+def test_the_buffer_cache_is_a_quarter_of_the_batch_memory_and_at_least_a_gibibyte():
+    from worker.runtime.memory import buffer_cache_limit
+
+    assert buffer_cache_limit(20 << 30) == 5 << 30
+    assert buffer_cache_limit(2 << 30) == 1 << 30
+    assert buffer_cache_limit(0) == 1 << 30
+
+
+def test_bound_buffer_cache_sets_mlx_cache_limit():
+    import mlx.core as mx
+
+    from worker.runtime.memory import bound_buffer_cache
+
+    before = mx.set_cache_limit(0)
+    try:
+        assert bound_buffer_cache(40 << 30) == 10 << 30
+        # set_cache_limit answers with the limit it replaces.
+        assert mx.set_cache_limit(before) == 10 << 30
+    finally:
+        mx.set_cache_limit(before)

@@ -90,6 +90,10 @@ def test_run_and_chat_honour_the_log_level(tiny_model):
     assert re.search(rb"INFO worker model=tiny pid=\d+: ready: format=bf16", loud.stderr)
     # The prefix cache's default on a CPU: 512 MiB.
     assert re.search(rb"ready: .* prefix_cache=536870912 ", loud.stderr), loud.stderr
+    # MLX's cache of freed buffers is bounded by the batch memory.
+    ready = re.search(rb"ready: .* batch_memory=(\d+) buffer_cache=(\d+) ", loud.stderr)
+    assert ready is not None, loud.stderr
+    assert int(ready[2]) == max(1 << 30, int(ready[1]) // 4)
     chat = cli("chat", "--model-dir", str(tiny_model), "--max-tokens", "3", "--no-control-socket", input=b"Hi\n")
     assert chat.returncode == 0 and b"INFO" not in chat.stderr, chat.stderr
 

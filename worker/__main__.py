@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         if prefix_disk is not None:
             server.before_exit = prefix_disk.closing
         scheduler = build_scheduler(args, loaded, codec, server, group, prefix_disk)
+        from worker.runtime.memory import bound_buffer_cache
+
+        bound_buffer_cache(scheduler.batch_memory)
         warm(args, scheduler, prefix_disk)
         start_embedder(args, loaded, codec, server, group, scheduler)
     except StartError as exc:
@@ -497,7 +500,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     """The server learns what it serves; the log and the supervisor hear
     `ready`."""
     from ipc.events import encode_event
-    from worker.runtime.memory import processor
+    from worker.runtime.memory import buffer_cache_limit, processor
 
     server.scheduler = scheduler
     server.format = loaded.format
@@ -508,13 +511,14 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
-        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d prefix_cache=%d mask_threads=%d gil_switch_ms=%g",
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d buffer_cache=%d prefix_cache=%d mask_threads=%d gil_switch_ms=%g",
         loaded.format,
         weights,
         load_ms,
         scheduler.max_batch,
         scheduler.max_batch_why,
         scheduler.batch_memory,
+        buffer_cache_limit(scheduler.batch_memory),
         scheduler.prefix_cache.budget,
         scheduler.masks.threads,
         sys.getswitchinterval() * 1000,

@@ -10,6 +10,34 @@ import psutil
 from ipc.worker_events import rss_uss
 from worker.runtime.batch_size import gpu_memory
 
+# MLX keeps freed buffers for reuse, by default until they fill its memory
+# limit: 95 % of the GPU on CUDA, whatever other processes hold. A batch
+# whose rows leave one by one frees buffers of a new size every step (a
+# hybrid model's recurrent states are about 1 MB a row a layer), so its
+# cache can grow towards the whole GPU, which is what a second worker on
+# one H100 met: a 0.8b worker of 64 rows ran out of memory in its warm-up
+# beside a first one, with 77 of the 80 GB free by nvidia-smi (with 8 rows
+# it started). A worker keeps at most a
+# quarter of its batch memory cached, and at least MIN_BUFFER_CACHE: more
+# than one step's scratch (a 2,048-token chunk of an 8B model takes well
+# under a gigabyte), so steps still reuse their buffers.
+BUFFER_CACHE_SHARE = 4
+MIN_BUFFER_CACHE = 1 << 30
+
+
+def buffer_cache_limit(batch_memory: int) -> int:
+    """The most bytes of freed buffers MLX may keep for a worker whose rows'
+    caches may take `batch_memory`."""
+    return max(MIN_BUFFER_CACHE, batch_memory // BUFFER_CACHE_SHARE)
+
+
+def bound_buffer_cache(batch_memory: int) -> int:
+    """Sets this process's MLX cache limit for `batch_memory`; returns it."""
+    limit = buffer_cache_limit(batch_memory)
+    mx.set_cache_limit(limit)
+    return limit
+
+
 try:  # glibc's; musl and macOS have none
     _malloc_trim = ctypes.CDLL(None).malloc_trim
 except (AttributeError, OSError):
