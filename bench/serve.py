@@ -9,7 +9,8 @@ the pool's stdout, the worker behind the supervisor (its default
 settings). "worker" is the same worker program driven over its own pipes,
 no supervisor, timed the same way: serve/worker is the supervisor's share,
 worker/mlx-lm the engine's. "mlx-lm" is mlx_lm.stream_generate in this
-process, timed at each yielded token.
+process, timed at each yielded token, on the worker's compute setup (on a
+CPU float32 weights and OpenBLAS, as `bench.batch` runs it).
 
 Every side is loaded before the first round and stays loaded, and each
 round runs one request per side back to back, the order rotating from
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import NOISY, backend, demo_model, machine, summary, tagged, write  # noqa: E402
+from bench.mlx_lm_baseline import load_model  # noqa: E402
 from harness.pool import PoolProc  # noqa: E402
 from harness.worker import WorkerProc  # noqa: E402
 
@@ -91,13 +93,14 @@ class Worker:
 
 
 class Direct:
-    """mlx-lm's own generation loop, in this process."""
+    """mlx-lm's own generation loop, in this process, on the worker's compute
+    setup (bench.mlx_lm_baseline's `matched`: on a CPU float32 weights and
+    OpenBLAS, which this process loads before anything imports mlx)."""
 
     def __init__(self, model: Path):
-        from mlx_lm import load
+        self.model, self.tokenizer = load_model(model, "matched")
         from mlx_lm.sample_utils import make_sampler
 
-        self.model, self.tokenizer = load(str(model))
         self.sampler = make_sampler(temp=0.0)
 
     def decode(self, tokens: int) -> tuple[float, int]:
