@@ -119,6 +119,9 @@ class WorkerStats(MemoryFigures, tag_field="ev", tag=WORKER_STATS):
     adapters: list[AdapterFigures] = []
     max_adapters: int = 0
     ranks: list[RankFigures] | None = None
+    # The memory of the device it computes on: the GPU's on CUDA, the
+    # machine's on a CPU or Apple silicon (0: not known yet).
+    device_memory_bytes: int = 0
     seq: int = 0  # the Stats message it answers (ipc.messages.Stats)
 
 

@@ -144,6 +144,15 @@ DEFAULT_MEMORY_SHARE = 0.75
 DEFAULT_MAX_LOADED_CEILING = 16
 
 
+def memory_to_share(ram_bytes: int, device_bytes: list[int]) -> int:
+    """The memory default_max_loaded shares out: the machine's, or the
+    device's where the workers compute on one with less. On a CUDA GPU the
+    footprints are the GPU's memory (weights, caches), which a machine's RAM
+    can well exceed (125 GB of RAM beside an 80 GB H100). Figures of 0 (not
+    reported yet) do not count."""
+    return min([ram_bytes, *(b for b in device_bytes if b > 0)])
+
+
 def default_max_loaded(total_memory: int, footprints: list[int]) -> int:
     """max_loaded when the config sets neither it nor memory_budget, from the
     machine's memory and the bytes of each worker loaded or about to be."""

@@ -29,7 +29,7 @@ from supervisor.child import worker_command
 from supervisor.config import Config, parse_size
 from supervisor.job import Job
 from supervisor.names import Name
-from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, footprint, make_room
+from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, footprint, make_room, memory_to_share
 from supervisor.resolve import Resolver
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -210,6 +210,13 @@ class Workers:
             if s is not exclude and (s.state in LIVE or s.state == State.RESTARTING)
         ]
 
+    def _memory_to_share(self) -> int:
+        """The machine's memory, or the device's that live workers report
+        computing on (a model split over processes spans devices: not
+        counted)."""
+        devices = [s.stats.device_memory_bytes for s in self.slots.values() if s.state in LIVE and s.stats is not None and s.stats.ranks is None]
+        return memory_to_share(self.total_memory, devices)
+
     async def _admit(self, slot: WorkerSlot) -> None:
         """Makes room under max_loaded / memory_budget, then starts the worker.
         Anything unexpected on the way ends the requests waiting for it with
@@ -234,7 +241,7 @@ class Workers:
                 need = self._estimate_bytes(slot.spec)
                 max_loaded = self.pool.config.max_loaded
                 if max_loaded is None and self.memory_budget is None:
-                    max_loaded = default_max_loaded(self.total_memory, [r.memory_bytes for r in residents] + [need])
+                    max_loaded = default_max_loaded(self._memory_to_share(), [r.memory_bytes for r in residents] + [need])
                 decision = make_room(residents, need_bytes=need, max_loaded=max_loaded, memory_budget=self.memory_budget)
                 if isinstance(decision, NoFit):
                     self.slots.pop(slot.spec.key, None)

@@ -24,6 +24,7 @@ from supervisor.policy import (
     failed_rows_to_drop,
     footprint,
     make_room,
+    memory_to_share,
     on_crash,
 )
 
@@ -188,6 +189,17 @@ class TestDefaultMaxLoaded:
         assert default_max_loaded(8 * self.GIB, [40 * self.GIB]) == 1
         assert default_max_loaded(512 * self.GIB, [300 << 20]) == DEFAULT_MAX_LOADED_CEILING == 16
         assert default_max_loaded(512 * self.GIB, []) == DEFAULT_MAX_LOADED_CEILING
+
+
+def test_the_memory_shared_out_is_the_devices_where_workers_report_a_smaller_one():
+    gib = 1 << 30
+    # A CUDA machine: 125 GB of RAM beside an 80 GB GPU.
+    assert memory_to_share(125 * gib, [80 * gib, 80 * gib]) == 80 * gib
+    # Nothing reported yet (0), or a CPU or Apple silicon (the machine's).
+    assert memory_to_share(125 * gib, []) == 125 * gib
+    assert memory_to_share(125 * gib, [0]) == 125 * gib
+    assert memory_to_share(64 * gib, [64 * gib]) == 64 * gib
+    assert default_max_loaded(memory_to_share(125 * gib, [80 * gib]), [16 * gib]) == 3
 
 
 def test_footprint_counts_mlx_buffers_that_rss_does_not_show():

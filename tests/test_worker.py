@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from harness.procs import ROOT, child_env, pid_alive, said, wait_for
@@ -207,6 +208,8 @@ def test_stats_reply_has_measured_memory(worker):
     assert stats["rss_bytes"] > stats["weights_bytes"] > 0
     assert 0 < stats["uss_bytes"] <= stats["rss_bytes"]
     assert stats["mlx_active_bytes"] >= stats["weights_bytes"]
+    # The memory of the device it computes on: on a CPU, the machine's.
+    assert stats["device_memory_bytes"] == psutil.virtual_memory().total
 
 
 def test_q4_model_generates(tiny_q4_model):

@@ -500,13 +500,14 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     """The server learns what it serves; the log and the supervisor hear
     `ready`."""
     from ipc.events import encode_event
-    from worker.runtime.memory import buffer_cache_limit, processor
+    from worker.runtime.memory import buffer_cache_limit, device_memory, processor
 
     server.scheduler = scheduler
     server.format = loaded.format
     # A draft model (speculative decoding) is part of this worker's weights.
     server.weights_bytes = loaded.weights_bytes + (scheduler.speculator.weights_bytes if scheduler.speculator else 0)
     server.processor = processor()
+    server.device_memory = device_memory()
     # A group's ready says when every rank is, with the whole model's bytes.
     weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)

@@ -46,6 +46,7 @@ class WorkerServer:
         self.format = "unknown"
         self.weights_bytes = 0
         self.processor: str | None = None  # set once the model is loaded
+        self.device_memory = 0  # likewise (worker.runtime.memory.device_memory)
         # Lists of items (worker.shell.inbox), one per read of the request
         # pipe; emptied at every step; what it feeds is bounded by the
         # scheduler's waiting line (MAX_WAITING, beyond which requests are
@@ -123,6 +124,7 @@ class WorkerServer:
             **memory,
             **batch,
             **extra,
+            device_memory_bytes=self.device_memory,
             seq=seq,
         )
 
