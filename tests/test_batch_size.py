@@ -9,6 +9,7 @@ from worker.runtime.batch_size import (
     GPU_MAX,
     SIZING_TOKENS,
     auto_max_batch,
+    default_batch_memory,
     gpu_memory,
 )
 
@@ -88,16 +89,15 @@ def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
 def test_a_worker_leaves_its_prefix_cache_budget_out_of_the_rows_memory(tiny_model, monkeypatch):
     """On a GPU the prefix cache fills its budget as it is used: the rows are
     sized from the memory left after it."""
-    import mlx.core as mx
 
     from harness.engine import engine_for
     from worker.engine import scheduler as scheduler_module
 
     first = engine_for(tiny_model, max_batch=1)
     row = first.row_fixed_bytes + first.row_token_bytes * SIZING_TOKENS  # the tiny model has no stated context
-    room = int(40.5 * row / FREE_SHARE)  # 40 rows of free memory, below the 1 GiB guard
+    room = int(40.5 * row / FREE_SHARE)  # 40 rows of unused memory, below the 1 GiB guard
     monkeypatch.setattr(scheduler_module, "processor", lambda: "cuda")
-    monkeypatch.setattr(scheduler_module, "device_memory", lambda: mx.get_active_memory() + room)
+    monkeypatch.setattr(scheduler_module, "unused_device_memory", lambda: room)
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0).max_batch == 40
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=int(20 * row / FREE_SHARE)).max_batch == 20
 
@@ -122,3 +122,25 @@ def test_bound_buffer_cache_sets_mlx_cache_limit():
         assert mx.set_cache_limit(before) == 10 << 30
     finally:
         mx.set_cache_limit(before)
+
+
+def test_the_default_batch_memory_is_a_quarter_of_the_device_within_what_others_left():
+    # Alone on an H100: a quarter of its 80 GiB.
+    assert default_batch_memory(80 * GIB, 78 * GIB, 10 * GIB) == 20 * GIB
+    # Beside other workers that left 30 GiB: three quarters of it less the prefix cache.
+    assert default_batch_memory(80 * GIB, 30 * GIB, 6 * GIB) == int(24 * GIB * FREE_SHARE)
+    # Nothing left: nothing for rows (a lone request still starts).
+    assert default_batch_memory(80 * GIB, 2 * GIB, 4 * GIB) == 0
+
+
+def test_unused_device_memory_on_a_cpu_is_the_machine_less_mlx_buffers_in_use():
+    import mlx.core as mx
+    import psutil
+
+    from worker.runtime.memory import unused_device_memory
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU's figure; CUDA's comes from the driver")
+    held = mx.ones((1 << 20,))
+    mx.eval(held)
+    assert unused_device_memory() == psutil.virtual_memory().total - mx.get_active_memory()

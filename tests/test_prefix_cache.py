@@ -295,3 +295,8 @@ def test_the_default_budget_is_512_mib_on_a_cpu_and_an_eighth_of_a_gpus_memory()
     assert prefix_cache_bytes(False, 80 * gib) == gib // 2
     assert prefix_cache_bytes(True, 80 * gib) == 10 * gib  # an H100
     assert prefix_cache_bytes(True, 2 * gib) == gib // 2  # never below the CPU's
+    # Beside other workers on the GPU: a quarter of what they left.
+    assert prefix_cache_bytes(True, 80 * gib, 20 * gib) == 5 * gib
+    assert prefix_cache_bytes(True, 80 * gib, 70 * gib) == 10 * gib
+    assert prefix_cache_bytes(True, 80 * gib, gib) == gib // 2
+    assert prefix_cache_bytes(False, 80 * gib, gib) == gib // 2

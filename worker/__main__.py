@@ -384,9 +384,9 @@ def prefix_cache_budget(args: argparse.Namespace) -> int:
         return args.prefix_cache_bytes
     import mlx.core as mx
 
-    from worker.runtime.memory import device_memory
+    from worker.runtime.memory import device_memory, unused_device_memory
 
-    return defaults.prefix_cache_bytes(mx.default_device() == mx.gpu, device_memory())
+    return defaults.prefix_cache_bytes(mx.default_device() == mx.gpu, device_memory(), unused_device_memory())
 
 
 def open_prefix_disk(args: argparse.Namespace, loaded, wake):
@@ -419,7 +419,8 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
     from worker.engine.speculate import DraftError
     from worker.lora.formats import AdapterReader
     from worker.lora.manager import AdapterManager
-    from worker.runtime.memory import device_memory
+    from worker.runtime.batch_size import default_batch_memory
+    from worker.runtime.memory import device_memory, unused_device_memory
 
     reader = AdapterReader(args.max_adapter_bytes, args.adapter_copies)
     adapters = AdapterManager(loaded.model, args.name, reader, args.max_adapters, wake=server.wake)
@@ -429,7 +430,9 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
             codec,
             server.channel.write,
             max_batch=args.max_batch,
-            batch_memory=args.batch_memory if args.batch_memory is not None else device_memory() // 4,
+            batch_memory=args.batch_memory
+            if args.batch_memory is not None
+            else default_batch_memory(device_memory(), unused_device_memory(), args.prefix_cache_bytes),
             prefill_step=args.prefill_step,  # None: the device's default
             prefix_cache_bytes=args.prefix_cache_bytes,
             max_prompt_bytes=args.max_prompt_bytes,

@@ -54,7 +54,7 @@ from worker.lora.residency import Version
 from worker.runtime import defaults
 from worker.runtime.batch_size import auto_max_batch
 from worker.runtime.loader import LoadedModel
-from worker.runtime.memory import device_memory, processor, trim_heap
+from worker.runtime.memory import processor, trim_heap, unused_device_memory
 from worker.text.prompts import PromptReader, RequestError, model_limit
 from worker.text.streamer import Emit, RowStream
 from worker.text.tokenizer import TextCodec
@@ -157,7 +157,7 @@ class Scheduler:
                 processor=processor(),
                 # The prefix cache fills its budget as it is used: what it
                 # will hold is not memory for rows.
-                free_bytes=device_memory() - mx.get_active_memory() - self.prefix_cache.budget,
+                free_bytes=unused_device_memory() - self.prefix_cache.budget,
                 guard_bytes=batch_memory,
                 row_fixed_bytes=self.row_fixed_bytes,
                 row_token_bytes=self.row_token_bytes,

@@ -59,6 +59,19 @@ def auto_max_batch(*, processor: str, free_bytes: int, guard_bytes: int, row_fix
     return BatchSize(rows, why)
 
 
+# The rows' caches may take a 1/BATCH_MEMORY_SHARE of the device's memory by
+# default (the memory guard, `batch_memory`).
+BATCH_MEMORY_SHARE = 4
+
+
+def default_batch_memory(device_bytes: int, unused_bytes: int, prefix_bytes: int) -> int:
+    """The memory guard's default: a quarter of the device's memory, and no
+    more than FREE_SHARE of what nothing holds after loading (`unused_bytes`,
+    other processes' use subtracted where the device says it: a second
+    model's worker on a GPU), less the prefix cache's budget."""
+    return max(0, min(device_bytes // BATCH_MEMORY_SHARE, int((unused_bytes - prefix_bytes) * FREE_SHARE)))
+
+
 def gpu_memory(info: dict) -> int | None:
     """The GPU's memory in mx.device_info(): Metal calls it memory_size,
     CUDA total_memory (which, read as memory_size alone, left a CUDA worker

@@ -28,9 +28,16 @@ PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 PREFIX_CACHE_GPU_SHARE = 8
 
 
-def prefix_cache_bytes(on_gpu: bool, device_bytes: int) -> int:
-    """The prefix cache's default budget on a device of `device_bytes`."""
-    return max(PREFIX_CACHE_BYTES, device_bytes // PREFIX_CACHE_GPU_SHARE) if on_gpu else PREFIX_CACHE_BYTES
+def prefix_cache_bytes(on_gpu: bool, device_bytes: int, unused_bytes: int | None = None) -> int:
+    """The prefix cache's default budget on a device of `device_bytes`, of
+    which `unused_bytes` nothing holds now (other models' workers on the same
+    GPU hold the rest): never more than a quarter of that."""
+    if not on_gpu:
+        return PREFIX_CACHE_BYTES
+    share = device_bytes // PREFIX_CACHE_GPU_SHARE
+    if unused_bytes is not None:
+        share = min(share, unused_bytes // 4)
+    return max(PREFIX_CACHE_BYTES, share)
 
 
 # Seconds a worker stays idle before it hands MLX's buffer cache back

@@ -66,6 +66,17 @@ def device_memory() -> int:
     return size or int(psutil.virtual_memory().total)
 
 
+def unused_device_memory() -> int:
+    """Memory of the device that nothing holds now: on CUDA the driver's
+    figure for the whole GPU (other processes' use subtracted), elsewhere the
+    device's memory less this process's MLX buffers in use."""
+    if mx.default_device() == mx.gpu:
+        free = mx.device_info().get("free_memory")
+        if free:
+            return int(free)
+    return device_memory() - int(mx.get_active_memory())
+
+
 def trim_heap() -> None:
     """Hands the free lists of glibc's malloc back to the OS: it keeps freed
     small blocks (loading a model, reading adapters, compiling kernels on
