@@ -474,3 +474,19 @@ def test_ps_stop_and_unload_reach_a_chat_through_its_config_socket(tiny_model, t
             chat.wait()
         for stream in (chat.stdin, chat.stdout, chat.stderr):
             stream.close()
+
+
+def test_ps_memory_is_what_eviction_counts_so_a_gpus_weights_show():
+    from supervisor.ps import cells
+    from supervisor.status import StatusRow
+
+    def row(rss: int, active: int, cache: int) -> StatusRow:
+        figures = dict(rss_bytes=rss, uss_bytes=rss, mlx_active_bytes=active, mlx_peak_bytes=active, mlx_cache_bytes=cache, weights_bytes=active)
+        counts = dict(adapter_bytes=0, queued=0, in_flight=0, served=0, tokens=0, restarts=0, uptime_s=1.0)
+        return StatusRow(model="m", lora=None, state="ready", pid=4242, format="bf16", processor="cuda", **figures, **counts)
+
+    # A CUDA worker: 2 GB resident on the host, 16 GB of weights and caches
+    # and 1 GB of MLX's buffer cache on the GPU.
+    assert cells(row(2_000_000_000, 16_000_000_000, 1_000_000_000))[4] == "17 GB"
+    # A CPU worker: MLX's buffers are part of its resident size.
+    assert cells(row(3_000_000_000, 2_000_000_000, 0))[4] == "3.0 GB"
