@@ -67,13 +67,14 @@ def device_memory() -> int:
 
 
 def unused_device_memory() -> int:
-    """Memory of the device that nothing holds now: on CUDA the driver's
-    figure for the whole GPU (other processes' use subtracted), elsewhere the
+    """Memory of the device that nothing holds now, or only this process's
+    cache of freed buffers: on CUDA the driver's figure for the whole GPU
+    (other processes' use subtracted) plus that cache, elsewhere the
     device's memory less this process's MLX buffers in use."""
     if mx.default_device() == mx.gpu:
         free = mx.device_info().get("free_memory")
         if free:
-            return int(free)
+            return int(free) + int(mx.get_cache_memory())
     return device_memory() - int(mx.get_active_memory())
 
 
