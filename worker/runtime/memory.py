@@ -12,15 +12,14 @@ from worker.runtime.batch_size import gpu_memory
 
 # MLX keeps freed buffers for reuse, by default until they fill its memory
 # limit: 95 % of the GPU on CUDA, whatever other processes hold. A batch
-# whose rows leave one by one frees buffers of a new size every step (a
-# hybrid model's recurrent states are about 1 MB a row a layer), so its
-# cache can grow towards the whole GPU, which is what a second worker on
-# one H100 met: a 0.8b worker of 64 rows ran out of memory in its warm-up
-# beside a first one, with 77 of the 80 GB free by nvidia-smi (with 8 rows
-# it started). A worker keeps at most a
-# quarter of its batch memory cached, and at least MIN_BUFFER_CACHE: more
-# than one step's scratch (a 2,048-token chunk of an 8B model takes well
-# under a gigabyte), so steps still reuse their buffers.
+# whose rows leave one by one frees buffers of a new size every step (its
+# caches and a hybrid model's recurrent states, one row fewer each time),
+# so the cache can grow towards the whole GPU, which is what a second
+# worker on one H100 met: a 0.8b worker of 64 rows ran out of memory in
+# its warm-up beside a first one, with 77 of the 80 GB free by nvidia-smi
+# (with 8 rows it started). A worker keeps at most a quarter of its batch
+# memory cached, and at least MIN_BUFFER_CACHE, so that a step's scratch
+# buffers are still reused from one step to the next.
 BUFFER_CACHE_SHARE = 4
 MIN_BUFFER_CACHE = 1 << 30
 
