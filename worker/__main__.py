@@ -103,7 +103,11 @@ def _batch_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="requests decoded together; more wait in line; auto (the default) sizes it from the device's free memory and a row's cache",
     )
-    p.add_argument("--batch-memory", type=int, help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory)")
+    p.add_argument(
+        "--batch-memory",
+        type=int,
+        help="bytes the requests' caches may take before more requests wait (default: 1/4 of the device's memory, at most 3/4 of what is free after loading less the prefix cache)",
+    )
     p.add_argument(
         "--prefill-step",
         type=int,
@@ -116,7 +120,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix-cache-bytes",
         type=int,
-        help="memory for reusable prompt state of earlier requests, 0 to disable (default: 512 MiB on a CPU, an eighth of a GPU's memory)",
+        help="memory for reusable prompt state of earlier requests, 0 to disable (default: 512 MiB on a CPU, an eighth of a GPU's memory or a quarter of what is free on it, if less)",
     )
     p.add_argument(
         "--prefix-disk-dir",
