@@ -430,3 +430,16 @@ def test_the_scheduler_compiles_its_decode_step_unless_told_not_to(tiny_model):
         ended = s.drain()
         assert sorted(ended) == [0, 1, 2] and all(len(ids) == 8 for ids in ended.values())
         assert (s.compiled is not None and len(s.compiled._shapes) > 0) == compile_decode
+
+
+def test_the_warm_up_times_a_lone_rows_two_ways_so_the_first_request_does_not(dense_model):
+    """With a choice (CUDA's default; this CPU machine gets one by hand), the
+    worker's warm-up steps its lone row until the way for one row is
+    chosen, instead of leaving the trial to the first request's steps."""
+    from harness.engine import engine_for
+    from worker.engine.step_choice import StepChoice
+
+    scheduler = engine_for(dense_model, max_batch=2)
+    scheduler.compiled.choice = choice = StepChoice()
+    scheduler.warm_up()
+    assert choice.chosen(1) is not None

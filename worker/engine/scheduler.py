@@ -49,6 +49,7 @@ from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, Ro
 from worker.engine.generator import BatchFailed, Row, TokenGenerator
 from worker.engine.sampling import RowSampling
 from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
+from worker.engine.step_choice import TRIAL_AT_MOST
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.runtime import defaults
@@ -651,7 +652,8 @@ class Scheduler:
     def warm_up(self) -> None:
         """Runs requests with ipc's default settings (and a greedy one)
         through a generator of its own, so kernels compile before `ready`:
-        a lone row, then a full batch of prompts of different lengths
+        a lone row (on CUDA until its way of stepping is chosen), then a
+        full batch of prompts of different lengths
         (padded prefill, mixed samplers) that shrinks one row per step, so
         every batch size up to max_batch has run once; then the token mask
         of structured output at each batch size."""
@@ -672,6 +674,15 @@ class Scheduler:
 
         lone = row(0, default)
         run([lone], 2)
+        # On CUDA a lone row's way of stepping (traced or op by op) is timed
+        # here rather than in the first request's steps, half of which would
+        # take the slower way (worker.engine.step_choice): a chat app's
+        # requests mostly come one at a time.
+        choice = self.compiled.choice if self.compiled is not None else None
+        for _ in range(TRIAL_AT_MOST + 1):
+            if choice is None or choice.chosen(1) is not None:
+                break
+            generator.step()
         generator.remove([lone])
         rows = [row(i, greedy if i == 1 else default) for i in range(self.max_batch)]
         run(rows, 1)
