@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = [run_serve, run_direct] + ([run_worker] if bare is not None else [])
     try:
-        # Long enough for a worker on CUDA to finish timing its two ways of
-        # stepping (about 30 steps) before the first measured round.
+        # Past the first capacity step of a row's caches (and, for a worker
+        # older than the lone row's trial in its warm-up, past that trial's
+        # 30 steps) before the first measured round.
         serve.decode(WARM_TOKENS)
         direct.decode(WARM_TOKENS)
         if bare is not None:
