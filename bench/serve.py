@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = [run_serve, run_direct] + ([run_worker] if bare is not None else [])
     try:
-        # Past the first capacity step of a row's caches (and, for a worker
-        # older than the lone row's trial in its warm-up, past that trial's
-        # 30 steps) before the first measured round.
+        # A short reply's worth, so that the first measured round finds its
+        # kernels built (and a worker that times its two ways of stepping
+        # in a request rather than in its own warm-up, done with that).
         serve.decode(WARM_TOKENS)
         direct.decode(WARM_TOKENS)
         if bare is not None:
