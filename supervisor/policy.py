@@ -135,6 +135,13 @@ def footprint(rss_bytes: int, mlx_active_bytes: int, mlx_cache_bytes: int) -> in
     return max(rss_bytes, mlx_active_bytes + mlx_cache_bytes)
 
 
+def footprint_of(figures) -> int:
+    """The footprint of a process's reported figures: a worker's stats, a
+    status row, a rank's (each has rss_bytes, mlx_active_bytes and
+    mlx_cache_bytes)."""
+    return footprint(figures.rss_bytes, figures.mlx_active_bytes, figures.mlx_cache_bytes)
+
+
 # Without max_loaded or memory_budget the pool still bounds its workers: as
 # many as fit in this share of the machine's memory at the footprint of the
 # largest (its weights and the runtime a worker takes besides), never more

@@ -10,7 +10,7 @@ import msgspec
 
 from supervisor.control_client import ControlConnection, NoPool
 from supervisor.local_models import short_path
-from supervisor.policy import footprint
+from supervisor.policy import footprint_of
 from supervisor.status import Status, StatusRow, read_status
 
 COLUMNS = ("NAME", "ADAPTER", "FORMAT", "STATE", "MEMORY", "PROCESSOR", "CONTEXT", "PID", "UPTIME", "UNTIL", "REQUESTS")
@@ -85,22 +85,18 @@ def _requests(row: StatusRow) -> str:
     return f"{row.served}" + (f" ({', '.join(waiting)})" if waiting else "")
 
 
-def held(figures) -> int:
-    """A process's MEMORY: what eviction counts (supervisor.policy.footprint),
-    so that a GPU's weights and caches show, which its RSS does not."""
-    return footprint(figures.rss_bytes, figures.mlx_active_bytes, figures.mlx_cache_bytes)
-
-
 def cells(row: StatusRow, under: bool = False) -> tuple[str, ...]:
     """A name's cells; `under` another name of its worker, indented, with
-    the bytes its adapter adds to the worker as its MEMORY."""
+    the bytes its adapter adds to the worker as its MEMORY. MEMORY is what
+    eviction counts (supervisor.policy.footprint), so that a GPU's weights
+    and caches show, which its RSS does not."""
     running = row.pid is not None
     if not running or row.error is not None:
         memory = "-"
     elif under:
         memory = "+" + human_bytes(row.adapter_bytes)
     else:
-        memory = human_bytes(held(row))
+        memory = human_bytes(footprint_of(row))
     return (
         "  " + row.model if under else row.model,
         _adapter(row.lora),
@@ -120,7 +116,7 @@ def rank_cells(row: StatusRow) -> list[tuple[str, ...]]:
     """One line under a model split over processes for each of its ranks:
     where it runs, its memory and pid."""
     return [
-        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(held(r)), "", "", str(r.pid) if r.pid is not None else "-", "", "", "")
+        (f"  rank {r.rank} {r.host}", "", "", "", human_bytes(footprint_of(r)), "", "", str(r.pid) if r.pid is not None else "-", "", "", "")
         for r in (row.ranks if row.pid is not None and row.ranks else ())
     ]
 

@@ -29,7 +29,18 @@ from supervisor.child import worker_command
 from supervisor.config import Config, parse_size
 from supervisor.job import Job
 from supervisor.names import Name
-from supervisor.policy import Evict, FailedRow, NoFit, Resident, RestartPolicy, default_max_loaded, failed_rows_to_drop, footprint, make_room, memory_to_share
+from supervisor.policy import (
+    Evict,
+    FailedRow,
+    NoFit,
+    Resident,
+    RestartPolicy,
+    default_max_loaded,
+    failed_rows_to_drop,
+    footprint_of,
+    make_room,
+    memory_to_share,
+)
 from supervisor.resolve import Resolver
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -91,8 +102,7 @@ class PoolSide(Protocol):
 
 def held(slot: WorkerSlot) -> int:
     """The memory the slot's worker last reported holding (0: none yet)."""
-    s = slot.stats
-    return footprint(s.rss_bytes, s.mlx_active_bytes, s.mlx_cache_bytes) if s else 0
+    return footprint_of(slot.stats) if slot.stats else 0
 
 
 class Workers:
