@@ -525,7 +525,7 @@ class PrefixDisk:
         if known is not None and self._touch(known):
             return
         arrays: list = []
-        flatten(layers, arrays)
+        tree = flatten(layers, arrays)
         nbytes = sum(a.nbytes for a in arrays)
         with self._lock:
             # A queued snapshot keeps its arrays alive after the memory tier
@@ -535,7 +535,7 @@ class PrefixDisk:
                 return
             self._pending_bytes += nbytes
         try:
-            self._writes.put_nowait((name, adapter, tokens, layers, nbytes))
+            self._writes.put_nowait((name, adapter, tokens, tree, arrays, nbytes))
             self._work.set()
         except queue.Full:
             with self._lock:
@@ -684,9 +684,8 @@ class PrefixDisk:
         self._touch(entry)
         return Loaded(entry, path, meta.get("tree"), layout.arrays)
 
-    def _store(self, name: str, adapter: str | None, tokens: np.ndarray, layers: list) -> None:
-        arrays: list[mx.array] = []
-        tree = flatten(layers, arrays)
+    def _store(self, name: str, adapter: str | None, tokens: np.ndarray, tree: object, arrays: list[mx.array]) -> None:
+        """Writes a snapshot flattened by `write` (prefix_file.flatten)."""
         segments = [memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B"), *(bytes_of(a) for a in arrays)]
         kinds = [("I32", [len(tokens)]), *((DTYPES[dtype_name(a)], list(a.shape)) for a in arrays)]
         header: dict = {}
