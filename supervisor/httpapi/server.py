@@ -357,8 +357,7 @@ class App:
                 if exc.status in (408, 413):
                     # The rest of the body is not wanted: do not wait for it.
                     extra.append((b"connection", b"close"))
-                api = self._api_of(scope.get("path", ""))
-                await _send_json(send, exc.status, (api.error(exc) if api is not None else exc).body(), *extra)
+                await _send_json(send, exc.status, self._error_body(scope, exc), *extra)
         except _ClientGone:
             pass
         except Exception:
@@ -366,13 +365,15 @@ class App:
             self.pool.note_error(None, INTERNAL, "http")
             if not started:
                 error = HttpError(500, "internal error; the pool logged it and goes on", "server_error", INTERNAL)
-                api = self._api_of(scope.get("path", ""))
-                await _send_json(send, 500, (api.error(error) if api is not None else error).body())
+                await _send_json(send, 500, self._error_body(scope, error))
 
-    def _api_of(self, path: str):
-        """The API whose error shape a path's answers take (None: OpenAI's):
-        every /api/ path is Ollama's, whose clients read {"error": "..."}."""
-        return self.apis.get(path) or (ollama if path.startswith("/api/") else None)
+    def _error_body(self, scope: dict, error: HttpError) -> bytes:
+        """`error` in the shape of the API the path belongs to (OpenAI's by
+        default): every /api/ path is Ollama's, whose clients read
+        {"error": "..."}."""
+        path = scope.get("path", "")
+        api = self.apis.get(path) or (ollama if path.startswith("/api/") else None)
+        return (api.error(error) if api is not None else error).body()
 
     def _guard(self, scope: dict) -> None:
         """Without a key, any program on this machine may call the pool, but
