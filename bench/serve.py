@@ -127,38 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     direct = Direct(model)
     serve = Serve(model)
     bare = None if "worker" in args.skip else Worker(model)
+    decoders = {"serve": serve.decode, "mlx_lm": direct.decode}
+    if bare is not None:
+        decoders["worker"] = bare.decode
     rates: dict[str, list[float]] = {"serve": [], "serve_worker_reported": [], "worker": [], "mlx_lm": []}
     counts: dict[str, set] = {"serve": set(), "worker": set(), "mlx_lm": set()}
 
-    def run_serve() -> None:
-        rate, n, own = serve.decode(args.tokens)
-        rates["serve"].append(rate)
-        rates["serve_worker_reported"].append(own)
-        counts["serve"].add(n)
+    def run(side: str) -> None:
+        # serve's decode also gives the worker's own rate.
+        rate, n, *own = decoders[side](args.tokens)
+        rates[side].append(rate)
+        counts[side].add(n)
+        if own:
+            rates["serve_worker_reported"].append(own[0])
 
-    def run_worker() -> None:
-        rate, n = bare.decode(args.tokens)
-        rates["worker"].append(rate)
-        counts["worker"].add(n)
-
-    def run_direct() -> None:
-        rate, n = direct.decode(args.tokens)
-        rates["mlx_lm"].append(rate)
-        counts["mlx_lm"].add(n)
-
-    sides = [run_serve, run_direct] + ([run_worker] if bare is not None else [])
+    sides = list(decoders)
     try:
         # A short reply's worth, so that the first measured round finds its
         # kernels built (and a worker that times its two ways of stepping
         # in a request rather than in its own warm-up, done with that).
-        serve.decode(WARM_TOKENS)
-        direct.decode(WARM_TOKENS)
-        if bare is not None:
-            bare.decode(WARM_TOKENS)
+        for decode in decoders.values():
+            decode(WARM_TOKENS)
         for r in range(args.rounds):
             k = r % len(sides)
             for side in sides[k:] + sides[:k]:
-                side()
+                run(side)
             result = _result(args, serve.ready, rates, counts)
             write(name, result, args.out)
     finally:
