@@ -22,7 +22,11 @@ from harness.procs import ROOT, build_demo_model
 from worker.runtime.kernel_cache import cpu_model
 
 RESULTS = ROOT / "bench" / "results"
-NOISY = "shared 2-core machine with other work running: figures are noisy; ratios come from runs in the same process, alternated"
+# Said once, at import, so it tells the machine and its load as the run began.
+NOISY = (
+    f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the start: figures move with the machine's"
+    " load; ratios come from sides measured in the same run, alternated"
+)
 MODELS = Path(os.environ.get("LATTICE_BENCH_MODELS", Path.home() / ".cache" / "lattice-bench"))
 
 

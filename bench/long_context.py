@@ -101,6 +101,7 @@ def part_restart(args, path: Path, system: str, record) -> None:
         pool.close()
         pool = PoolProc("--config", str(config), env=env)
         pool.wait_ev("ready", model="m", timeout=300)
+        time.sleep(args.restart_wait)
         restart = ask(pool, 2)
         pool.close()
         for line in pool.stderr.decode(errors="replace").splitlines():
@@ -364,6 +365,12 @@ def main() -> int:
     p.add_argument("--model", type=Path)
     p.add_argument("--tokens", type=int, default=26000, help="the long prefix of the restart part")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--restart-wait",
+        type=float,
+        default=0.0,
+        help="seconds between the restarted pool's ready and its question (default 0: at once; with a wait, the worker has read its most recent files back first)",
+    )
     p.add_argument("--parts", default="restart,kv,decode,quality")
     p.add_argument("--kv-tokens", type=int, default=32768)
     p.add_argument("--kv-rounds", type=int, default=5)

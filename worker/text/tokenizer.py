@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from ipc.files import FileRefused, read_json
 from ipc.messages import Message
+from worker.text.piece_cache import PieceCache
 
 
 class TokenizerError(Exception):
@@ -100,6 +101,9 @@ class TextCodec:
         specials = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special and t.content}, key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain: Tokenizer | None = None  # this tokenizer blind to special tokens, made on first need
+        # Long prompt pieces' ids kept between requests (None: this tokenizer
+        # cannot be cut safely, and every prompt is tokenized whole).
+        self.pieces = PieceCache.for_tokenizer(self.tokenizer)
 
     def _token_id(self, token: object) -> int | None:
         if isinstance(token, dict):
@@ -152,6 +156,8 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         # Added tokens (<|im_start|>, <think>, ...) are matched in the raw text.
+        if self.pieces is not None:
+            return self.pieces.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def render_marked(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
