@@ -66,6 +66,7 @@ WORKER_GAUGES = {
     "waiting_rows": ("lattice_worker_waiting_rows", "Requests sent to the worker that wait for room in its batch"),
     "rows_cache_bytes": ("lattice_worker_rows_cache_bytes", "Bytes of the model state (caches) of the worker's batch rows"),
     "max_adapters": ("lattice_worker_max_adapters", "Adapters the worker may keep in memory"),
+    "device_memory_bytes": ("lattice_worker_device_memory_bytes", "Memory of the device the worker computes on (the GPU's on CUDA)"),
 }
 # Figures that differ between the names of one worker.
 NAME_GAUGES = {

@@ -62,6 +62,9 @@ class StatusRow(msgspec.Struct):
     worker: int = 0
     max_adapters: int = 0
     processor: str | None = None  # cpu, metal or cuda, as the worker reports
+    # The memory of the device the worker computes on: the GPU's on CUDA,
+    # the machine's on a CPU or Apple silicon; 0 until the worker reports it.
+    device_memory_bytes: int = 0
     # Seconds until keep_alive unloads the worker (the full keep_alive while
     # requests run or wait: the countdown starts when it goes idle); null
     # when it is never unloaded for idling.
@@ -140,6 +143,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         worker=slot.number,
         max_adapters=s.max_adapters or slot.spec.max_adapters,
         processor=s.processor,
+        device_memory_bytes=s.device_memory_bytes,
         expires_in_s=expires_in(slot),
         ranks=s.ranks,
         error=name.adapter_error if failed else None,

@@ -178,6 +178,17 @@ HOSTILE = [
     (ANTHROPIC, {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]}),
     (ANTHROPIC, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]}),
     (ANTHROPIC, {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}),
+    (ANTHROPIC, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "12:00"}]}]}),
+    (
+        ANTHROPIC,
+        {
+            "messages": HI
+            + [
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "b", "content": "12:00"}]},
+            ]
+        },
+    ),
     (ANTHROPIC, {"messages": HI + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": 5, "input": "x"}]}]}),
     (ANTHROPIC, {"system": 5}),
     (ANTHROPIC, {"tools": {"name": "f"}}),
@@ -248,6 +259,7 @@ HOSTILE = [
     (OLLAMA_CHAT, {"messages": [{"role": "user", "content": "x", "images": ["AAAA"]}]}),
     (OLLAMA_CHAT, {"messages": [{"role": "user", "content": {"a": 1}}]}),
     (OLLAMA_CHAT, {"options": [1]}),
+    (OLLAMA_CHAT, {"options": []}),
     (OLLAMA_CHAT, {"options": {"num_predict": "x"}}),
     (OLLAMA_CHAT, {"options": {"temperature": "hot"}}),
     (OLLAMA_CHAT, {"format": 5}),

@@ -95,6 +95,9 @@ def test_status_and_stats_figures_are_measured(tiny_model, small_model, tmp_path
         assert row["rss_bytes"] >= row["uss_bytes"] > row["weights_bytes"]
         assert near(row["rss_bytes"], psutil.Process(row["pid"]).memory_info().rss)
         assert row["uptime_s"] > 0 and row["queued"] == row["in_flight"] == row["served"] == row["restarts"] == 0
+        assert row["device_memory_bytes"] > row["mlx_active_bytes"]
+        if row["processor"] == "cpu":
+            assert row["device_memory_bytes"] == psutil.virtual_memory().total
     for field in ("rss_bytes", "uss_bytes", "mlx_active_bytes", "weights_bytes"):
         assert rows["small"][field] > rows["tiny"][field], field
     assert near(event["rss_bytes"], psutil.Process(pool.proc.pid).memory_info().rss)
@@ -158,6 +161,7 @@ def test_metrics_page(tiny_model, second_model, tmp_path, spawn_pool):
         key = ("lattice_worker_weights_bytes", (("model", m), ("pid", workers[m])))
         assert samples[key] == rows[m]["weights_bytes"] > 0
         assert samples[("lattice_worker_rss_bytes", key[1])] > samples[key]
+        assert samples[("lattice_worker_device_memory_bytes", key[1])] == rows[m]["device_memory_bytes"] > samples[key]
     for m in models:
         adapter = m if m == "a-styled" else ""  # a configured adapter's label is its name, never its path
         assert samples[series("lattice_model_state", m, adapter=adapter, state="ready")] == 1

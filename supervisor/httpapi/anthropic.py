@@ -76,10 +76,14 @@ def _messages(data: dict) -> list[dict]:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad('"messages" must be a non-empty list', "messages")
+    # The ids of the tool_use blocks of the message before: a tool_result
+    # answers one of them, as Anthropic's API requires.
+    offered: set[str] = set()
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad('each message needs "role" user or assistant', "messages")
         role, content = message["role"], message.get("content")
+        asked, offered = offered, set()
         if isinstance(content, str) or content is None:
             out.append({"role": role, "content": content or ""})
             continue
@@ -94,6 +98,7 @@ def _messages(data: dict) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier turns' thinking: chat templates drop it too
             elif kind == "tool_use" and role == "assistant":
+                offered.add(str(block.get("id", "")))
                 calls.append(
                     {
                         "id": str(block.get("id", "")),
@@ -102,6 +107,8 @@ def _messages(data: dict) -> list[dict]:
                     }
                 )
             elif kind == "tool_result" and role == "user":
+                if str(block.get("tool_use_id", "")) not in asked:
+                    raise bad("a tool_result block's tool_use_id names no tool_use block of the assistant message before it", "messages")
                 if texts:
                     out.append({"role": "user", "content": "".join(texts)})
                     texts = []

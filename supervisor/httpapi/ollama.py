@@ -22,7 +22,7 @@ import msgspec
 from supervisor.config import parse_duration
 from supervisor.httpapi.logprobs import chat_entry
 from supervisor.httpapi.models import list_models, model_name
-from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object, optional_bool
+from supervisor.httpapi.shapes import HttpError, Options, bad, chat_request, completion_request, json_object, optional_bool, optional_object
 from supervisor.httpapi.tools import TemplateInfo
 from supervisor.local_models import model_format
 from supervisor.resolve import UnknownModel
@@ -75,9 +75,7 @@ def keep_alive_seconds(value: Any) -> float | None | bool:
 
 
 def _common(data: dict, chat: dict, raw_completion: bool = False) -> None:
-    options = data.get("options") or {}
-    if not isinstance(options, dict):
-        raise bad("options must be an object", "options")
+    options = optional_object(data, "options") or {}
     for theirs, ours in OPTIONS.items():
         value = options.get(theirs)
         if value is None or (theirs == "num_predict" and isinstance(value, int) and value < 0):

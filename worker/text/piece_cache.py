@@ -29,9 +29,11 @@ from tokenizers import Tokenizer
 # Pieces shorter than this are tokenized each time: a lookup would cost
 # about what it saves.
 MIN_PIECE_CHARS = 4096
-# Bounds of the kept pieces: their text (the keys) and their number. The
-# ids take 4 bytes a token, about a fifth of their text's size.
-MAX_TEXT_CHARS = 16 << 20
+# Bounds of the kept pieces: their text (the keys) and their number. Four
+# million characters hold 40-90 system prompts of 26k tokens (1.7-4
+# characters a token), in 4-16 MB (Python keeps a text in 1, 2 or 4 bytes
+# a character); their ids, 4 bytes a token, take 4-10 MB more.
+MAX_TEXT_CHARS = 4 << 20
 MAX_PIECES = 256
 # Tokens a prompt is cut before, where the tokenizer has them: the turn
 # starts of the chat formats the pool serves.
