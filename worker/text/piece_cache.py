@@ -1,7 +1,7 @@
 """Token ids of long prompt pieces, kept between requests.
 
 An agent or a long chat sends the same system prompt (tools, files) with
-every request, and the worker would tokenize all of it each time: 16-25 ms
+every request, and the worker would tokenize all of it each time: 16-29 ms
 for 26k tokens on a 2-core EPYC, on the engine's thread, before the prefix
 cache can even be asked. A prompt is cut before each special token that
 starts a turn (`<|im_start|>`), and the ids of each long piece are kept,
