@@ -149,6 +149,35 @@ def test_a_file_replaced_after_its_check_is_not_used(tmp_path, caplog):
     assert loaded.layers() is None  # gone: the same answer
 
 
+def test_on_a_gpu_the_disk_writes_copies_not_the_memory_tiers_arrays(tmp_path, monkeypatch):
+    """Reading an array's bytes on the host moves a CUDA buffer into managed
+    memory for good; the write must read copies, so that the memory tier's
+    own arrays stay on the device. The copies hold the same values, and
+    their queue has a smaller bound."""
+    import mlx.core as mx
+    import numpy as np
+
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    for copy_first in (False, True):
+        disk = PrefixDisk(tmp_path / str(copy_first), "model", budget=1 << 30, max_pending_bytes=8 << 30, copy_first=copy_first)
+        assert disk.max_pending_bytes == (prefix_disk.COPIES_PENDING_BYTES if copy_first else 8 << 30)
+        written: list = []
+        real = disk._store
+        monkeypatch.setattr(disk, "_store", lambda name, adapter, tokens, tree, arrays: written.extend(arrays) or real(name, adapter, tokens, tree, arrays))
+        layers = snapshot_layers(3, 40)
+        held = [layers[0][0], layers[0][1], layers[1][0]]
+        disk.write(None, np.arange(40), layers)
+        assert disk.flush(30) and len(written) == 3
+        assert any(a is b for a, b in zip(written, held)) != copy_first
+        for a, b in zip(written, held):
+            assert mx.array_equal(a, b)
+        entry = next(iter(disk._index.values()))
+        read, _ = disk.load_now(entry).layers()
+        assert mx.array_equal(read[0][0], held[0]) and mx.array_equal(read[1][0], held[2])
+
+
 def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkeypatch):
     """A file read back beside running rows is made a few arrays per step,
     so no step waits for a whole file's arrays."""

@@ -399,6 +399,7 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
         return None
     from worker.cache.prefix_disk import PrefixDisk, default_budget
     from worker.cache.prefix_file import model_key
+    from worker.runtime.memory import processor
 
     root = args.prefix_disk_dir.expanduser()
     budget = args.prefix_disk_bytes if args.prefix_disk_bytes is not None else default_budget(root)
@@ -409,7 +410,8 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
             # which tokens were computed over a quantized cache.
             kv += f"s{args.quantized_kv_start}"
         key = model_key(args.model, f"{loaded.format} {kv}", loaded.model)
-        prefix_disk = PrefixDisk(root, key, budget, wake=wake, max_pending_bytes=args.prefix_cache_bytes)
+        copy_first = processor() == "cuda"
+        prefix_disk = PrefixDisk(root, key, budget, wake=wake, max_pending_bytes=args.prefix_cache_bytes, copy_first=copy_first)
     except OSError as exc:
         # A read-only or full disk costs the disk tier, not the worker.
         log.warning("prefix cache on disk off: %s", exc)

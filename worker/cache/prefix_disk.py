@@ -105,6 +105,9 @@ MAX_FILES = 4096
 # Bytes of the snapshots queued to be written, beyond which more are
 # dropped (logged); a worker passes its prefix_cache_bytes.
 DEFAULT_PENDING_BYTES = 1 << 30
+# The same bound where the queue holds copies on a GPU (`copy_first`): they
+# take device memory outside the worker's budgets until they are written.
+COPIES_PENDING_BYTES = 2 << 30
 # Files of other folders (another model, or this one before its weights or
 # mlx changed) unused this long are removed when a worker starts.
 UNUSED_S = 30 * 86400
@@ -305,9 +308,21 @@ def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefi
 
 
 class PrefixDisk:
-    def __init__(self, root: Path, key: str, budget: int, wake: Callable[[], None] = lambda: None, max_pending_bytes: int = DEFAULT_PENDING_BYTES):
+    def __init__(
+        self,
+        root: Path,
+        key: str,
+        budget: int,
+        wake: Callable[[], None] = lambda: None,
+        max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+        copy_first: bool = False,
+    ):
         self.dir = root / key
-        self.max_pending_bytes = max_pending_bytes
+        # With `copy_first` (a CUDA device) the queue holds device copies, not
+        # the memory tier's arrays (`write`), and at most COPIES_PENDING_BYTES
+        # of them beside the one always taken.
+        self.copy_first = copy_first
+        self.max_pending_bytes = min(max_pending_bytes, COPIES_PENDING_BYTES) if copy_first else max_pending_bytes
         self._pending_bytes = 0  # arrays of the snapshots queued to be written
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget = budget
@@ -527,6 +542,14 @@ class PrefixDisk:
         arrays: list = []
         tree = flatten(layers, arrays)
         nbytes = sum(a.nbytes for a in arrays)
+        if self.copy_first:
+            # On CUDA, reading an array's bytes on the host (the buffer
+            # protocol `_store` uses) moves its buffer into managed memory for
+            # good (mlx's `Buffer::raw_ptr`), so the next request resuming
+            # from the memory tier's copy would fetch it back over the bus.
+            # A copy on the device is quick; the disk thread moves and frees it.
+            arrays = [mx.array(a) for a in arrays]
+            mx.eval(arrays)
         with self._lock:
             # A queued snapshot keeps its arrays alive after the memory tier
             # lets them go; one is always taken, whatever its size.
