@@ -87,9 +87,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts
+from worker.cache.prefix_cache import PrefixCache, chunk_ends, cut_points, message_starts, tokens_of
 from worker.engine.batch_cache import BatchCache, batchable
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
@@ -137,6 +138,7 @@ class Row:
     cuts: list[int] = field(default_factory=list)  # its message starts and checkpoints, where chunks end
     ends: list[int] = field(default_factory=list)  # remaining prefill chunk ends
     snapshots: set[int] = field(default_factory=set)  # where to store prefix snapshots
+    tokens: np.ndarray | None = None  # ids as the prefix cache compares them, made at start
     deferred: int = 0  # the message start whose snapshot a ghost row reads after this row's prompt
     ghost: bool = False  # reads a prefix for its snapshot only: never decodes, streams nothing
     fresh: bool = True  # its decode input is still its last prompt token
@@ -278,12 +280,13 @@ class TokenGenerator:
             # prefix, so such cuts would only add forward passes: a chat
             # prompt's `<|im_start|>assistant\n` read in one of its own, on a
             # GPU as long as a decode step.
-            row.cuts = cut_points(row.ids, None if self.prefix_cache.trimmable else self.chat_marker)
+            row.tokens = tokens_of(row.ids)
+            row.cuts = cut_points(row.tokens, None if self.prefix_cache.trimmable else self.chat_marker)
             if 0 < self.kv_start < len(row.ids) - 1:
                 row.cuts = sorted({*row.cuts, self.kv_start})
-            cache, row.cached = self.prefix_cache.resume(row.adapter, row.ids, row.cuts)
+            cache, row.cached = self.prefix_cache.resume(row.adapter, row.tokens, row.cuts)
             row.pos = row.cached
-            starts = message_starts(row.ids, self.chat_marker)
+            starts = message_starts(row.tokens, self.chat_marker)
             row.snapshots = self.prefix_cache.snapshot_points(len(row.ids), starts)
             if alone and (last := self._deferrable(row, starts)) is not None:
                 row.cuts.remove(last)
@@ -683,7 +686,7 @@ class TokenGenerator:
             # A folded row's cache holds its last token too: for a cache cut
             # back to any prefix, that snapshot serves the one before it.
             if row.pos in row.snapshots or (folded and row.pos - 1 in row.snapshots):
-                self.prefix_cache.store(row.adapter, row.ids[: row.pos], group.row(i))
+                self.prefix_cache.store(row.adapter, row.tokens[: row.pos], group.row(i))
         done = [i for i, row in enumerate(rows) if not row.ends]
         if done:
             read = group.split(done)

@@ -41,7 +41,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
-from worker.cache.prefix_cache import PrefixCache, cut_points
+from worker.cache.prefix_cache import PrefixCache, cut_points, tokens_of
 from worker.cache.prefix_disk import RATE_SAMPLES, READ_WAIT_S, DiskEntry, Loaded, PrefixDisk
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
@@ -264,7 +264,8 @@ class Scheduler:
             return
         try:
             prefill_rate = statistics.median(self._prefill_rates) if self._prefill_rates else None
-            for entry, saved in self.prefix_cache.disk_reads(w.ids, cut_points(w.ids, self.generator.chat_marker)):
+            tokens = tokens_of(w.ids)
+            for entry, saved in self.prefix_cache.disk_reads(tokens, cut_points(tokens, self.generator.chat_marker)):
                 if disk.skip(entry.size, saved, prefill_rate):
                     log.info(
                         "request %s: prefix cache file %s not read: %d MB at %.2f GB/s takes longer than %d tokens at %.0f tokens/s",
