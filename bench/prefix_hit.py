@@ -55,7 +55,13 @@ def main() -> int:
 
     def scheduler(disk: PrefixDisk | None) -> Scheduler:
         s = Scheduler(
-            loaded, codec, lambda data: first.append(time.perf_counter()), batch_memory=cache_bytes, prefix_cache_bytes=cache_bytes, max_batch=8, prefix_disk=disk
+            loaded,
+            codec,
+            lambda data: first.append(time.perf_counter()),
+            batch_memory=cache_bytes,
+            prefix_cache_bytes=cache_bytes,
+            max_batch=8,
+            prefix_disk=disk,
         )
         s.warm_up()
         return s

@@ -178,6 +178,26 @@ def test_on_a_gpu_the_disk_writes_copies_not_the_memory_tiers_arrays(tmp_path, m
         assert mx.array_equal(read[0][0], held[0]) and mx.array_equal(read[1][0], held[2])
 
 
+def test_a_copy_that_fails_leaves_the_snapshot_unwritten_and_the_request_alone(tmp_path, monkeypatch, caplog):
+    import numpy as np
+
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30, copy_first=True)
+
+    def out_of_memory(arrays):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(prefix_disk.mx, "eval", out_of_memory)
+    disk.write(None, np.arange(40), snapshot_layers(4, 40))
+    monkeypatch.undo()
+    assert disk.flush(30) and len(disk) == 0 and disk._pending_bytes == 0
+    assert "is not written: no copy for the disk (out of memory)" in caplog.text
+    disk.write(None, np.arange(40), snapshot_layers(4, 40))
+    assert disk.flush(30) and len(disk) == 1
+
+
 def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkeypatch):
     """A file read back beside running rows is made a few arrays per step,
     so no step waits for a whole file's arrays."""

@@ -542,28 +542,33 @@ class PrefixDisk:
         arrays: list = []
         tree = flatten(layers, arrays)
         nbytes = sum(a.nbytes for a in arrays)
-        if self.copy_first:
-            # On CUDA, reading an array's bytes on the host (the buffer
-            # protocol `_store` uses) moves its buffer into managed memory for
-            # good (mlx's `Buffer::raw_ptr`), so the next request resuming
-            # from the memory tier's copy would fetch it back over the bus.
-            # A copy on the device is quick; the disk thread moves and frees it.
-            arrays = [mx.array(a) for a in arrays]
-            mx.eval(arrays)
         with self._lock:
             # A queued snapshot keeps its arrays alive after the memory tier
             # lets them go; one is always taken, whatever its size.
             if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
                 log.warning("prefix cache: %d MB wait for the disk; a snapshot of %d tokens is not written", self._pending_bytes >> 20, len(tokens))
                 return
+            if self._writes.full():
+                log.warning("prefix cache: %d snapshots wait for the disk; one of %d tokens is not written", MAX_PENDING_WRITES, len(tokens))
+                return
             self._pending_bytes += nbytes
-        try:
-            self._writes.put_nowait((name, adapter, tokens, tree, arrays, nbytes))
-            self._work.set()
-        except queue.Full:
-            with self._lock:
-                self._pending_bytes -= nbytes
-            log.warning("prefix cache: %d snapshots wait for the disk; one of %d tokens is not written", MAX_PENDING_WRITES, len(tokens))
+        if self.copy_first:
+            # On CUDA, reading an array's bytes on the host (the buffer
+            # protocol `_store` uses) moves its buffer into managed memory for
+            # good (mlx's `Buffer::raw_ptr`), so the next request resuming
+            # from the memory tier's copy would fetch it back over the bus.
+            # A copy on the device is quick; the disk thread moves and frees it.
+            try:
+                arrays = [mx.array(a) for a in arrays]
+                mx.eval(arrays)
+            except Exception as exc:  # the disk tier never fails a request
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                log.warning("prefix cache: a snapshot of %d tokens is not written: no copy for the disk (%s)", len(tokens), exc)
+                return
+        # Only this thread queues, so the queue has room still.
+        self._writes.put_nowait((name, adapter, tokens, tree, arrays, nbytes))
+        self._work.set()
 
     def touch(self, adapter: str | None, tokens: np.ndarray) -> None:
         with self._lock:
