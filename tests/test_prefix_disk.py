@@ -186,11 +186,12 @@ def test_a_copy_that_fails_leaves_the_snapshot_unwritten_and_the_request_alone(t
 
     disk = PrefixDisk(tmp_path, "model", budget=1 << 30, copy_first=True)
 
-    def out_of_memory(arrays):
+    def out_of_memory(*arrays):
         raise RuntimeError("out of memory")
 
+    layers = snapshot_layers(4, 40)
     monkeypatch.setattr(prefix_disk.mx, "eval", out_of_memory)
-    disk.write(None, np.arange(40), snapshot_layers(4, 40))
+    disk.write(None, np.arange(40), layers)
     monkeypatch.undo()
     assert disk.flush(30) and len(disk) == 0 and disk._pending_bytes == 0
     assert "is not written: no copy for the disk (out of memory)" in caplog.text
