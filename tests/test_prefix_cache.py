@@ -258,6 +258,36 @@ def test_attention_only_model_trims_to_the_common_prefix(dense_model):
     assert done["cached_tokens"] == len(edited_ids)
 
 
+@pytest.mark.parametrize("model", ["tiny_model", "dense_model"])
+def test_a_resumed_cache_is_copied_once_with_room_for_the_prompt_and_first_token(model, request, monkeypatch):
+    """A hit copies a snapshot's attention state once, into a buffer whose
+    capacity is on the compiled decode step's grid and holds the rest of
+    the prompt: neither the prompt's first write nor the first decode step
+    makes another copy of it. The text is the uncached run's."""
+    from worker.engine import compiled_step
+
+    model_dir = request.getfixturevalue(model)
+    cached = engine_for(model_dir)
+    plain = engine_for(model_dir, prefix_cache_bytes=0)
+    first = chatml([("user", QUESTIONS[0])], SYSTEM * 20)
+    second = chatml([("user", QUESTIONS[1])], SYSTEM * 20)
+    run(cached, prompt=first)
+    regrown = []
+    grow = compiled_step._grow
+
+    def watched(c, col, width):
+        before = c.keys.shape[2]
+        grow(c, col, width)
+        if c.keys.shape[2] != before:
+            regrown.append((col, before, c.keys.shape[2]))
+
+    monkeypatch.setattr(compiled_step, "_grow", watched)
+    ids, done = run(cached, prompt=second)
+    assert done["cached_tokens"] > 0.5 * done["prompt_tokens"]
+    assert ids == run(plain, prompt=second)[0]
+    assert not regrown
+
+
 def test_adapter_swap_never_resumes_from_another_adapters_state(tiny_model, tmp_path):
     from ipc.messages import LoadAdapter
     from tests.lora_files import lora_pairs, targets_of, write_peft

@@ -151,13 +151,30 @@ def _map_arrays(f, node):
     return None if node is None else f(node)
 
 
-def _restore(model, layers: list, length: int) -> list:
+def _with_room(x: mx.array, length: int, capacity: int) -> mx.array:
+    B, H, _, D = x.shape
+    return mx.concatenate([x[..., :length, :], mx.zeros((B, H, capacity - length, D), x.dtype)], axis=2)
+
+
+def _restore(model, layers: list, length: int, total: int) -> list:
+    """A live cache holding a snapshot's first `length` tokens, for a
+    prompt of `total` tokens."""
     cache = make_prompt_cache(model)
     for c, saved in zip(cache, layers):
         if isinstance(c, _KV):
             if saved is not None:
-                # Fresh handles: attention caches write into their arrays in place.
-                c.keys, c.values = _fresh(saved[0]), _fresh(saved[1])
+                if type(c) is KVCache:
+                    # One copy, with room for the rest of the prompt and the
+                    # first token, its capacity a multiple of KVCache.step as
+                    # the compiled decode step wants it: sharing the
+                    # snapshot's buffer instead, the prompt's first write
+                    # copied it to a capacity off that grid and the first
+                    # decode step copied it again (26k tokens: both, every hit).
+                    capacity = -(-(total + 1) // KVCache.step) * KVCache.step
+                    c.keys, c.values = _with_room(saved[0], length, capacity), _with_room(saved[1], length, capacity)
+                else:
+                    # Fresh handles: attention caches write into their arrays in place.
+                    c.keys, c.values = _fresh(saved[0]), _fresh(saved[1])
                 c.offset = length
         else:
             c.cache = [a[...] if a is not None else None for a in saved]
@@ -230,7 +247,7 @@ class PrefixCache:
         entry = self._entries[best]
         if self.disk is not None:
             self.disk.touch(adapter, entry.tokens)
-        return _restore(self.model, entry.layers, best_len), best_len
+        return _restore(self.model, entry.layers, best_len, len(ids)), best_len
 
     def held(self, adapter: str | None, ids: Tokens, cuts: list[int]) -> int:
         """Tokens of `ids` the memory tier can resume."""
