@@ -178,6 +178,49 @@ def test_on_a_gpu_the_disk_writes_copies_not_the_memory_tiers_arrays(tmp_path, m
         assert mx.array_equal(read[0][0], held[0]) and mx.array_equal(read[1][0], held[2])
 
 
+def test_writes_wait_while_the_engine_holds_them(tmp_path):
+    """The engine holds writes back while a first token is pending
+    (`writes_wait_until`); they go once it lets go, or once the time it
+    named has passed."""
+    import time
+
+    import numpy as np
+
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    disk.writes_wait_until = time.monotonic() + 60
+    disk.write(None, np.arange(40), snapshot_layers(5, 40))
+    assert not disk.flush(0.3) and len(disk) == 0
+    disk.writes_wait_until = 0.0
+    assert disk.flush(30) and len(disk) == 1
+    disk.writes_wait_until = time.monotonic() + 0.2  # a bound that runs out
+    disk.write(None, np.arange(50), snapshot_layers(6, 50))
+    assert disk.flush(30) and len(disk) == 2
+
+
+def test_the_scheduler_holds_writes_until_the_first_token(tiny_model, tmp_path, monkeypatch):
+    """A snapshot stored while the prompt is read (at a message start) is
+    written once the request's first token is out, not beside it (within
+    the hold's bound, made long here: a loaded machine reads slowly)."""
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "WRITES_HELD_AT_MOST_S", 600.0)
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    engine = engine_for(tiny_model, prefix_disk=disk)
+    engine.submit(Generate(rid=1, prompt=FIRST, temperature=0.0, max_tokens=8), 0.0)
+    queued_early = False
+    while engine.has_work:
+        engine.step()
+        g = engine.generator
+        if disk._writes.unfinished_tasks and (g.prefilling or any(r.fresh for r in g.decoding)):
+            assert not disk.flush(0.3) and len(disk) == 0
+            queued_early = True
+    assert queued_early
+    assert disk.flush(30) and len(disk) >= 1
+
+
 def test_a_copy_that_fails_leaves_the_snapshot_unwritten_and_the_request_alone(tmp_path, monkeypatch, caplog):
     import numpy as np
 

@@ -69,6 +69,9 @@ RATE_MIN_TOKENS = 1024
 # of mlx's reading on a 2-core EPYC (445 MB in 0.13-0.16 s), 10 ms on an H100
 # machine (339 MB in 50-60 ms).
 READ_BACK_STEP_BYTES = 64 << 20
+# The longest the prefix cache's disk writes wait for first tokens
+# (PrefixDisk.writes_wait_until).
+WRITES_HELD_AT_MOST_S = 1.0
 
 
 @dataclass
@@ -196,6 +199,7 @@ class Scheduler:
         # no request waits for a file: at most one per file in the disk
         # tier's index.
         self._restoring: deque[_Restoring] = deque()
+        self._first_pending_since: float | None = None  # since when a first token has been pending
         # Prompt tokens per second of the latest long prompts read (see _end).
         self._prefill_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
         self.figures = self._figures()
@@ -445,6 +449,19 @@ class Scheduler:
         # Reads the admission asked for start now, and versions whose last
         # row ended this step are dropped.
         self.adapters.dispatch(room=self._room)
+        disk = self.prefix_cache.disk
+        if disk is not None:
+            # Snapshot writes wait while a request waits for its first token,
+            # for WRITES_HELD_AT_MOST_S at most, so a flow of requests cannot
+            # hold them for ever.
+            g = self.generator
+            if any(not row.ghost for row in g.prefilling) or any(row.fresh for row in g.decoding):
+                if self._first_pending_since is None:
+                    self._first_pending_since = time.monotonic()
+                disk.writes_wait_until = self._first_pending_since + WRITES_HELD_AT_MOST_S
+            else:
+                self._first_pending_since = None
+                disk.writes_wait_until = 0.0
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated
