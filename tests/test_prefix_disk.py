@@ -213,8 +213,7 @@ def test_the_scheduler_holds_writes_until_the_first_token(tiny_model, tmp_path, 
     queued_early = False
     while engine.has_work:
         engine.step()
-        g = engine.generator
-        if disk._writes.unfinished_tasks and (g.prefilling or any(r.fresh for r in g.decoding)):
+        if disk._writes.unfinished_tasks and engine.generator.first_token_pending:
             assert not disk.flush(0.3) and len(disk) == 0
             queued_early = True
     assert queued_early

@@ -264,6 +264,12 @@ class TokenGenerator:
         return len(self.decoding) + len(self.prefilling) + len(self._deferred)
 
     @property
+    def first_token_pending(self) -> bool:
+        """Whether a request waits for its first token: its prompt is
+        being read, or its last prompt token is still to be fed."""
+        return any(not row.ghost for row in self.prefilling) or any(row.fresh for row in self.decoding)
+
+    @property
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in (self._cache, self._group) if c is not None)
 
@@ -343,7 +349,7 @@ class TokenGenerator:
         is being read and no row's first token is pending. One at a time: a
         ghost holds a row's cache up to its snapshot, which the memory
         guard that admits requests does not count."""
-        if self._deferred and not self.prefilling and not any(row.fresh for row in self.decoding):
+        if self._deferred and not self.prefilling and not self.first_token_pending:
             ghost = self._deferred.popleft()
             try:
                 self.start([ghost])

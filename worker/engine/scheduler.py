@@ -454,8 +454,7 @@ class Scheduler:
             # Snapshot writes wait while a request waits for its first token,
             # for WRITES_HELD_AT_MOST_S at most, so a flow of requests cannot
             # hold them for ever.
-            g = self.generator
-            if any(not row.ghost for row in g.prefilling) or any(row.fresh for row in g.decoding):
+            if self.generator.first_token_pending:
                 if self._first_pending_since is None:
                     self._first_pending_since = time.monotonic()
                 disk.writes_wait_until = self._first_pending_since + WRITES_HELD_AT_MOST_S
