@@ -170,6 +170,18 @@ def summary(values: list[float], digits: int = 3) -> dict:
     }
 
 
+def first_line_ms(scheduler, written: list[float], msg) -> float:
+    """Submits `msg` to a scheduler in this process whose emit appends
+    time.perf_counter() to `written`, steps it until it has no work, and
+    returns the milliseconds from the submission to its first line."""
+    written.clear()
+    t0 = time.perf_counter()
+    scheduler.submit(msg, t0)
+    while scheduler.has_work:
+        scheduler.step()
+    return (written[0] - t0) * 1000
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from bench.common import backend, load_average, load_model, machine, summary, tagged, write_result
+    from bench.common import backend, first_line_ms, load_average, load_model, machine, summary, tagged, write_result
 
     path, loaded, codec = load_model(args.size)
     import mlx.core as mx
@@ -79,13 +79,7 @@ def main() -> int:
     def ours(name: str, question: str) -> float:
         nonlocal rid
         rid += 1
-        s = schedulers[name]
-        first.clear()
-        t0 = time.perf_counter()
-        s.submit(Generate(rid=rid, prompt=chat(system, question), max_tokens=2, temperature=0.0, repetition_penalty=1.0), t0)
-        while s.has_work:
-            s.step()
-        ttft = (first[0] - t0) * 1000
+        ttft = first_line_ms(schedulers[name], first, Generate(rid=rid, prompt=chat(system, question), max_tokens=2, temperature=0.0, repetition_penalty=1.0))
         if name in disks and not disks[name].flush(120):
             raise SystemExit(f"{name}: the disk did not take the snapshots in 120 s")
         return ttft

@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
-    from bench.common import backend, load_average, load_model, machine, summary, tagged, write_result
+    from bench.common import backend, first_line_ms, load_average, load_model, machine, summary, tagged, write_result
 
     path, loaded, codec = load_model(args.size)
     from bench.long_context import QUESTIONS, chat, long_text
@@ -46,12 +46,7 @@ def main() -> int:
     def first_token_ms(question: str) -> float:
         nonlocal rid
         rid += 1
-        first.clear()
-        t0 = time.perf_counter()
-        scheduler.submit(Generate(rid=rid, prompt=chat(system, question), max_tokens=1, temperature=0.0, repetition_penalty=1.0), t0)
-        while scheduler.has_work:
-            scheduler.step()
-        return (first[0] - t0) * 1000
+        return first_line_ms(scheduler, first, Generate(rid=rid, prompt=chat(system, question), max_tokens=1, temperature=0.0, repetition_penalty=1.0))
 
     sides = {"kept": kept, "whole": None}
     cold = first_token_ms(QUESTIONS[0])
