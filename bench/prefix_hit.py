@@ -71,8 +71,8 @@ def main() -> int:
     # tokens is 3.8 GB; the oldest go), in a folder removed at the end.
     root = Path(tempfile.mkdtemp(prefix="lattice-bench-prefix-hit-"))
     on_gpu = backend() == "cuda"
-    for name, copy_first in (("disk", on_gpu), ("moved", False)):
-        disks[name] = PrefixDisk(root / name, "model", budget=16 << 30, max_pending_bytes=cache_bytes, copy_first=copy_first)
+    for name, on_device in (("disk", on_gpu), ("moved", False)):
+        disks[name] = PrefixDisk(root / name, "model", budget=16 << 30, max_pending_bytes=cache_bytes, on_device=on_device)
     schedulers = {"memory": scheduler(None), "disk": scheduler(disks["disk"]), "moved": scheduler(disks["moved"])}
     rid = 0
 

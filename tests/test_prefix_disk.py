@@ -149,20 +149,21 @@ def test_a_file_replaced_after_its_check_is_not_used(tmp_path, caplog):
     assert loaded.layers() is None  # gone: the same answer
 
 
-def test_on_a_gpu_the_disk_writes_copies_not_the_memory_tiers_arrays(tmp_path, monkeypatch):
+def test_on_a_gpu_the_disk_writes_copies_and_reads_into_device_memory(tmp_path, monkeypatch):
     """Reading an array's bytes on the host moves a CUDA buffer into managed
     memory for good; the write must read copies, so that the memory tier's
     own arrays stay on the device. The copies hold the same values, and
-    their queue has a smaller bound."""
+    their queue has a smaller bound. A file read back is copied to the
+    device as it is made (mlx reads it into managed memory)."""
     import mlx.core as mx
     import numpy as np
 
     from worker.cache import prefix_disk
     from worker.cache.prefix_disk import PrefixDisk
 
-    for copy_first in (False, True):
-        disk = PrefixDisk(tmp_path / str(copy_first), "model", budget=1 << 30, max_pending_bytes=8 << 30, copy_first=copy_first)
-        assert disk.max_pending_bytes == (prefix_disk.COPIES_PENDING_BYTES if copy_first else 8 << 30)
+    for on_device in (False, True):
+        disk = PrefixDisk(tmp_path / str(on_device), "model", budget=1 << 30, max_pending_bytes=8 << 30, on_device=on_device)
+        assert disk.max_pending_bytes == (prefix_disk.COPIES_PENDING_BYTES if on_device else 8 << 30)
         written: list = []
         real = disk._store
         monkeypatch.setattr(disk, "_store", lambda name, adapter, tokens, tree, arrays: written.extend(arrays) or real(name, adapter, tokens, tree, arrays))
@@ -170,11 +171,15 @@ def test_on_a_gpu_the_disk_writes_copies_not_the_memory_tiers_arrays(tmp_path, m
         held = [layers[0][0], layers[0][1], layers[1][0]]
         disk.write(None, np.arange(40), layers)
         assert disk.flush(30) and len(written) == 3
-        assert any(a is b for a, b in zip(written, held)) != copy_first
+        assert any(a is b for a, b in zip(written, held)) != on_device
         for a, b in zip(written, held):
             assert mx.array_equal(a, b)
         entry = next(iter(disk._index.values()))
+        copied: list = []
+        monkeypatch.setattr(prefix_disk, "device_copies", lambda arrays, real=prefix_disk.device_copies: copied.extend(arrays) or real(arrays))
         read, _ = disk.load_now(entry).layers()
+        monkeypatch.undo()
+        assert len(copied) == (3 if on_device else 0)
         assert mx.array_equal(read[0][0], held[0]) and mx.array_equal(read[1][0], held[2])
 
 
@@ -226,7 +231,7 @@ def test_a_copy_that_fails_leaves_the_snapshot_unwritten_and_the_request_alone(t
     from worker.cache import prefix_disk
     from worker.cache.prefix_disk import PrefixDisk
 
-    disk = PrefixDisk(tmp_path, "model", budget=1 << 30, copy_first=True)
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30, on_device=True)
 
     def out_of_memory(*arrays):
         raise RuntimeError("out of memory")

@@ -410,8 +410,8 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
             # which tokens were computed over a quantized cache.
             kv += f"s{args.quantized_kv_start}"
         key = model_key(args.model, f"{loaded.format} {kv}", loaded.model)
-        copy_first = processor() == "cuda"
-        prefix_disk = PrefixDisk(root, key, budget, wake=wake, max_pending_bytes=args.prefix_cache_bytes, copy_first=copy_first)
+        on_device = processor() == "cuda"
+        prefix_disk = PrefixDisk(root, key, budget, wake=wake, max_pending_bytes=args.prefix_cache_bytes, on_device=on_device)
     except OSError as exc:
         # A read-only or full disk costs the disk tier, not the worker.
         log.warning("prefix cache on disk off: %s", exc)

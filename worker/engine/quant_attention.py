@@ -31,6 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import base
 
+from worker.runtime import short_attention
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
@@ -146,10 +147,11 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
 def _attention(where: str):
     """The attention for a backend: `cpu`, `cuda` or `metal`."""
     cuda, cpu = where == "cuda", where == "cpu"
+    plain = short_attention.attention if cuda else _ORIGINAL
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
         if not hasattr(cache, "bits"):
-            return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+            return plain(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if queries.shape[2] > DEQUANTIZED_ABOVE:
             keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
             values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
@@ -167,6 +169,8 @@ def _attention(where: str):
 def install(model) -> int:
     """Routes the attention of the model's modules (mlx-lm's, or an earlier
     install's) through this one; a plain cache still takes mlx-lm's own
-    path. Returns how many modules were rebound."""
+    path (on CUDA, worker.runtime.short_attention's). Returns how many
+    modules were rebound."""
     attention = _attention(processor())
-    return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) == __name__)
+    ours = (__name__, short_attention.__name__)
+    return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) in ours)

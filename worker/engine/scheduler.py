@@ -710,4 +710,8 @@ class Scheduler:
         cache = make_prompt_cache(self.loaded.model)
         self.masks.warm_up(self.loaded.model(mx.array([[0]]), cache=cache)[:, -1, :], self.max_batch)
         self.prefix_cache.learn_layout(cache)
+        # A few tokens over a cache, as a prompt resumed from the prefix
+        # cache reads its last message: on CUDA that attention has a route
+        # of its own (worker.runtime.short_attention) whose kernels load here.
+        mx.eval(self.loaded.model(mx.array([[0, 0, 0, 0]]), cache=cache))
         mx.clear_cache()
