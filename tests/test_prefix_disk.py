@@ -225,6 +225,67 @@ def test_the_scheduler_holds_writes_until_the_first_token(tiny_model, tmp_path, 
     assert disk.flush(30) and len(disk) >= 1
 
 
+def test_device_copies_wait_while_writes_are_held_and_come_a_part_a_step(tmp_path, monkeypatch, caplog):
+    """Copying a large snapshot holds the main thread: on a device the copies
+    are made only once no first token is pending, at most a part a call,
+    and the snapshot is queued when its last copy is made. A worker exiting
+    from its reader thread makes none (mlx arrays are made on the main
+    thread) and says what it leaves."""
+    import threading
+
+    import numpy as np
+
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path / "a", "model", budget=1 << 30, on_device=True)
+    made: list = []
+    monkeypatch.setattr(prefix_disk, "device_copies", lambda arrays, real=prefix_disk.device_copies: made.extend(arrays) or real(arrays))
+    disk.writes_wait_until = time.monotonic() + 60
+    disk.write(None, np.arange(40), snapshot_layers(3, 40))
+    arrays = len(disk.uncopied[0][0][4])
+    assert arrays > 1 and not made and len(disk.uncopied) == 1
+    disk.make_copies(1)
+    assert not made  # still held
+    disk.writes_wait_until = 0.0
+    for k in range(1, arrays + 1):
+        disk.make_copies(1)  # one array a call: the least a call makes
+        assert len(made) == k and len(disk.uncopied) == (k < arrays)
+    assert disk.flush(30) and len(disk) == 1
+
+    exiting = PrefixDisk(tmp_path / "b", "model", budget=1 << 30, on_device=True)
+    exiting.writes_wait_until = time.monotonic() + 60
+    exiting.write(None, np.arange(40), snapshot_layers(4, 40))
+    made.clear()
+    reader = threading.Thread(target=exiting.closing)
+    reader.start()
+    reader.join(30)
+    assert not made and len(exiting) == 0
+    assert "exiting with 1 snapshot(s) not written" in caplog.text
+
+
+def test_on_a_device_no_copy_is_made_before_a_requests_first_token(tiny_model, tmp_path, monkeypatch):
+    """The engine steps while copies wait (the worker would otherwise idle
+    with them), and makes none while its request waits for its first token."""
+    from worker.cache import prefix_disk
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "WRITES_HELD_AT_MOST_S", 600.0)
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30, on_device=True)
+    engine = engine_for(tiny_model, prefix_disk=disk)
+    pending_at_copy: list[bool] = []
+    real = prefix_disk.device_copies
+    monkeypatch.setattr(prefix_disk, "device_copies", lambda arrays: pending_at_copy.append(engine.generator.first_token_pending) or real(arrays))
+    engine.submit(Generate(rid=1, prompt=FIRST, temperature=0.0, max_tokens=8), 0.0)
+    taken_early = False
+    while engine.has_work:
+        engine.step()
+        taken_early |= bool(disk.uncopied) and engine.generator.first_token_pending
+    assert taken_early and pending_at_copy and not any(pending_at_copy)
+    assert not disk.uncopied and disk.flush(30) and len(disk) >= 1
+
+
 def test_a_copy_that_fails_leaves_the_snapshot_unwritten_and_the_request_alone(tmp_path, monkeypatch, caplog):
     import numpy as np
 

@@ -88,3 +88,24 @@ def test_installed_for_cuda_a_resumed_prompt_reads_the_same_and_quantized_caches
     assert taken and all(shape[2] == len(ids) - 10 for shape in taken)
     assert mx.abs(got - want).max().item() < LOGIT_TOLERANCE
     assert quant_attention.install(loaded.model) >= 1
+
+
+def test_the_warm_up_runs_the_route_over_long_caches_on_cuda_only(dense_model, monkeypatch):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker.runtime import short_attention
+    from worker.runtime.loader import load
+
+    loaded = load(dense_model)
+    cache = make_prompt_cache(loaded.model)
+    loaded.model(mx.array([[1, 2, 3]]), cache=cache)
+    calls = []
+    monkeypatch.setattr(short_attention, "composed", lambda q, k, v, scale, mask: calls.append((q.shape, k.shape, mask)) or q)
+    short_attention.warm_up(cache, "cpu")
+    assert not calls
+    short_attention.warm_up(cache, "cuda")
+    layer = cache[0]
+    heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+    assert [c[0][2] for c in calls] == [8, short_attention.QUERIES_AT_MOST]
+    assert all(k == (1, heads, short_attention.WARM_KEYS, dim) and q[1] == 4 * heads and mask == "causal" for q, k, mask in calls)

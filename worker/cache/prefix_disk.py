@@ -108,6 +108,10 @@ DEFAULT_PENDING_BYTES = 1 << 30
 # The same bound where the queue holds copies on a GPU (`on_device`): they
 # take device memory outside the worker's budgets until they are written.
 COPIES_PENDING_BYTES = 2 << 30
+# Bytes of device copies made in one engine step (`make_copies`; one array
+# at least): a large snapshot's copy holds running rows up a part a step,
+# not whole.
+COPY_STEP_BYTES = 512 << 20
 # Files of other folders (another model, or this one before its weights or
 # mlx changed) unused this long are removed when a worker starts.
 UNUSED_S = 30 * 86400
@@ -203,6 +207,18 @@ def writer_runs(name: str) -> bool:
     except (OSError, OverflowError):
         return False
     return True
+
+
+_buffers = threading.local()
+
+
+def read_buffer(size: int) -> memoryview:
+    """This I/O thread's read buffer, of at least `size` bytes: kept, so
+    that a check does not fault in fresh memory for every chunk."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _buffers.buf = memoryview(bytearray(size))
+    return buf
 
 
 def device_copies(arrays: list[mx.array]) -> list[mx.array]:
@@ -359,6 +375,9 @@ class PrefixDisk:
         self._lock = threading.Lock()
         self._index: dict[str, DiskEntry] = {}
         self._writes: queue.Queue = queue.Queue(MAX_PENDING_WRITES)
+        # On a device: snapshots taken whose copies are not all made yet,
+        # each [job, copies so far] (main thread only; `make_copies`).
+        self.uncopied: deque[list] = deque()
         # Entries to read: requests' first, then read-backs (`read`); both
         # bounded by the index, an entry at most once (`_reading`).
         self._reads: deque[DiskEntry] = deque()
@@ -375,7 +394,6 @@ class PrefixDisk:
         # with none waiting: read-backs start READ_BACK_QUIET_S after it.
         self._quiet_since = 0.0
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prefix-disk-io")
-        self._buffers = threading.local()
         self._scan()
         threading.Thread(target=self._run, name="prefix-disk", daemon=True).start()
 
@@ -500,14 +518,6 @@ class PrefixDisk:
             return None
         return max(0.0, self._quiet_since + READ_BACK_QUIET_S - self._clock())
 
-    def _buffer(self, size: int) -> memoryview:
-        """This I/O thread's read buffer, of at least `size` bytes: kept, so
-        that a check does not fault in fresh memory for every chunk."""
-        buf = getattr(self._buffers, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._buffers.buf = memoryview(bytearray(size))
-        return buf
-
     def load_now(self, entry: DiskEntry) -> Loaded | None:
         """Reads an entry on the calling thread (a worker loading, before
         any request runs); None when it is bad (then removed)."""
@@ -577,27 +587,58 @@ class PrefixDisk:
             if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
                 log.warning("prefix cache: %d MB wait for the disk; a snapshot of %d tokens is not written", self._pending_bytes >> 20, len(tokens))
                 return
-            if self._writes.full():
+            if self._writes.qsize() + len(self.uncopied) >= MAX_PENDING_WRITES:
                 log.warning("prefix cache: %d snapshots wait for the disk; one of %d tokens is not written", MAX_PENDING_WRITES, len(tokens))
                 return
             self._pending_bytes += nbytes
+        job = (name, adapter, tokens, tree, arrays, nbytes)
         if self.on_device:
-            # On CUDA, reading an array's bytes on the host (the buffer
-            # protocol `_store` uses) moves its buffer into managed memory for
-            # good (mlx's `Buffer::raw_ptr`), so the next request resuming
-            # from the memory tier's copy would fetch it back over the bus.
-            # A copy on the device is quick; the disk thread moves and frees it.
+            self.uncopied.append([job, []])
+            self.make_copies()
+            return
+        # Only this thread queues, so the queue has room still.
+        self._writes.put_nowait(job)
+        self._work.set()
+
+    def make_copies(self, step_bytes: int | None = COPY_STEP_BYTES) -> None:
+        """On a device, makes the next copies of the snapshots taken, about
+        `step_bytes` of them (None: all), and queues each snapshot whose
+        copies are all made; nothing while the engine holds writes back.
+
+        On CUDA, reading an array's bytes on the host (the buffer protocol
+        `_store` uses) moves its buffer into managed memory for good (mlx's
+        `Buffer::raw_ptr`), so the next request resuming from the memory
+        tier's array would fetch it back over the bus: the disk thread
+        writes copies made on the device, and frees them. Making them holds
+        the main thread: on an H100, in one process, the 8B shape's hits on
+        a 26k-token prefix took 385-485 ms to their first token with the
+        3.7 GB copy made as the snapshot was stored (in the prompt's pass),
+        71-78 ms with the memory tier alone. So copies wait while a request
+        waits for its first token (`writes_wait_until`, set by the engine,
+        which steps while any wait: worker.engine.scheduler), and a large
+        snapshot's are made a part a step."""
+        if not self.uncopied or self.writes_wait_until > self._clock():
+            return
+        made = 0
+        while self.uncopied and (step_bytes is None or made < step_bytes):
+            (name, adapter, tokens, tree, arrays, nbytes), copies = self.uncopied[0]
             try:
-                arrays = device_copies(arrays)
-                mx.eval(arrays)
+                part = []
+                while len(copies) + len(part) < len(arrays) and (step_bytes is None or made < step_bytes or not part):
+                    part += device_copies([arrays[len(copies) + len(part)]])
+                    made += part[-1].nbytes
+                mx.eval(part)
+                copies += part
             except Exception as exc:  # the disk tier never fails a request
+                self.uncopied.popleft()
                 with self._lock:
                     self._pending_bytes -= nbytes
                 log.warning("prefix cache: a snapshot of %d tokens is not written: no copy for the disk (%s)", len(tokens), exc)
-                return
-        # Only this thread queues, so the queue has room still.
-        self._writes.put_nowait((name, adapter, tokens, tree, arrays, nbytes))
-        self._work.set()
+                continue
+            if len(copies) == len(arrays):
+                self.uncopied.popleft()
+                self._writes.put_nowait((name, adapter, tokens, tree, copies, nbytes))
+                self._work.set()
 
     def touch(self, adapter: str | None, tokens: np.ndarray) -> None:
         with self._lock:
@@ -627,14 +668,21 @@ class PrefixDisk:
         EXIT_FLUSH_S (an unload or a pool restart would otherwise lose the
         last long prompts' files)."""
         self.writes_wait_until = 0.0
-        if not self.flush(EXIT_FLUSH_S):
-            log.warning("prefix cache: exiting with %d snapshot(s) not written", self._writes.unfinished_tasks)
+        if not self.flush(EXIT_FLUSH_S) or self.uncopied:
+            log.warning("prefix cache: exiting with %d snapshot(s) not written", self._writes.unfinished_tasks + len(self.uncopied))
 
     def flush(self, timeout: float) -> bool:
-        """Waits until every queued write is on disk (tests, benchmarks)."""
+        """Waits until every snapshot queued is on disk. On the main thread
+        the device copies still to make are made and count; on another (the
+        reader thread, exiting when the request pipe closes, while the main
+        thread may be in a step) they are not: mlx arrays are made on the
+        main thread only."""
+        main = threading.current_thread() is threading.main_thread()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._writes.unfinished_tasks == 0:
+            if main:
+                self.make_copies(None)
+            if self._writes.unfinished_tasks == 0 and not (main and self.uncopied):
                 return True
             time.sleep(0.01)
         return False
@@ -730,7 +778,7 @@ class PrefixDisk:
         def one(i: int) -> bool:
             if stop is not None and stop():
                 return False
-            part = self._buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
+            part = read_buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
             got = 0
             while got < len(part):
                 n = os.preadv(f.fileno(), [part[got:]], layout.data_start + i * chunk + got)

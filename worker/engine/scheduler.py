@@ -52,7 +52,7 @@ from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
 from worker.engine.step_choice import TRIAL_AT_MOST
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
-from worker.runtime import defaults
+from worker.runtime import defaults, short_attention
 from worker.runtime.batch_size import auto_max_batch
 from worker.runtime.loader import LoadedModel
 from worker.runtime.memory import processor, trim_heap, unused_device_memory
@@ -389,6 +389,7 @@ class Scheduler:
             or (bool(self.waiting) and not self._stalled)
             or self.adapters.has_results
             or (bool(self._restoring) and not any(w.disk for w in self.waiting))
+            or (self.prefix_cache.disk is not None and bool(self.prefix_cache.disk.uncopied))
         )
 
     @property
@@ -461,6 +462,7 @@ class Scheduler:
             else:
                 self._first_pending_since = None
                 disk.writes_wait_until = 0.0
+            disk.make_copies()
 
     def drain(self) -> dict[int, list[int]]:
         """Steps until every request here has ended; returns the generated
@@ -712,6 +714,7 @@ class Scheduler:
         self.prefix_cache.learn_layout(cache)
         # A few tokens over a cache, as a prompt resumed from the prefix
         # cache reads its last message: on CUDA that attention has a route
-        # of its own (worker.runtime.short_attention) whose kernels load here.
+        # of its own whose kernels load here, for long caches too.
         mx.eval(self.loaded.model(mx.array([[0, 0, 0, 0]]), cache=cache))
+        short_attention.warm_up(cache)
         mx.clear_cache()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models import base
+from mlx_lm.models.cache import KVCache
 
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
@@ -33,6 +34,12 @@ QUERIES_AT_MOST = 64
 # Query x key scores of a call, all rows and heads: 2^26 is 128 MiB in bf16
 # (Qwen3-8B's 32 heads, 21 queries and 26k keys hold 17.5 M).
 SCORES_AT_MOST = 1 << 26
+
+# The key length of the warm-up's calls (`warm_up`): as long as a long
+# prompt's, since on an H100 the first call of a process at 26k keys took
+# 208-356 ms (in two development scripts, after a warm-up over a few keys)
+# against 38-52 ms for the calls after it: kernels load at their first use.
+WARM_KEYS = 32768
 
 _MLX = base.scaled_dot_product_attention
 
@@ -78,3 +85,17 @@ def install(model, where: str | None = None) -> int:
     if (where or processor()) != "cuda":
         return 0
     return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _MLX)
+
+
+def warm_up(cache: list, where: str | None = None) -> None:
+    """Runs the route once, at the first attention cache's heads and dtype
+    over WARM_KEYS keys, a few queries and QUERIES_AT_MOST (on CUDA only)."""
+    if (where or processor()) != "cuda":
+        return
+    layer = next((c for c in cache if type(c) is KVCache and c.keys is not None), None)
+    if layer is None:
+        return
+    _, kv_heads, _, dim = layer.keys.shape
+    keys = mx.zeros((1, kv_heads, WARM_KEYS, dim), layer.keys.dtype)
+    for length in (8, QUERIES_AT_MOST):
+        mx.eval(composed(mx.zeros((1, 4 * kv_heads, length, dim), keys.dtype), keys, keys, 1.0, "causal"))
