@@ -104,6 +104,10 @@ def _common(data: dict, chat: dict, raw_completion: bool = False) -> None:
         chat["reasoning_effort"] = think
 
 
+# The roles of an Ollama chat message.
+OLLAMA_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _messages(raw: Any) -> list[dict]:
     if not isinstance(raw, list):
         raise bad('"messages" must be a list', "messages")
@@ -113,7 +117,10 @@ def _messages(raw: Any) -> list[dict]:
             raise bad("each message must be an object", "messages")
         if m.get("images"):
             raise bad("images are not supported: text only", "messages")
-        message = {"role": m.get("role"), "content": m.get("content") or ""}
+        if m.get("role") not in OLLAMA_ROLES:
+            # A chat template writes any role it is given into the prompt.
+            raise bad(f"message role {m.get('role')!r} is not one of {', '.join(OLLAMA_ROLES)}", "messages")
+        message = {"role": m["role"], "content": m.get("content") or ""}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):

@@ -123,6 +123,10 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+# The roles of a Chat Completions message, as OpenAI's API takes them.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
@@ -298,6 +302,9 @@ def _flatten(message: ChatMessage) -> dict:
                 raise bad(f"message content of type {part.type!r} is not supported: text only", "messages")
             texts.append(part.text)
         content = "".join(texts)
+    if message.role not in CHAT_ROLES:
+        # A chat template writes any role it is given into the prompt.
+        raise bad(f"message role {message.role!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
     # OpenAI's newer name for the system role; chat templates know "system".
     # "function" is the legacy name of a tool result.
     role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
