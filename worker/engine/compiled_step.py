@@ -48,11 +48,13 @@ model's own forward, whose caches need no mask, as in mlx-lm's
 steps gaining more than its few attention layers lose (measured on an
 H200 with the 0.8b shape: 1.2x mlx-lm's decode). Blocks of several tokens
 a row (a speculative verify, a draft model's read) keep the trace:
-unmasked, several queries go to cuDNN, which builds a graph for every new
-key length (mlx's attention graph cache is keyed by the key's shape,
+unmasked, several queries went to cuDNN, which builds a graph for every
+new key length (mlx's attention graph cache is keyed by the key's shape,
 except for one-query decoding), and such a block meets a new length every
 step (on an H200 a lone row's draft model ran at 0.59x plain decoding that
-way, against 3.3x at 8 rows).
+way, against 3.3x at 8 rows). Blocks of up to 64 tokens now take two
+matmuls there instead (worker.runtime.short_attention); whether they would
+now run faster op by op has not been measured.
 """
 
 from __future__ import annotations
