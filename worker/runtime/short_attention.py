@@ -13,8 +13,10 @@ matmuls below: 38-52 ms for a new length.
 So a call of at most QUERIES_AT_MOST queries against more keys than
 queries, under no mask or the causal one, with at most SCORES_AT_MOST
 scores in all, is computed here: each KV head's queries laid along the
-rows of one matmul against its keys, a softmax in float32, and a matmul by
-its values. Larger prompt pieces keep cuDNN's fused kernel, whose plan
+rows of one matmul against its keys (scores in the model's dtype, as
+mlx's own composed attention, which CUDA runs for heads over 128, keeps
+them), a softmax computed in float32, and a matmul by its values. Larger
+prompt pieces keep cuDNN's fused kernel, whose plan
 costs little against their compute and which never holds the whole score
 matrix; one query a row (decode) keeps mlx's vector kernel.
 
