@@ -274,12 +274,19 @@ class PrefixCache:
         # chunk cut of this prompt, where the no-cache run also stops.
         return len(tokens) if common == len(tokens) and len(tokens) in allowed else 0
 
-    def store(self, adapter: str | None, tokens: Tokens, cache: list) -> None:
-        want = tokens_of(tokens)
+    def _key_of(self, adapter: str | None, want: np.ndarray) -> int | None:
+        """The key of the snapshot of exactly these tokens, if held."""
         for key, entry in self._entries.items():
             if entry.adapter == adapter and len(entry.tokens) == len(want) and (entry.tokens == want).all():
-                self._entries.move_to_end(key)
-                return
+                return key
+        return None
+
+    def store(self, adapter: str | None, tokens: Tokens, cache: list) -> None:
+        want = tokens_of(tokens)
+        key = self._key_of(adapter, want)
+        if key is not None:
+            self._entries.move_to_end(key)
+            return
         layers, nbytes = _snapshot(cache)
         if self.insert(adapter, want, layers, nbytes) and self.disk is not None:
             self.disk.write(adapter, want, layers)
@@ -287,7 +294,7 @@ class PrefixCache:
     def insert(self, adapter: str | None, want: np.ndarray, layers: list, nbytes: int) -> bool:
         """Holds a snapshot (made here or read from disk); False when it is
         larger than the whole budget."""
-        if any(e.adapter == adapter and len(e.tokens) == len(want) and (e.tokens == want).all() for e in self._entries.values()):
+        if self._key_of(adapter, want) is not None:
             return True
         nbytes = self._counted(nbytes)
         if nbytes > self.budget - self.pinned_bytes:
@@ -369,12 +376,11 @@ class PrefixCache:
     def pin(self, adapter: str | None, tokens: Tokens) -> bool:
         """Keeps the snapshot of exactly these tokens for good (a warm
         prompt's); False when there is none."""
-        want = tokens_of(tokens)
-        for entry in self._entries.values():
-            if entry.adapter == adapter and len(entry.tokens) == len(want) and (entry.tokens == want).all():
-                entry.pinned = True
-                return True
-        return False
+        key = self._key_of(adapter, tokens_of(tokens))
+        if key is None:
+            return False
+        self._entries[key].pinned = True
+        return True
 
     def _counted(self, nbytes: int) -> int:
         """What a snapshot of `nbytes` counts against the budget (a rank of

@@ -622,11 +622,15 @@ class PrefixDisk:
         made = 0
         while self.uncopied and (step_bytes is None or made < step_bytes):
             (name, adapter, tokens, tree, arrays, nbytes), copies = self.uncopied[0]
+            take = arrays[len(copies) : len(copies) + 1]  # one array at least
+            made += sum(a.nbytes for a in take)
+            for a in arrays[len(copies) + 1 :]:
+                if step_bytes is not None and made >= step_bytes:
+                    break
+                take.append(a)
+                made += a.nbytes
             try:
-                part = []
-                while len(copies) + len(part) < len(arrays) and (step_bytes is None or made < step_bytes or not part):
-                    part += device_copies([arrays[len(copies) + len(part)]])
-                    made += part[-1].nbytes
+                part = device_copies(take)
                 mx.eval(part)
                 copies += part
             except Exception as exc:  # the disk tier never fails a request

@@ -712,9 +712,8 @@ class Scheduler:
         cache = make_prompt_cache(self.loaded.model)
         self.masks.warm_up(self.loaded.model(mx.array([[0]]), cache=cache)[:, -1, :], self.max_batch)
         self.prefix_cache.learn_layout(cache)
-        # A few tokens over a cache, as a prompt resumed from the prefix
-        # cache reads its last message: on CUDA that attention has a route
-        # of its own whose kernels load here, for long caches too.
-        mx.eval(self.loaded.model(mx.array([[0, 0, 0, 0]]), cache=cache))
+        # A prompt resumed from the prefix cache reads its last message over
+        # a long cache: on CUDA that attention has a route of its own, whose
+        # kernels load here.
         short_attention.warm_up(cache)
         mx.clear_cache()
