@@ -390,6 +390,51 @@ def test_on_cuda_steps_quantized_matmuls_take_whole_unbroadcast_operands(monkeyp
         assert x_shape[:-2] == w_shape[:-2] == (1, 2)  # one matmul per KV head, nothing broadcast
 
 
+def test_on_cuda_a_block_of_queries_reads_its_keys_padded_to_a_multiple_of_eight(monkeypatch):
+    """mlx's CUDA quantized matmul on Hopper writes score rows through TMA,
+    which wants rows of bf16 scores over a multiple of 8 keys: a block of
+    several queries pads the keys and masks the padding out, under every
+    kind of mask, and computes the same attention; a lone query keeps its
+    keys as they are."""
+    import mlx.core as mx
+    import numpy as np
+
+    from worker.engine.kv_quant import QuantKV
+    from worker.engine.quant_attention import KEYS_MULTIPLE, _attention
+
+    shapes = []
+    original = mx.quantized_matmul
+
+    def spy(x, w, *rest, **kw):
+        shapes.append(w.shape)
+        return original(x, w, *rest, **kw)
+
+    rng = np.random.default_rng(9)
+    B, heads, kv_heads, dim, held, queries = 2, 8, 2, 64, 101, 3
+    cache = QuantKV(64, 8)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    keys, values = cache.update_and_fetch(normal(B, kv_heads, held, dim), normal(B, kv_heads, held, dim))
+    q = normal(B, heads, queries, dim)
+    visible = np.broadcast_to(np.tril(np.ones((queries, held), dtype=bool), held - queries), (B, queries, held)).copy()
+    visible[1, :, :5] = False
+    for mask in (None, "causal", mx.array(visible[:, None]), mx.where(mx.array(visible[:, None]), 0.0, -1e9)):
+        want = _attention("cpu")(q, keys, values, cache, scale=dim**-0.5, mask=mask)
+        shapes.clear()
+        monkeypatch.setattr(mx, "quantized_matmul", spy)
+        got = _attention("cuda")(q, keys, values, cache, scale=dim**-0.5, mask=mask)
+        mx.eval(got)
+        monkeypatch.setattr(mx, "quantized_matmul", original)
+        assert shapes and all(w[2] % KEYS_MULTIPLE == 0 and w[2] >= held for w in shapes), shapes
+        assert mx.abs(got - want).max().item() < 1e-4
+    shapes.clear()
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    mx.eval(_attention("cuda")(q[:, :, :1], keys, values, cache, scale=dim**-0.5, mask=None))
+    assert [w[2] for w in shapes] == [held, held]
+
+
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ mlx's quantized matmul there has no kernel for an operand that is not
 contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), which a
 broadcast cache is not (mlx-lm's own path fails at the first decode step,
 "No implementation for problem shape"), nor a cache's tokens so far, a
-slice of its buffer, which are copied to one block first there. mlx's CPU
+slice of its buffer, which are copied to one block first there (a block
+of several queries pads them: KEYS_MULTIPLE). mlx's CPU
 kernel for the scores (`x @ W.T`) runs at 2-3x a float matmul; keys are
 scored from their bytes with a float matmul instead (`_byte_scores`).
 """
@@ -36,6 +37,15 @@ from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
 DEQUANTIZED_ABOVE = 8
+# mlx's CUDA quantized matmul on Hopper (its sm90 kernel) writes a
+# product's rows through TMA, which wants each row to start 16-byte
+# aligned, and scores over S keys in bf16 are rows of 2S bytes: on an
+# H100, 8 query heads a KV head reading 4 tokens each over 300 keys failed
+# ("Failed to initialize the TMA descriptor") and gave wrong scores, where
+# one token a query head over the same keys did not. So on CUDA a block of
+# several queries reads its keys padded to a multiple of KEYS_MULTIPLE,
+# the padding masked out (`_padded`).
+KEYS_MULTIPLE = 8
 # `_byte_scores` converts the packed keys to float32 before its matmul; that
 # copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
 # KV heads x tokens x head dimension) it converts them at once; beyond, one
@@ -144,6 +154,28 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     return out.reshape(B, heads, L, D)
 
 
+def _padded(keys: tuple, values: tuple, mask, length: int) -> tuple:
+    """Packed keys and values with their token axis padded to a multiple of
+    KEYS_MULTIPLE (each a new contiguous array), and the mask that leaves
+    the padding out: `mask` (None, "causal", or a boolean or additive
+    array over the keys) for `length` queries aligned with the last keys."""
+    S = keys[0].shape[2]
+    pad = -S % KEYS_MULTIPLE
+    if not pad:
+        return tuple(mx.contiguous(x) for x in keys), tuple(mx.contiguous(x) for x in values), mask
+    widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+    keys = tuple(mx.pad(x, widths) for x in keys)
+    values = tuple(mx.pad(x, widths) for x in values)
+    if mask is None:
+        mask = mx.arange(S + pad) < S
+    elif isinstance(mask, str):
+        mask = mx.arange(S - length, S)[:, None] >= mx.arange(S + pad)[None]
+    else:
+        fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=fill)
+    return keys, values, mask
+
+
 def _attention(where: str):
     """The attention for a backend: `cpu`, `cuda` or `metal`."""
     cuda, cpu = where == "cuda", where == "cpu"
@@ -158,7 +190,9 @@ def _attention(where: str):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if sinks is not None:
             raise ValueError("quantized attention does not support attention sinks")
-        if cuda:
+        if cuda and queries.shape[2] > 1:
+            keys, values, mask = _padded(keys, values, mask, queries.shape[2])
+        elif cuda:
             keys = tuple(mx.contiguous(x) for x in keys)
             values = tuple(mx.contiguous(x) for x in values)
         return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
