@@ -42,9 +42,9 @@ DEQUANTIZED_ABOVE = 8
 # aligned, and scores over S keys in bf16 are rows of 2S bytes: on an
 # H100, 8 query heads a KV head reading 4 tokens each over 300 keys failed
 # ("Failed to initialize the TMA descriptor") and gave wrong scores, where
-# one token a query head over the same keys did not. So on CUDA a block of
-# several queries reads its keys padded to a multiple of KEYS_MULTIPLE,
-# the padding masked out (`_padded`).
+# 4 query heads a KV head reading one token each over the same keys did
+# not. So on CUDA a block of several queries reads its keys padded to a
+# multiple of KEYS_MULTIPLE, the padding masked out (`_padded`).
 KEYS_MULTIPLE = 8
 # `_byte_scores` converts the packed keys to float32 before its matmul; that
 # copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
