@@ -394,8 +394,8 @@ def test_on_cuda_a_block_of_queries_reads_its_keys_padded_to_a_multiple_of_eight
     """mlx's CUDA quantized matmul on Hopper writes score rows through TMA,
     which wants rows of bf16 scores over a multiple of 8 keys: a block of
     several queries pads the keys and masks the padding out, under every
-    kind of mask, and computes the same attention; a lone query keeps its
-    keys as they are."""
+    kind of mask, and computes the same attention; a decode step of 4
+    query heads a KV head keeps its keys as they are, and one of 8 pads."""
     import mlx.core as mx
     import numpy as np
 
@@ -429,10 +429,16 @@ def test_on_cuda_a_block_of_queries_reads_its_keys_padded_to_a_multiple_of_eight
         monkeypatch.setattr(mx, "quantized_matmul", original)
         assert shapes and all(w[2] % KEYS_MULTIPLE == 0 and w[2] >= held for w in shapes), shapes
         assert mx.abs(got - want).max().item() < 1e-4
-    shapes.clear()
     monkeypatch.setattr(mx, "quantized_matmul", spy)
-    mx.eval(_attention("cuda")(q[:, :, :1], keys, values, cache, scale=dim**-0.5, mask=None))
-    assert [w[2] for w in shapes] == [held, held]
+    for heads_a_kv_head, length in ((4, held), (8, held + 3)):
+        step = normal(B, heads_a_kv_head * kv_heads, 1, dim)
+        want = _attention("cpu")(step, keys, values, cache, scale=dim**-0.5, mask=None)
+        mx.eval(want)
+        shapes.clear()
+        got = _attention("cuda")(step, keys, values, cache, scale=dim**-0.5, mask=None)
+        mx.eval(got)
+        assert [w[2] for w in shapes] == [length, length]
+        assert mx.abs(got - want).max().item() < 1e-4
 
 
 @pytest.mark.parametrize("group_size", [32, 64])

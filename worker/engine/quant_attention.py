@@ -21,8 +21,8 @@ mlx's quantized matmul there has no kernel for an operand that is not
 contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), which a
 broadcast cache is not (mlx-lm's own path fails at the first decode step,
 "No implementation for problem shape"), nor a cache's tokens so far, a
-slice of its buffer, which are copied to one block first there (a block
-of several queries pads them: KEYS_MULTIPLE). mlx's CPU
+slice of its buffer, which are copied to one block first there (padded
+for calls of many query rows a KV head: KEYS_MULTIPLE). mlx's CPU
 kernel for the scores (`x @ W.T`) runs at 2-3x a float matmul; keys are
 scored from their bytes with a float matmul instead (`_byte_scores`).
 """
@@ -43,9 +43,12 @@ DEQUANTIZED_ABOVE = 8
 # H100, 8 query heads a KV head reading 4 tokens each over 300 keys failed
 # ("Failed to initialize the TMA descriptor") and gave wrong scores, where
 # 4 query heads a KV head reading one token each over the same keys did
-# not. So on CUDA a block of several queries reads its keys padded to a
-# multiple of KEYS_MULTIPLE, the padding masked out (`_padded`).
+# not. So on CUDA a call of more than PADDED_ABOVE_ROWS query rows a KV head
+# (query heads a KV head x tokens) reads its keys padded to a multiple of
+# KEYS_MULTIPLE, the padding masked out (`_padded`); Qwen3's decode steps
+# (4 query heads a KV head) keep theirs as they are.
 KEYS_MULTIPLE = 8
+PADDED_ABOVE_ROWS = 4
 # `_byte_scores` converts the packed keys to float32 before its matmul; that
 # copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
 # KV heads x tokens x head dimension) it converts them at once; beyond, one
@@ -190,7 +193,8 @@ def _attention(where: str):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if sinks is not None:
             raise ValueError("quantized attention does not support attention sinks")
-        if cuda and queries.shape[2] > 1:
+        rows = queries.shape[1] // keys[0].shape[1] * queries.shape[2]
+        if cuda and rows > PADDED_ABOVE_ROWS:
             keys, values, mask = _padded(keys, values, mask, queries.shape[2])
         elif cuda:
             keys = tuple(mx.contiguous(x) for x in keys)
