@@ -45,7 +45,7 @@ DEQUANTIZED_ABOVE = 8
 # 4 query heads a KV head reading one token each over the same keys did
 # not. So on CUDA a call of more than PADDED_ABOVE_ROWS query rows a KV head
 # (query heads a KV head x tokens) reads its keys padded to a multiple of
-# KEYS_MULTIPLE, the padding masked out (`_padded`); Qwen3's decode steps
+# KEYS_MULTIPLE, the padding masked out (`_contiguous`); Qwen3's decode steps
 # (4 query heads a KV head) keep theirs as they are.
 KEYS_MULTIPLE = 8
 PADDED_ABOVE_ROWS = 4
@@ -144,7 +144,7 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
         S = scores.shape[-1]
         scores = scores.reshape(B, kv_heads, G, L, S)
         if isinstance(mask, str):
-            mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+            mask = base.create_causal_mask(L, S - L)
         elif mask.ndim == 4:  # (B, 1, L, S), the same for every head
             mask = mx.expand_dims(mask, 2)
         if mask.dtype == mx.bool_:
@@ -157,26 +157,25 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     return out.reshape(B, heads, L, D)
 
 
-def _padded(keys: tuple, values: tuple, mask, length: int) -> tuple:
-    """Packed keys and values with their token axis padded to a multiple of
-    KEYS_MULTIPLE (each a new contiguous array), and the mask that leaves
-    the padding out: `mask` (None, "causal", or a boolean or additive
-    array over the keys) for `length` queries aligned with the last keys."""
+def _contiguous(keys: tuple, values: tuple, mask, length: int, multiple: int) -> tuple:
+    """Packed keys and values as contiguous arrays (what mlx's CUDA
+    quantized matmul takes), their token axis padded to a multiple of
+    `multiple`, and the mask that leaves the padding out: `mask` (None,
+    "causal", or a boolean or additive array over the keys) for `length`
+    queries aligned with the last keys."""
     S = keys[0].shape[2]
-    pad = -S % KEYS_MULTIPLE
+    pad = -S % multiple
     if not pad:
         return tuple(mx.contiguous(x) for x in keys), tuple(mx.contiguous(x) for x in values), mask
     widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
     keys = tuple(mx.pad(x, widths) for x in keys)
     values = tuple(mx.pad(x, widths) for x in values)
     if mask is None:
-        mask = mx.arange(S + pad) < S
-    elif isinstance(mask, str):
-        mask = mx.arange(S - length, S)[:, None] >= mx.arange(S + pad)[None]
-    else:
-        fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
-        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=fill)
-    return keys, values, mask
+        return keys, values, mx.arange(S + pad) < S
+    if isinstance(mask, str):
+        mask = base.create_causal_mask(length, S - length)
+    fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+    return keys, values, mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=fill)
 
 
 def _attention(where: str):
@@ -193,12 +192,10 @@ def _attention(where: str):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if sinks is not None:
             raise ValueError("quantized attention does not support attention sinks")
-        rows = queries.shape[1] // keys[0].shape[1] * queries.shape[2]
-        if cuda and rows > PADDED_ABOVE_ROWS:
-            keys, values, mask = _padded(keys, values, mask, queries.shape[2])
-        elif cuda:
-            keys = tuple(mx.contiguous(x) for x in keys)
-            values = tuple(mx.contiguous(x) for x in values)
+        if cuda:
+            rows = queries.shape[1] // keys[0].shape[1] * queries.shape[2]
+            multiple = KEYS_MULTIPLE if rows > PADDED_ABOVE_ROWS else 1
+            keys, values, mask = _contiguous(keys, values, mask, queries.shape[2], multiple)
         return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
 
     return scaled_dot_product_attention

@@ -67,8 +67,8 @@ def composed(queries: mx.array, keys: mx.array, values: mx.array, scale: float, 
     group = heads // kv_heads
     scores = (queries * scale).reshape(rows, kv_heads, group * length, dim) @ keys.swapaxes(-1, -2)
     if mask is not None:
-        seen = mx.arange(keys_length)[None] <= (mx.arange(length) + (keys_length - length))[:, None]
-        scores = mx.where(mx.tile(seen, (group, 1)), scores, mx.array(-float("inf"), scores.dtype))
+        seen = mx.tile(base.create_causal_mask(length, keys_length - length), (group, 1))
+        scores = mx.where(seen, scores, mx.array(-float("inf"), scores.dtype))
     weights = mx.softmax(scores, axis=-1, precise=True)
     return (weights @ values).reshape(rows, heads, length, values.shape[-1])
 
