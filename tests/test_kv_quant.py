@@ -497,3 +497,28 @@ def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(
         for m, fn in routed_fn.items():
             m.scaled_dot_product_attention = fn
     assert mx.abs(before - reference).max().item() == 0.0
+
+
+def test_cpu_steps_over_a_bf16_cache_add_up_in_float32():
+    """mlx's CPU quantized matmul adds a bf16 product up in bf16, which over
+    thousands of cached tokens drifts by several percent: a step over a
+    bf16 cache computes in float32 and gives bf16 back, close to a float32
+    reference of the same quantized cache."""
+    import mlx.core as mx
+
+    from worker.engine.kv_quant import QuantKV
+    from worker.engine.quant_attention import _attention, _float32
+
+    mx.random.seed(5)
+    cache = QuantKV(64, 8)
+    keys, values = cache.update_and_fetch(*(mx.random.normal((1, 2, 4096, 128)).astype(mx.bfloat16) for _ in range(2)))
+    q = mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16)
+    dequantized = [mx.dequantize(*_float32(x), group_size=64, bits=8) for x in (keys, values)]
+    want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), *dequantized, scale=128**-0.5)
+
+    def error(out):
+        return (mx.abs(out.astype(mx.float32) - want).max() / mx.abs(want).max()).item()
+
+    got = _attention("cpu")(q, keys, values, cache, scale=128**-0.5, mask=None)
+    assert got.dtype == mx.bfloat16
+    assert error(got) < 0.01
