@@ -591,7 +591,7 @@ def test_a_request_for_a_file_held_for_read_back_reads_it_at_once(tmp_path, monk
 
 
 def test_a_file_slower_to_read_than_its_tokens_to_compute_is_not_read():
-    from worker.cache.prefix_disk import slower_than_prefill
+    from worker.cache.disk_rates import slower_than_prefill
 
     # 312 MB at 0.3 GB/s (1.04 s) against 26,000 tokens at 11,000 tokens/s (2.4 s): read.
     assert not slower_than_prefill(312 << 20, 26_000, 0.3e9, 11_000)
@@ -620,22 +620,21 @@ def test_the_scheduler_times_reads_and_prompts_and_skips_a_file_that_would_cost_
     writer = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
     run(writer, prompt=FIRST)
     assert writer.prefix_cache.disk.flush(30)
-    assert len(writer._prefill_rates) == 1 and writer._prefill_rates[0] > 0  # a prompt of more than 16 tokens, all computed
+    assert writer.disk_rates.prefill.value > 0  # a prompt of more than 16 tokens, all computed
 
     slow = PrefixDisk(tmp_path, key, 1 << 30)
-    slow._read_rates.append(1.0)  # a byte a second
     reader = engine_for(tiny_model, prefix_disk=slow)
-    reader._prefill_rates.append(1e6)
+    reader.disk_rates.read.add(1, 1)  # a byte a second
+    reader.disk_rates.prefill.add(1e6, 1)
     with caplog.at_level(logging.INFO, logger="worker"):
         _, done = run(reader, prompt=SECOND)
     assert "cached_tokens" not in done and not slow.reading
     assert "not read: 0 MB at 0.00 GB/s takes longer than" in caplog.text
 
-    disk = PrefixDisk(tmp_path, key, 1 << 30)
-    assert disk.read_rate is None
-    fresh = engine_for(tiny_model, prefix_disk=disk)
+    fresh = engine_for(tiny_model, prefix_disk=PrefixDisk(tmp_path, key, 1 << 30))
+    assert fresh.disk_rates.read.value is None
     _, done = run(fresh, prompt=SECOND)
-    assert done["cached_tokens"] > 0 and disk.read_rate > 0
+    assert done["cached_tokens"] > 0 and fresh.disk_rates.read.value > 0
 
 
 def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_model, tmp_path, monkeypatch):

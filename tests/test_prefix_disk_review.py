@@ -231,14 +231,14 @@ def test_the_default_budget_counts_the_caches_own_files_as_free(tmp_path, monkey
     shrank at every start, and each start evicted more."""
     import shutil
 
-    from worker.cache import prefix_disk
+    from worker.cache import disk_files
 
     disk_of(tmp_path, 2)
     own = sum(p.stat().st_size for p in files(tmp_path))
     free = 1 << 30
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2 * free, free, free))
-    assert prefix_disk.default_budget(tmp_path) == (free + own) // 4
-    assert prefix_disk.default_budget(tmp_path / "nowhere") == free // 4
+    assert disk_files.default_budget(tmp_path) == (free + own) // 4
+    assert disk_files.default_budget(tmp_path / "nowhere") == free // 4
 
 
 def test_a_file_that_cannot_be_removed_leaves_the_index_and_the_tier_goes_on(tmp_path, monkeypatch, caplog):
@@ -263,19 +263,26 @@ def test_a_file_that_cannot_be_removed_leaves_the_index_and_the_tier_goes_on(tmp
     assert "cannot remove" in caplog.text
 
 
-def test_after_files_skipped_in_a_row_one_is_read_to_time_the_disk_again(tmp_path):
+def test_after_files_skipped_in_a_row_one_is_read_to_time_the_disk_again():
     """A read rate measured in a slow spell left every later file unread,
     and with no read left to time, for the worker's life."""
-    from worker.cache.prefix_disk import PROBE_AFTER_SKIPS
+    from worker.cache.disk_rates import PROBE_AFTER_SKIPS, RATE_SAMPLES, DiskRates
 
-    disk = disk_of(tmp_path)
-    disk._read_rates.append(1.0)  # a byte a second
-    asked = [disk.skip(10 << 20, 100, 1e6) for _ in range(2 * PROBE_AFTER_SKIPS + 2)]
+    rates = DiskRates()
+    rates.read.add(1, 1)  # a byte a second
+    rates.prefill.add(1e6, 1)
+    asked = [rates.skip(10 << 20, 100) for _ in range(2 * PROBE_AFTER_SKIPS + 2)]
     read = [i for i, skipped in enumerate(asked) if not skipped]
     assert read == [PROBE_AFTER_SKIPS, 2 * PROBE_AFTER_SKIPS + 1]
     # A file faster to read than to compute is read, and starts the count afresh.
-    disk._skipped = 3
-    assert not disk.skip(10, 100, 1.0) and disk._skipped == 0
+    for _ in range(3):
+        assert rates.skip(10 << 20, 100)
+    assert not rates.skip(0, 100)
+    assert [rates.skip(10 << 20, 100) for _ in range(PROBE_AFTER_SKIPS + 1)] == [True] * PROBE_AFTER_SKIPS + [False]
+    # A rate is the median of the latest timings; one that took no time is not one.
+    for seconds in (1, 1, 1, 1, 1, 0, 0.5):
+        rates.read.add(100, seconds)
+    assert rates.read.value == 100 and len(rates.read._samples) == RATE_SAMPLES
 
 
 _EXITING_WORKER = """
@@ -375,7 +382,8 @@ def test_files_no_worker_used_for_30_days_leave_the_other_folders_at_a_start(tmp
     """Each worker bounds its own folder only: the folder of a model no
     longer served (or of this one before its weights or mlx changed) kept
     its files for ever."""
-    from worker.cache.prefix_disk import UNUSED_S, PrefixDisk
+    from worker.cache.disk_files import UNUSED_S
+    from worker.cache.prefix_disk import PrefixDisk
 
     for key, n in (("old-model", 1), ("other-model", 2)):
         other = PrefixDisk(tmp_path, key, budget=1 << 30)

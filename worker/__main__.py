@@ -397,7 +397,8 @@ def open_prefix_disk(args: argparse.Namespace, loaded, wake):
     """The prefix cache's disk tier, or None (not asked for, or unusable)."""
     if args.prefix_disk_dir is None or args.prefix_cache_bytes <= 0 or args.prefix_disk_bytes == 0:
         return None
-    from worker.cache.prefix_disk import PrefixDisk, default_budget
+    from worker.cache.disk_files import default_budget
+    from worker.cache.prefix_disk import PrefixDisk
     from worker.cache.prefix_file import model_key
     from worker.runtime.memory import processor
 

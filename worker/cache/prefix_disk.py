@@ -40,16 +40,8 @@ oldest first (so the newest ends most recently used in memory), a GPU's
 budget of several GB would otherwise hold a request that comes right after
 the start behind every file but its own.
 
-A file is worth reading only while reading it is faster than computing the
-tokens it holds: at 26k tokens the 0.8b shape's state is 312 MB against
-2.4 s of prefill on an H100, but the 8B shape's would be 3.8 GB, over 10 s
-at 0.3 GB/s (what one H100 machine gave a single thread that read and
-hashed a file). The scheduler times each read whole, check and arrays
-(`record_read`; `read_rate` is the median of the last RATE_SAMPLES, bytes
-per second), and its prompts' reading, and skips a file that
-`slower_than_prefill` says costs more than it saves. Until both are
-measured, files are read, and after PROBE_AFTER_SKIPS skipped in a row
-the next is read, to time the disk again.
+A file is read only while reading it is faster than computing the tokens
+it holds (worker.cache.disk_rates).
 """
 
 from __future__ import annotations
@@ -59,9 +51,6 @@ import json
 import logging
 import os
 import queue
-import shutil
-import stat
-import statistics
 import threading
 import time
 import zlib
@@ -74,6 +63,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from worker.cache.disk_files import drop_unused_beside, fd_path, open_regular, read_buffer, writer_runs
 from worker.cache.prefix_file import (
     DTYPES,
     FORMAT,
@@ -112,9 +102,6 @@ COPIES_PENDING_BYTES = 2 << 30
 # at least): a large snapshot's copy holds running rows up a part a step,
 # not whole.
 COPY_STEP_BYTES = 512 << 20
-# Files of other folders (another model, or this one before its weights or
-# mlx changed) unused this long are removed when a worker starts.
-UNUSED_S = 30 * 86400
 # How long an exiting worker waits for the writes queued (`closing`): less
 # than the pool's 5 s between closing a worker's pipe and SIGTERM.
 EXIT_FLUSH_S = 3.0
@@ -127,13 +114,6 @@ READ_WAIT_S = 30.0
 # its own file alone, where on an H100 the 0.8b shape's restart spent
 # 100-150 ms of its 390 ms on other files read back first.
 READ_BACK_QUIET_S = 0.5
-# Reads timed for `read_rate` (the latest).
-RATE_SAMPLES = 5
-# Files skipped in a row as slower to read than to compute (`skip`), after
-# which the next one is read anyway: the rate is the latest reads', and a
-# slow spell (a busy disk, a cold page cache at start) would otherwise
-# stop every read for the worker's life, with no read left to time.
-PROBE_AFTER_SKIPS = 8
 # How often the disk thread looks again at writes the engine holds back
 # (`writes_wait_until`).
 WRITE_POLL_S = 0.02
@@ -142,83 +122,8 @@ WRITE_POLL_S = 0.02
 # a file may claim).
 CHUNK = 4 << 20
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))
-# LM Studio's rule for its disk cache: at most 30 GiB, at most a quarter of
-# the free space.
-DEFAULT_CAP = 30 << 30
-
-
-def default_budget(root: Path) -> int:
-    """min(30 GiB, a quarter of the free space where the files go), the
-    files already there counted as free: else each start would see less
-    free space than the last, its own files taking it, and evict more."""
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        return 0
-    return min(DEFAULT_CAP, (free + _bytes_under(root)) // 4)
-
-
-def _bytes_under(root: Path) -> int:
-    """Bytes of the files one level below each folder of `root` (a model's
-    cache files); 0 where they cannot be listed."""
-    total = 0
-    try:
-        with os.scandir(root) as entries:
-            folders = [e for e in entries if e.is_dir(follow_symlinks=False)]
-        for folder in folders:
-            with os.scandir(folder.path) as files:
-                total += sum(f.stat(follow_symlinks=False).st_size for f in files if f.is_file(follow_symlinks=False))
-    except OSError:
-        return total
-    return total
-
-
 # What `_load` returns for a read-back that stopped for a request's read.
 STOPPED = object()
-
-
-def open_regular(path: Path, buffering: int = -1):
-    """Opens a file to read; OSError when it is not a regular file: open()
-    of a FIFO under a file's name would wait for a writer for ever (at a
-    worker's start, or on the disk thread)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb", buffering)
-
-
-def writer_runs(name: str) -> bool:
-    """Whether the process that a temporary file's name ("<entry>.<pid>.tmp",
-    `_store`) names still runs."""
-    pid = name.rsplit(".", 2)[-2]
-    if not pid.isdecimal() or int(pid) <= 0:
-        return False  # not a name of `_store`'s (0 and -1 would ask about groups)
-    try:
-        os.kill(int(pid), 0)
-    except PermissionError:
-        return True  # another user's
-    except (OSError, OverflowError):
-        return False
-    return True
-
-
-_buffers = threading.local()
-
-
-def read_buffer(size: int) -> memoryview:
-    """This I/O thread's read buffer, of at least `size` bytes: kept, so
-    that a check does not fault in fresh memory for every chunk."""
-    buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _buffers.buf = memoryview(bytearray(size))
-    return buf
 
 
 def device_copies(arrays: list[mx.array]) -> list[mx.array]:
@@ -270,7 +175,7 @@ class Loaded:
             # put under the name since the check would block mx.load (on
             # the main thread) for ever, and open_regular refuses one.
             with open_regular(self.path) as f:
-                found = mx.load(_fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
+                found = mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
                 # mlx reads a file on the host, into managed memory on CUDA,
                 # and the GPU pulls it over page by page at its first use.
                 # That is still the fastest way measured: on an H100, 3.8 GB
@@ -295,50 +200,6 @@ class Loaded:
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError, OSError) as exc:
             log.warning("prefix cache: %s could not be read after its check (%s); not used", self.entry.name, exc)
             return None
-
-
-def drop_unused_beside(own: Path) -> None:
-    """Removes the files of the other folders beside a model's folder `own`
-    (other models, or this model before its weights, format or mlx
-    changed) that nothing has used for UNUSED_S, and the folders they leave
-    empty: each worker bounds only its own folder, and a folder no worker
-    serves any more would keep its files for ever."""
-    cutoff = time.time() - UNUSED_S
-    removed = 0
-    try:
-        with os.scandir(own.parent) as entries:
-            folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != own.name]
-        for folder in folders:
-            with os.scandir(folder) as entries:
-                old = [
-                    e
-                    for e in entries
-                    if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff
-                ]
-            for e in old:
-                os.unlink(e.path)
-                removed += 1
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only when empty
-    except OSError as exc:
-        log.warning("prefix cache: cannot clear unused files beside %s: %s", own, exc)
-    if removed:
-        log.info("prefix cache: %d file(s) unused for %d days removed from other folders of %s", removed, UNUSED_S // 86400, own.parent)
-
-
-def _fd_path(fd: int) -> str:
-    """A path that opens the file behind this process's descriptor `fd`
-    (Linux's /proc; /dev/fd on macOS)."""
-    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
-
-
-def slower_than_prefill(nbytes: int, tokens: int, read_rate: float | None, prefill_rate: float | None) -> bool:
-    """Whether reading a file of `nbytes` at `read_rate` (bytes/s) takes
-    longer than computing the `tokens` it saves at `prefill_rate` (tokens/s);
-    False while either rate is unmeasured."""
-    if not read_rate or not prefill_rate:
-        return False
-    return nbytes / read_rate > tokens / prefill_rate
 
 
 class PrefixDisk:
@@ -380,8 +241,6 @@ class PrefixDisk:
         self._reading: set[str] = set()
         # Those of them a request asked for (`read`), until `results`.
         self._asked: set[str] = set()
-        self._read_rates: deque[float] = deque(maxlen=RATE_SAMPLES)  # bytes/s of the latest reads
-        self._skipped = 0  # files `skip` left unread in a row
         self._work = threading.Event()
         self._clock = time.monotonic
         # When a request last asked for a file, or read-backs were queued
@@ -529,28 +388,6 @@ class PrefixDisk:
                 self._reading.discard(entry.name)
                 self._asked.discard(entry.name)
             out.append((entry, loaded))
-
-    def skip(self, nbytes: int, tokens: int, prefill_rate: float | None) -> bool:
-        """Whether to leave a file of `nbytes` that saves `tokens` unread
-        (`slower_than_prefill`), but for one in PROBE_AFTER_SKIPS + 1 in a
-        row, read to time the disk again. Main thread."""
-        if self._skipped < PROBE_AFTER_SKIPS and slower_than_prefill(nbytes, tokens, self.read_rate, prefill_rate):
-            self._skipped += 1
-            return True
-        self._skipped = 0
-        return False
-
-    def record_read(self, nbytes: int, seconds: float) -> None:
-        """A file's read, timed whole: its check and its arrays (the main
-        thread's part, as long again as the check on an H100)."""
-        if seconds > 0:
-            self._read_rates.append(nbytes / seconds)
-
-    @property
-    def read_rate(self) -> float | None:
-        """Bytes per second of the latest reads (their median); None before one."""
-        rates = list(self._read_rates)
-        return statistics.median(rates) if rates else None
 
     @property
     def reading(self) -> bool:

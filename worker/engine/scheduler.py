@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import threading
 import time
 from collections import deque
@@ -41,8 +40,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
+from worker.cache.disk_rates import DiskRates
 from worker.cache.prefix_cache import PrefixCache, cut_points, tokens_of
-from worker.cache.prefix_disk import RATE_SAMPLES, READ_WAIT_S, DiskEntry, Loaded, PrefixDisk
+from worker.cache.prefix_disk import READ_WAIT_S, DiskEntry, Loaded, PrefixDisk
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
@@ -200,8 +200,8 @@ class Scheduler:
         # tier's index.
         self._restoring: deque[_Restoring] = deque()
         self._first_pending_since: float | None = None  # since when a first token has been pending
-        # Prompt tokens per second of the latest long prompts read (see _end).
-        self._prefill_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
+        # Files read and long prompts read, timed (_disk_results, _end).
+        self.disk_rates = DiskRates()
         self.figures = self._figures()
 
     def _generator(self, prefix_cache: PrefixCache, speculate: bool = True) -> TokenGenerator:
@@ -267,18 +267,18 @@ class Scheduler:
         if disk is None:
             return
         try:
-            prefill_rate = statistics.median(self._prefill_rates) if self._prefill_rates else None
+            rates = self.disk_rates
             tokens = tokens_of(w.ids)
             for entry, saved in self.prefix_cache.disk_reads(tokens, cut_points(tokens, self.generator.chat_marker)):
-                if disk.skip(entry.size, saved, prefill_rate):
+                if rates.skip(entry.size, saved):
                     log.info(
                         "request %s: prefix cache file %s not read: %d MB at %.2f GB/s takes longer than %d tokens at %.0f tokens/s",
                         w.req.id_json or w.req.rid,
                         entry.name,
                         entry.size >> 20,
-                        disk.read_rate / 1e9,
+                        rates.read.value / 1e9,
                         saved,
-                        prefill_rate,
+                        rates.prefill.value,
                     )
                     continue
                 disk.read(entry)
@@ -343,7 +343,7 @@ class Scheduler:
         entry, loaded = restoring.entry, restoring.loaded
         try:
             if restored is not None and self.prefix_cache.insert_read(entry.adapter, entry.tokens, *restored):
-                self.prefix_cache.disk.record_read(entry.size, loaded.check_s + restoring.spent)
+                self.disk_rates.read.add(entry.size, loaded.check_s + restoring.spent)
                 log.info(
                     "prefix cache: %d tokens read from disk (%d MB: checked in %.0f ms, arrays in %.0f ms)",
                     len(entry.tokens),
@@ -642,7 +642,7 @@ class Scheduler:
             # Its first token's wait, over the tokens it read: a prefill rate
             # no faster than the true one (a wait in line or beside other
             # rows counts against it), so files are read where in doubt.
-            self._prefill_rates.append(computed / (stream.ttft_ms / 1000.0))
+            self.disk_rates.prefill.add(computed, stream.ttft_ms / 1000.0)
         if self._ended_ids is not None:
             self._ended_ids[row.rid] = stream.generated
         try:
