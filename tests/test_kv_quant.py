@@ -390,54 +390,48 @@ def test_on_cuda_steps_quantized_matmuls_take_whole_unbroadcast_operands(monkeyp
         assert x_shape[:-2] == w_shape[:-2] == (1, 2)  # one matmul per KV head, nothing broadcast
 
 
-def test_on_cuda_a_block_of_queries_reads_its_keys_padded_to_a_multiple_of_eight(monkeypatch):
-    """mlx's CUDA quantized matmul on Hopper writes score rows through TMA,
-    which wants rows of bf16 scores over a multiple of 8 keys: a block of
-    several queries pads the keys and masks the padding out, under every
-    kind of mask, and computes the same attention; a decode step of 4
-    query heads a KV head keeps its keys as they are, and one of 8 pads."""
+@pytest.mark.parametrize("dim, group_size, kernel_scores", [(64, 64, False), (64, 32, True), (128, 64, True)])
+def test_on_cuda_a_cache_of_one_group_a_row_scores_its_keys_dequantized(monkeypatch, dim, group_size, kernel_scores):
+    """mlx's CUDA quantized matmul gets `x @ W.T` wrong where each row of W
+    is one group (the head dimension equal to the group size): such a
+    cache scores its keys dequantized, and its values stay quantized;
+    with more groups a row both products go through the kernel. Either
+    way the CUDA route computes the same attention as the CPU's, under
+    every kind of mask, for a decode step and a block of queries."""
     import mlx.core as mx
     import numpy as np
 
     from worker.engine.kv_quant import QuantKV
-    from worker.engine.quant_attention import KEYS_MULTIPLE, _attention
+    from worker.engine.quant_attention import _attention
 
-    shapes = []
+    transposed = []
     original = mx.quantized_matmul
 
-    def spy(x, w, *rest, **kw):
-        shapes.append(w.shape)
-        return original(x, w, *rest, **kw)
+    def spy(x, w, *rest, transpose=True, **kw):
+        transposed.append(transpose)
+        return original(x, w, *rest, transpose=transpose, **kw)
 
     rng = np.random.default_rng(9)
-    B, heads, kv_heads, dim, held, queries = 2, 8, 2, 64, 101, 3
-    cache = QuantKV(64, 8)
+    B, heads, kv_heads, held = 2, 8, 2, 101
+    cache = QuantKV(group_size, 8)
 
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
-    keys, values = cache.update_and_fetch(normal(B, kv_heads, held, dim), normal(B, kv_heads, held, dim))
-    q = normal(B, heads, queries, dim)
-    visible = np.broadcast_to(np.tril(np.ones((queries, held), dtype=bool), held - queries), (B, queries, held)).copy()
+    cache.update_and_fetch(normal(B, kv_heads, held - 3, dim), normal(B, kv_heads, held - 3, dim))
+    keys, values = cache.update_and_fetch(normal(B, kv_heads, 3, dim), normal(B, kv_heads, 3, dim))
+    visible = np.broadcast_to(np.tril(np.ones((3, held), dtype=bool), held - 3), (B, 3, held)).copy()
     visible[1, :, :5] = False
-    for mask in (None, "causal", mx.array(visible[:, None]), mx.where(mx.array(visible[:, None]), 0.0, -1e9)):
+    cases = [(1, None)] + [(3, mask) for mask in ("causal", mx.array(visible[:, None]), mx.where(mx.array(visible[:, None]), 0.0, -1e9))]
+    for queries, mask in cases:
+        q = normal(B, heads, queries, dim)
         want = _attention("cpu")(q, keys, values, cache, scale=dim**-0.5, mask=mask)
-        shapes.clear()
+        transposed.clear()
         monkeypatch.setattr(mx, "quantized_matmul", spy)
         got = _attention("cuda")(q, keys, values, cache, scale=dim**-0.5, mask=mask)
         mx.eval(got)
         monkeypatch.setattr(mx, "quantized_matmul", original)
-        assert shapes and all(w[2] % KEYS_MULTIPLE == 0 and w[2] >= held for w in shapes), shapes
-        assert mx.abs(got - want).max().item() < 1e-4
-    monkeypatch.setattr(mx, "quantized_matmul", spy)
-    for heads_a_kv_head, length in ((4, held), (8, held + 3)):
-        step = normal(B, heads_a_kv_head * kv_heads, 1, dim)
-        want = _attention("cpu")(step, keys, values, cache, scale=dim**-0.5, mask=None)
-        mx.eval(want)
-        shapes.clear()
-        got = _attention("cuda")(step, keys, values, cache, scale=dim**-0.5, mask=None)
-        mx.eval(got)
-        assert [w[2] for w in shapes] == [length, length]
+        assert transposed == ([True, False] if kernel_scores else [False])
         assert mx.abs(got - want).max().item() < 1e-4
 
 

@@ -21,8 +21,7 @@ mlx's quantized matmul there has no kernel for an operand that is not
 contiguous (`is_last_2_dims_row_contiguous` in its qmm.cu), which a
 broadcast cache is not (mlx-lm's own path fails at the first decode step,
 "No implementation for problem shape"), nor a cache's tokens so far, a
-slice of its buffer, which are copied to one block first there (padded
-for calls of many query rows a KV head: KEYS_MULTIPLE). mlx's CPU
+slice of its buffer, which are copied to one block first there. mlx's CPU
 kernel for the scores (`x @ W.T`) runs at 2-3x a float matmul; keys are
 scored from their bytes with a float matmul instead (`_byte_scores`).
 That kernel also adds up a bf16 product in bf16, and slowly: the values'
@@ -46,18 +45,15 @@ from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
 DEQUANTIZED_ABOVE = 8
-# mlx's CUDA quantized matmul on Hopper (its sm90 kernel) writes a
-# product's rows through TMA, which wants each row to start 16-byte
-# aligned, and scores over S keys in bf16 are rows of 2S bytes: on an
-# H100, 8 query heads a KV head reading 4 tokens each over 300 keys failed
-# ("Failed to initialize the TMA descriptor") and gave wrong scores, where
-# 4 query heads a KV head reading one token each over the same keys did
-# not. So on CUDA a call of more than PADDED_ABOVE_ROWS query rows a KV head
-# (query heads a KV head x tokens) reads its keys padded to a multiple of
-# KEYS_MULTIPLE, the padding masked out (`_contiguous`); Qwen3's decode steps
-# (4 query heads a KV head) keep theirs as they are.
-KEYS_MULTIPLE = 8
-PADDED_ABOVE_ROWS = 4
+# mlx's CUDA quantized matmul (0.32.4) computes `x @ W.T` wrongly where
+# each row of W is one group (a head dimension equal to the group size: 64
+# and 64, 128 and 128; 8 or 4 bits): on an H100, every such call but a
+# lone 2-D row gave errors the size of the scores themselves, or NaN,
+# over 300, 304 or 512 keys alike, and its Hopper kernel's TMA setup
+# failed on some; with two or more groups a row every shape tried was
+# right to bf16's rounding, and the values' product (`x @ W`) was right in
+# all. So on CUDA a cache of one group a row scores its keys dequantized
+# (`mx.dequantize`, then a float matmul); its values stay quantized.
 # `_byte_scores` converts the packed keys to float32 before its matmul; that
 # copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
 # KV heads x tokens x head dimension) it converts them at once; beyond, one
@@ -136,17 +132,20 @@ def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int, blocks: i
     return scores.sum(axis=-2).astype(q.dtype)
 
 
-def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, bytes_scores: bool = False) -> mx.array:
+def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, scores_by: str = "kernel") -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
-    of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D);
-    with `bytes_scores`, keys are scored by `_byte_scores` where its blocks
-    stay few."""
+    of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D).
+    Keys are scored by mlx's quantized matmul (`scores_by` "kernel"), by
+    `_byte_scores` where its blocks stay few ("bytes"), or dequantized
+    ("dequantized")."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
     q = (queries * scale).reshape(B, kv_heads, G * L, D)
-    if bytes_scores and (blocks := _byte_blocks(keys, D)) <= BYTES_BLOCKS_AT_MOST:
+    if scores_by == "bytes" and (blocks := _byte_blocks(keys, D)) <= BYTES_BLOCKS_AT_MOST:
         scores = _byte_scores(q, keys, group_size, bits, blocks)
+    elif scores_by == "dequantized":
+        scores = q @ mx.dequantize(*keys, group_size=group_size, bits=bits).swapaxes(-1, -2)
     else:
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
@@ -166,25 +165,10 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     return out.reshape(B, heads, L, D)
 
 
-def _contiguous(keys: tuple, values: tuple, mask, length: int, multiple: int) -> tuple:
-    """Packed keys and values as contiguous arrays (what mlx's CUDA
-    quantized matmul takes), their token axis padded to a multiple of
-    `multiple`, and the mask that leaves the padding out: `mask` (None,
-    "causal", or a boolean or additive array over the keys) for `length`
-    queries aligned with the last keys."""
-    S = keys[0].shape[2]
-    pad = -S % multiple
-    if not pad:
-        return tuple(mx.contiguous(x) for x in keys), tuple(mx.contiguous(x) for x in values), mask
-    widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
-    keys = tuple(mx.pad(x, widths) for x in keys)
-    values = tuple(mx.pad(x, widths) for x in values)
-    if mask is None:
-        return keys, values, mx.arange(S + pad) < S
-    if isinstance(mask, str):
-        mask = base.create_causal_mask(length, S - length)
-    fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
-    return keys, values, mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=fill)
+def _contiguous(packed: tuple) -> tuple:
+    """A quantized cache's arrays as contiguous arrays (what mlx's CUDA
+    quantized matmul takes)."""
+    return tuple(mx.contiguous(x) for x in packed)
 
 
 def _float32(packed: tuple) -> tuple:
@@ -206,14 +190,16 @@ def _attention(where: str):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if sinks is not None:
             raise ValueError("quantized attention does not support attention sinks")
-        if cpu and queries.dtype != mx.float32:
-            out = _grouped(queries.astype(mx.float32), _float32(keys), _float32(values), scale, mask, cache.group_size, cache.bits, bytes_scores=True)
-            return out.astype(queries.dtype)
+        if cpu:
+            if queries.dtype != mx.float32:
+                out = _grouped(queries.astype(mx.float32), _float32(keys), _float32(values), scale, mask, cache.group_size, cache.bits, "bytes")
+                return out.astype(queries.dtype)
+            return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, "bytes")
         if cuda:
-            rows = queries.shape[1] // keys[0].shape[1] * queries.shape[2]
-            multiple = KEYS_MULTIPLE if rows > PADDED_ABOVE_ROWS else 1
-            keys, values, mask = _contiguous(keys, values, mask, queries.shape[2], multiple)
-        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, bytes_scores=cpu)
+            one_group = queries.shape[-1] == cache.group_size
+            keys = keys if one_group else _contiguous(keys)
+            return _grouped(queries, keys, _contiguous(values), scale, mask, cache.group_size, cache.bits, "dequantized" if one_group else "kernel")
+        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits)
 
     return scaled_dot_product_attention
 
