@@ -516,3 +516,16 @@ def test_cpu_steps_over_a_bf16_cache_add_up_in_float32():
     got = _attention("cpu")(q, keys, values, cache, scale=128**-0.5, mask=None)
     assert got.dtype == mx.bfloat16
     assert error(got) < 0.01
+
+
+def test_a_cache_of_one_group_a_row_on_cuda_is_named_at_load():
+    """Where kv_group_size equals the head dimension, a CUDA worker says at
+    load that its keys are read dequantized, and which group size keeps
+    them packed; other processors and other group sizes say nothing."""
+    from worker.engine.kv_quant import one_group_note
+
+    note = one_group_note("cuda", {128}, 128)
+    assert note and "kv_group_size 128 equals the head dimension" in note and "kv_group_size 64 keeps them packed" in note
+    assert one_group_note("cuda", {128}, 64) is None
+    assert one_group_note("cpu", {64}, 64) is None
+    assert one_group_note("metal", {64}, 64) is None

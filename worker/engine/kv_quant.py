@@ -30,11 +30,16 @@ whatever batch it reads in.
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
 
 from worker.engine import quant_attention
+from worker.runtime.memory import processor
+
+log = logging.getLogger("worker")
 
 
 def _map(f, *trees):
@@ -549,6 +554,8 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     bad = sorted(d for d in dims if d % group_size)
     if bad:
         raise ValueError(f"kv_group_size {group_size} does not divide the head dimension {bad[0]}; use one that does (32, 64 or 128)")
+    if note := one_group_note(processor(), dims, group_size):
+        log.warning("%s", note)
     made = model.make_cache if hasattr(model, "make_cache") else None
 
     def make_cache():
@@ -560,6 +567,18 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     # Where a prompt's prefill chunks end, so that a row converts at exactly
     # this many tokens (worker.engine.generator).
     model.quantized_kv_start = start
+
+
+def one_group_note(where: str, dims: set[int], group_size: int) -> str | None:
+    """What a user should know when a row of keys is one group on CUDA
+    (worker.engine.quant_attention: mlx's kernel gets those scores wrong,
+    so they are read dequantized); None otherwise."""
+    if where != "cuda" or group_size not in dims:
+        return None
+    return (
+        f"kv_group_size {group_size} equals the head dimension: on CUDA each decode step reads its keys dequantized "
+        f"(mlx's quantized matmul gets one group a row wrong); kv_group_size {group_size // 2} keeps them packed"
+    )
 
 
 def _probe(model, caches: list) -> list:
