@@ -17,10 +17,14 @@ worker is idle, the ghost's pass included), then the next turn (the reply
 and a new message) and its first token, which resumes from the snapshot.
 Greedy text must be the same on both sides.
 
+`--context-tokens N` puts N tokens of tool definitions in the system
+prompt: an agent's long prefix, where the cut's snapshot copies a long
+attention cache before the first token.
+
 Results go to bench/results/last-snapshot-<backend>-<size>[-tag].json after
 every round: medians and ranges of the ratios deferred / cut.
 
-    python -m bench.last_snapshot [--size small|0.8b] [--runs 5] [--max-tokens 64] [--message-tokens 40]
+    python -m bench.last_snapshot [--size small|0.8b] [--runs 5] [--max-tokens 64] [--message-tokens 40] [--context-tokens 0]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--message-tokens", type=int, default=40)
+    p.add_argument("--context-tokens", type=int, default=0, help="tokens of tool definitions in the system prompt (default none)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -44,12 +49,14 @@ def main() -> int:
     # First: on a CPU it puts OpenBLAS under mlx before mlx is imported.
     path, loaded, codec = load_model(args.size)
     from bench.chat import user_messages
+    from bench.long_context import long_text
     from harness.prompts import SYSTEM
     from ipc.messages import Generate
     from worker.engine.scheduler import Scheduler
 
     first, second = user_messages(codec.tokenizer, 2, args.message_tokens)
-    turn1 = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{first}<|im_end|>\n<|im_start|>assistant\n"
+    system = long_text(codec, args.context_tokens) if args.context_tokens else SYSTEM
+    turn1 = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{first}<|im_end|>\n<|im_start|>assistant\n"
     clock = TokenClock()
 
     def ask(s: Scheduler, rid: int, prompt: str) -> tuple[list[float], float, dict]:
@@ -63,7 +70,7 @@ def main() -> int:
     def side(deferred: bool) -> dict:
         s = Scheduler(loaded, codec, clock, batch_memory=8 << 30, prefix_cache_bytes=1 << 30, max_batch=8)
         s.warm_up()
-        s.generator.defer_snapshots = deferred
+        s.generator.defer_from = 0 if deferred else None
         times, idle, _ = ask(s, 1, turn1)
         reply = clock.text()
         turn2 = turn1 + f"{reply}<|im_end|>\n<|im_start|>user\n{second}<|im_end|>\n<|im_start|>assistant\n"

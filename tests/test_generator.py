@@ -425,7 +425,7 @@ def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int,
     body, which a lone prompt's last chunk calls without the head)."""
     with positions_read(getattr(model, "language_model", model).model) as lengths:
         gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, marker)
-        gen.defer_snapshots = defer
+        gen.defer_from = 0 if defer else None
         row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
         gen.start([row])
         tokens: list[int] = []
@@ -467,6 +467,40 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
     assert through == cut
 
 
+def test_on_a_cpu_a_lone_prompt_reads_through_its_last_cut_from_cpu_defer_from_tokens(qwen35, monkeypatch):
+    """A CPU pass costs its tokens' arithmetic: a short chat prompt keeps
+    its last cut (the snapshot taken before the first token), and one of
+    CPU_DEFER_FROM tokens or more reads through it, its snapshot left to a
+    ghost row after the first token; the tokens are the same."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("a GPU reads through every lone prompt's last cut")
+    from worker.engine import generator as generator_module
+
+    loaded, vocab = qwen35
+    marker = 7
+    rng = np.random.default_rng(5)
+    chat = [marker] + rng.integers(10, 200, size=30).tolist() + [marker] + rng.integers(10, 200, size=36).tolist() + [marker, 8, 9]
+
+    def passes() -> tuple[list[int], list[int]]:
+        with positions_read(loaded.model.language_model.model) as lengths:
+            gen = TokenGenerator(loaded.model, vocab, PrefixCache(loaded.model, 1 << 30), 64, marker)
+            gen.start([Row(0, chat, RowSampling(GREEDY, vocab, chat))])
+            tokens: list[int] = []
+            while len(tokens) < 4 or gen.prefilling:
+                tokens += [token for _, token in gen.step() if token is not None]
+        return tokens[:4], lengths
+
+    assert generator_module.CPU_DEFER_FROM > len(chat)
+    cut, lengths = passes()
+    assert lengths[:3] == [31, 37, 3] and 37 not in lengths[3:]
+    monkeypatch.setattr(generator_module, "CPU_DEFER_FROM", len(chat))
+    through, lengths = passes()
+    assert lengths[:2] == [31, 40] and 37 in lengths[2:]  # the ghost's pass
+    assert through == cut
+    monkeypatch.setattr(generator_module, "CPU_DEFER_FROM", len(chat) + 1)
+    assert passes()[1][:3] == [31, 37, 3]
+
+
 def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, monkeypatch):
     """Where snapshots are deferred (a GPU's default), a hybrid model's
     lone chat prompt reads through its last message start with a prefix
@@ -489,7 +523,7 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
         steps.clear()
         with positions_read(getattr(model, "language_model", model).model) as lengths:
             gen = TokenGenerator(model, vocab, cache, 64, marker)
-            gen.defer_snapshots = True
+            gen.defer_from = 0
             row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
             gen.start([row])
             tokens: list[int] = []
@@ -573,7 +607,7 @@ def test_a_chat_with_deferred_snapshots_through_the_scheduler(qwen35):
     message start."""
     loaded, _ = qwen35
     s, lines = scheduler_for(loaded, prefix_cache_bytes=1 << 30)
-    s.generator.defer_snapshots = True
+    s.generator.defer_from = 0
     first = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhere does the river bend?<|im_end|>\n<|im_start|>assistant\n"
     s.submit(Generate(rid=1, prompt=first, id_json='"t1"', max_tokens=8, temperature=0.0), 0.0)
     with positions_read(loaded.model.language_model.model) as lengths:
@@ -611,7 +645,7 @@ def test_rows_starting_together_keep_their_cut_and_ghosts_start_one_at_a_time(qw
     cache = PrefixCache(model, 1 << 30)
     with positions_read(body) as lengths:
         gen = TokenGenerator(model, vocab, cache, 64, marker)
-        gen.defer_snapshots = True
+        gen.defer_from = 0
         gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(chats)])
         for _ in range(6):
             gen.step()

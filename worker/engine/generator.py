@@ -28,17 +28,19 @@ A hybrid model's state cannot be cut back, so its snapshots sit at message
 starts, where chunks end. The prompt's last message start is the one the
 next turn resumes from, but a chunk ending there puts a pass of a few
 tokens (`<|im_start|>assistant\n`) in front of the first token, as long on
-a GPU as a decode step. There (`defer_snapshots`) a lone request (no
-other row reading or decoding) without an adapter reads through it
-instead, and once its first token is read a "ghost" row reads the
-prompt's last message again up to there, stores that snapshot and leaves:
-on a GPU a pass of a few hundred tokens costs about what one of a few
-does (a read of the weights), so the pass moves from before the first
-token to after it. Rows that start together keep the cut: their cut's
-pass is shared, where each ghost would be a pass of its own among their
-decode steps. On a CPU a pass costs its tokens' arithmetic, and reading
-the message twice costs more than the pass it saves, so the cut stays
-(`_deferrable`).
+a GPU as a decode step, and the snapshot stored there, a copy of the whole
+attention cache. So a lone request (no other row reading or decoding)
+without an adapter may read through it instead (`defer_from`), and once
+its first token is read a "ghost" row reads the prompt's last message
+again up to there, stores that snapshot and leaves: on a GPU a pass of a
+few hundred tokens costs about what one of a few does (a read of the
+weights), so the pass moves from before the first token to after it, for
+every prompt. Rows that start together keep the cut: their cut's pass is
+shared, where each ghost would be a pass of its own among their decode
+steps. On a CPU a pass costs its tokens' arithmetic: on a short chat
+prompt reading the message twice cost more than the pass it saved, so
+the cut stays there, but from CPU_DEFER_FROM tokens of prompt the
+snapshot's copy before the first token costs more (`_deferrable`).
 
 Each row runs with its own LoRA adapter (or none): `Row.slot` is its slot
 in the model's stacked adapters (worker.lora.layers), routed before every
@@ -117,6 +119,17 @@ MAX_DEFERRED = 16
 # save one short pass in front of a first token that waits for the whole
 # message anyway.
 DEFER_AT_MOST = 512
+# On a CPU, the prompt length from which a lone row reads through its last
+# cut (`defer_from`). The tiny demo model, 2-core EPYC, a 40-token message
+# after a system prompt of tool definitions, 5 alternated rounds
+# (bench.last_snapshot --context-tokens), read through against the cut:
+# the next turn's first token (a prefix cache hit) 0.86x at 1.1k tokens of
+# prompt, 0.79x at 4.2k and 0.80x at 26k, its reply's decode rate (the
+# ghost running beside its first steps) 0.89x, 0.95x and 0.92x; the small
+# demo model at 106 tokens gained nothing on its first token, its decode
+# rate 0.68-0.95x. At 26k a new question's first token (bench.prefix_hit,
+# 7 rounds) took 20.0 ms read through, 43.9 ms with the cut.
+CPU_DEFER_FROM = 4096
 
 # mlx-lm architectures whose forward is the LM head (or the tied embedding)
 # over the body's output, nothing after it: a group's last chunk may run the
@@ -219,9 +232,10 @@ class TokenGenerator:
         self.sampler = BatchSampler(vocab_size)
         self.masks = masks
         self.on_gpu = mx.default_device() == mx.gpu
-        # Whether a hybrid prompt's last snapshot is read by a ghost row
-        # after its first token (see the module's docstring).
-        self.defer_snapshots = self.on_gpu
+        # From how many tokens a hybrid prompt's last snapshot is read by a
+        # ghost row after its first token (None: never; see the module's
+        # docstring).
+        self.defer_from: int | None = 0 if self.on_gpu else CPU_DEFER_FROM
         self.run_ahead = run_ahead
         # Whether a pass built ahead is handed to mlx at once (else next
         # step, beside the masks); see the module's docstring.
@@ -335,8 +349,16 @@ class TokenGenerator:
         states), nor after a last message of more than DEFER_AT_MOST
         tokens, nor for a prompt resumed at or past that start, nor where
         the prompt's reading ends there anyway (its last token is the
-        start's marker)."""
-        if not self.defer_snapshots or row.ghost or row.slot is not None or self.speculator is not None or self.prefix_cache.trimmable or not starts:
+        start's marker), nor for a prompt under `defer_from` tokens."""
+        if (
+            self.defer_from is None
+            or len(row.ids) < self.defer_from
+            or row.ghost
+            or row.slot is not None
+            or self.speculator is not None
+            or self.prefix_cache.trimmable
+            or not starts
+        ):
             return None
         last = starts[-1]
         if last - (starts[-2] if len(starts) > 1 else 0) > DEFER_AT_MOST:
