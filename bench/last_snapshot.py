@@ -7,7 +7,7 @@ snapshot at the prompt's last message start, where the next turn resumes.
 in a pass of its own before the first token. `deferred`: the prompt is
 read through it, and after the first token a ghost row reads the last
 message again up to there and stores the snapshot (the worker's default on
-a GPU; docs/engine.md).
+a GPU, and on a CPU from 4,096 tokens of prompt; docs/engine.md).
 
 Each round runs both sides, alternated (which goes first flips every
 round), each on a fresh scheduler with an empty prefix cache: a chat of a
