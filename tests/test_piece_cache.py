@@ -77,6 +77,28 @@ def test_a_long_system_prompt_is_tokenized_once(codec, monkeypatch):
     assert seen and max(seen) < 100  # only the new turns were tokenized
 
 
+def test_a_stored_prefix_taught_from_its_ids_is_not_tokenized_again(tiny_model, monkeypatch):
+    """A restarted worker learns its stored prefixes' text from their token
+    ids (TextCodec.learn), so that the first request that sends one again
+    tokenizes only its new turns, and gets the tokenizer's own ids."""
+    fresh = TextCodec(tiny_model, json.loads((tiny_model / "config.json").read_text()))
+    system = "".join(f"{i}: tool {i} lists a folder and returns its names\n" for i in range(400))
+    head = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+    real = fresh.tokenizer
+    fresh.learn(real.encode(head, add_special_tokens=False).ids)
+    seen: list[int] = []
+
+    class Counting:
+        def encode(self, text, add_special_tokens=True):
+            seen.append(len(text))
+            return real.encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(fresh.pieces, "_tokenizer", Counting())
+    prompt = head + "Which folder?<|im_end|>\n<|im_start|>assistant\n"
+    assert fresh.encode(prompt) == real.encode(prompt, add_special_tokens=False).ids
+    assert seen and max(seen) < 100
+
+
 def test_kept_pieces_are_bounded(codec, monkeypatch):
     cache = PieceCache.for_tokenizer(codec.tokenizer)
     monkeypatch.setattr(piece_cache, "MAX_TEXT_CHARS", 3 * piece_cache.MIN_PIECE_CHARS)

@@ -55,6 +55,7 @@ def test_a_prefix_on_disk_is_used_after_a_pool_restart(tiny_model, tmp_path, spa
     assert pool.text("b") == plain_answers[SECOND]
     assert said(pool.stderr, b"prefix cache on disk: 2 entries")
     assert said(pool.stderr, b"reading the 2 most recently used files back into memory")
+    assert said(pool.stderr, b"piece cache: the text of 2 stored prefix(es) tokenized")
     assert pool.close() == 0
 
 

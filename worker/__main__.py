@@ -19,6 +19,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -456,11 +457,31 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
         raise StartError(f"bad draft: {exc}") from exc
 
 
+def learn(codec, prefixes: list) -> None:
+    """The piece cache taught these prefixes' text (TextCodec.learn); a
+    failure costs only the time it would have saved."""
+    t0 = time.monotonic()
+    for ids in prefixes:
+        try:
+            codec.learn(ids)
+        except Exception:
+            log.exception("piece cache: a stored prefix's text could not be tokenized")
+    if prefixes:
+        log.info("piece cache: the text of %d stored prefix(es) tokenized in %.0f ms", len(prefixes), (time.monotonic() - t0) * 1000)
+
+
 def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
     """Kernels compiled, warm prompts prefilled, and the prefix cache's most
     recent files on their way back into memory, before `ready`."""
     from worker.runtime.memory import release_free_memory
 
+    if prefix_disk is not None:
+        # The prefixes most likely to come again, tokenized beside the
+        # warm-up: a restarted worker's first request otherwise tokenizes
+        # its whole long prefix (26k tokens: 30 ms of the tiny model's
+        # 58 ms first hit on a 2-core EPYC, against 0.4 ms from the cache).
+        learned = [e.tokens for e in prefix_disk.recent(args.prefix_cache_bytes // 2)]
+        threading.Thread(target=learn, args=(scheduler.codec, learned), name="piece-cache", daemon=True).start()
     scheduler.warm_up()
     if args.warm_prompt or args.warm_prompt_file:
         from worker.engine.warm import read_warm_file, warm_prompts

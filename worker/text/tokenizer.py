@@ -160,6 +160,15 @@ class TextCodec:
             return self.pieces.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def learn(self, ids) -> None:
+        """Tokenizes the text of these ids (a prefix the prefix cache keeps)
+        into the piece cache, so that a request that sends it again
+        tokenizes only the rest. The text is tokenized afresh, not taken
+        from the ids: what the cache keeps is always the tokenizer's own
+        ids for it."""
+        if self.pieces is not None:
+            self.pieces.encode(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+
     def render_marked(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat and the spans in it of special-token text that
         came from the contents of messages other than the assistant's (none
