@@ -190,16 +190,17 @@ def _attention(where: str):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if sinks is not None:
             raise ValueError("quantized attention does not support attention sinks")
+        dtype, scores_by = queries.dtype, "kernel"
         if cpu:
-            if queries.dtype != mx.float32:
-                out = _grouped(queries.astype(mx.float32), _float32(keys), _float32(values), scale, mask, cache.group_size, cache.bits, "bytes")
-                return out.astype(queries.dtype)
-            return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, "bytes")
-        if cuda:
-            one_group = queries.shape[-1] == cache.group_size
-            keys = keys if one_group else _contiguous(keys)
-            return _grouped(queries, keys, _contiguous(values), scale, mask, cache.group_size, cache.bits, "dequantized" if one_group else "kernel")
-        return _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits)
+            scores_by = "bytes"
+            if dtype != mx.float32:
+                queries, keys, values = queries.astype(mx.float32), _float32(keys), _float32(values)
+        elif cuda:
+            scores_by = "dequantized" if queries.shape[-1] == cache.group_size else "kernel"
+            keys = keys if scores_by == "dequantized" else _contiguous(keys)
+            values = _contiguous(values)
+        out = _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, scores_by)
+        return out if out.dtype == dtype else out.astype(dtype)
 
     return scaled_dot_product_attention
 

@@ -167,7 +167,7 @@ class TextCodec:
         from the ids: what the cache keeps is always the tokenizer's own
         ids for it."""
         if self.pieces is not None:
-            self.pieces.encode(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+            self.pieces.encode(self.decode([int(i) for i in ids]))
 
     def render_marked(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat and the spans in it of special-token text that
