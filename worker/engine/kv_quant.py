@@ -573,7 +573,7 @@ def one_group_note(where: str, dims: set[int], group_size: int) -> str | None:
     """What a user should know when a row of keys is one group on CUDA
     (worker.engine.quant_attention: mlx's kernel gets those scores wrong,
     so they are read dequantized); None otherwise."""
-    if where != "cuda" or group_size not in dims:
+    if not any(quant_attention.keys_dequantized(where, dim, group_size) for dim in dims):
         return None
     return (
         f"kv_group_size {group_size} equals the head dimension: on CUDA each decode step reads its keys dequantized "

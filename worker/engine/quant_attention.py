@@ -165,6 +165,12 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
     return out.reshape(B, heads, L, D)
 
 
+def keys_dequantized(where: str, dim: int, group_size: int) -> bool:
+    """Whether a step scores its keys dequantized: on CUDA, for rows of keys
+    of one group (see above)."""
+    return where == "cuda" and dim == group_size
+
+
 def _contiguous(packed: tuple) -> tuple:
     """A quantized cache's arrays as contiguous arrays (what mlx's CUDA
     quantized matmul takes)."""
@@ -196,7 +202,7 @@ def _attention(where: str):
             if dtype != mx.float32:
                 queries, keys, values = queries.astype(mx.float32), _float32(keys), _float32(values)
         elif cuda:
-            scores_by = "dequantized" if queries.shape[-1] == cache.group_size else "kernel"
+            scores_by = "dequantized" if keys_dequantized(where, queries.shape[-1], cache.group_size) else "kernel"
             keys = keys if scores_by == "dequantized" else _contiguous(keys)
             values = _contiguous(values)
         out = _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, scores_by)
