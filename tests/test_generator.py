@@ -419,6 +419,19 @@ def positions_read(module):
         type(module).__call__ = original
 
 
+# The chat marker of the tests' seeded chats (<|im_start|>'s id stands in).
+MARKER = 7
+
+
+def seeded_chat(rng, system: list[int] | None = None) -> list[int]:
+    """<|im_start|>system..., <|im_start|>user..., <|im_start|>assistant\n
+    as ids: a 30-token system prompt (drawn unless given), then a 36-token
+    user message, both drawn from rng in that order."""
+    system = rng.integers(10, 200, size=30).tolist() if system is None else system
+    user = rng.integers(10, 200, size=36).tolist()
+    return [MARKER] + system + [MARKER] + user + [MARKER, 8, 9]
+
+
 def read_chat_prompt(model, vocab: int, ids: list[int], marker: int, steps: int, defer: bool = False) -> tuple[list[int], list[int]]:
     """A lone greedy row of the model itself: its first `steps` tokens and
     the passes it took (tokens read per row in each call of the model's
@@ -446,11 +459,8 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
 
     from worker.runtime.loader import load
 
-    marker = 7
-    rng = np.random.default_rng(5)
-    system, user = rng.integers(10, 200, size=30).tolist(), rng.integers(10, 200, size=36).tolist()
-    # <|im_start|>system..., <|im_start|>user..., <|im_start|>assistant\n
-    chat = [marker] + system + [marker] + user + [marker, 8, 9]
+    marker = MARKER
+    chat = seeded_chat(np.random.default_rng(5))
     loaded = load(dense_model)
     vocab = loaded.model.args.vocab_size
     tokens, lengths = read_chat_prompt(loaded.model, vocab, chat, marker, 8)
@@ -477,9 +487,8 @@ def test_on_a_cpu_a_lone_prompt_reads_through_its_last_cut_from_cpu_defer_from_t
     from worker.engine import generator as generator_module
 
     loaded, vocab = qwen35
-    marker = 7
-    rng = np.random.default_rng(5)
-    chat = [marker] + rng.integers(10, 200, size=30).tolist() + [marker] + rng.integers(10, 200, size=36).tolist() + [marker, 8, 9]
+    marker = MARKER
+    chat = seeded_chat(np.random.default_rng(5))
 
     def passes() -> tuple[list[int], list[int]]:
         with positions_read(loaded.model.language_model.model) as lengths:
@@ -513,10 +522,9 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
 
     loaded, vocab = qwen35
     model = loaded.model
-    marker = 7
+    marker = MARKER
     rng = np.random.default_rng(5)
-    system, user = rng.integers(10, 200, size=30).tolist(), rng.integers(10, 200, size=36).tolist()
-    chat = [marker] + system + [marker] + user + [marker, 8, 9]
+    chat = seeded_chat(rng)
 
     def read(ids: list[int], cache: PrefixCache) -> tuple[list[int], list[int], Row]:
         """The first tokens, and the passes taken until no row reads."""
@@ -637,10 +645,10 @@ def test_rows_starting_together_keep_their_cut_and_ghosts_start_one_at_a_time(qw
     own, one after the other, and store their snapshots."""
     loaded, vocab = qwen35
     model = loaded.model
-    marker = 7
+    marker = MARKER
     rng = np.random.default_rng(6)
     system = rng.integers(10, 200, size=30).tolist()
-    chats = [[marker] + system + [marker] + rng.integers(10, 200, size=36).tolist() + [marker, 8, 9] for _ in range(2)]
+    chats = [seeded_chat(rng, system) for _ in range(2)]
     body = getattr(model, "language_model", model).model
     cache = PrefixCache(model, 1 << 30)
     with positions_read(body) as lengths:
