@@ -14,7 +14,7 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
   and MLX's peak memory, as ratios to the model's dtype in the same round.
   `--kv-dtype bfloat16` computes in bf16 on the CPU too (a CPU worker
   computes in float32), so that the ratios are those to a bf16 cache.
-- `decode`: tokens per second of N = 1 and N = 8 rows at a
+- `decode`: tokens per second of N = 1 and N = 8 rows (`--decode-rows`) at a
   `--decode-context`-token prompt, 8-bit KV against the model's dtype,
   both with the worker's decode step (the default) and op by op (on
   CUDA; on the CPU the model's dtype only), alternated in one process; on the CPU also
@@ -262,22 +262,23 @@ def part_decode(args, path: Path, codec, record) -> None:
         gen.remove(rows)
         return rate
 
+    rows = [int(n) for n in args.decode_rows.split(",")]
     rounds = []
     for r in range(args.rounds):
         row = {}
-        for n in (1, 8):
+        for n in rows:
             for key in keys if r % 2 == 0 else keys[::-1]:
                 with scores_by(key):
                     row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
         rounds.append(row)
         ratios = {
-            f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in (1, 8) for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
+            f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in rows for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
         }
         if "8k" in keys:
-            ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in (1, 8)}
+            ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in rows}
         if "8e" in keys:
             # 8 bits by the faster of its two steps, against the model's dtype's faster.
-            ratios |= {f"n{n}_8bit_best_over_dtype_best": [max(x[f"n{n}_8"], x[f"n{n}_8e"]) / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds] for n in (1, 8)}
+            ratios |= {f"n{n}_8bit_best_over_dtype_best": [max(x[f"n{n}_8"], x[f"n{n}_8e"]) / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds] for n in rows}
         record("decode", rounds, ratios)
         print(f"decode round {r}: {row}", file=sys.stderr)
 
@@ -379,6 +380,7 @@ def main() -> int:
     )
     p.add_argument("--decode-context", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--decode-rows", default="1,8", help="the batch sizes of the decode part, comma-separated")
     p.add_argument("--quality-tokens", type=int, default=4096)
     p.add_argument("--tag", default="")
     p.add_argument("--kv-child", type=int, help=argparse.SUPPRESS)

@@ -1,0 +1,187 @@
+"""What a quantized (`kv_bits = 8`) cache adds to one row's decode step.
+
+The attention layers alone, no weights: each layer writes the new key and
+value into its cache and attends over it, one row, the query heads of a KV
+head as in Qwen3-8B (32 query heads, 8 KV heads of 128, 36 layers by
+default), `--context` tokens filled in a buffer of 256-token steps, buffers
+written in place as a worker's are (the caller drops its references before
+the step's eval). The ways:
+
+- `bf16-eager`: mlx-lm's plain cache: two writes at the offset, mlx's fused
+  attention over the filled slice (the baseline of the ratios);
+- `bf16-traced`: the compiled step's form: writes at a column array, the
+  whole buffer attended under a mask;
+- `q8-traced`: the compiled step over an 8-bit cache: keys and values
+  quantized, six writes (packed values, scales, biases), two quantized
+  matmuls with a masked softmax between;
+- `q8-eager`: the same op by op, the filled slices copied contiguous (what
+  mlx's CUDA quantized matmul takes);
+- `q8-eager-full`: op by op over the whole buffer under a mask, no copies;
+- `q8one-traced`, `q8one-eager-full`: keys and values of a layer in one
+  buffer, quantized by one call and written by three writes.
+
+Each round times every way (the order reversed on odd rounds), each the
+median of `--steps` steps after `--warm` unmeasured ones; ratios are the
+way's step time over `bf16-eager`'s in the same round. Meaningful on a GPU,
+where these steps are bound by their kernels' count rather than their bytes.
+
+    python -m bench.kv_step --rounds 5   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+WAYS = ("bf16-eager", "bf16-traced", "q8-traced", "q8-eager", "q8-eager-full", "q8one-traced", "q8one-eager-full")
+
+
+def steps(layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
+    """way -> (buffers(), step(buffers, q, k, col, end)): a step over all layers."""
+    import mlx.core as mx
+
+    per_kv = heads // kv_heads
+    words = dim * 8 // 32
+    columns = mx.arange(capacity)
+    scale = dim**-0.5
+
+    def packed(rows_of_heads: int) -> tuple:
+        shape = (1, rows_of_heads, capacity)
+        return (mx.zeros((*shape, words), mx.uint32), mx.zeros((*shape, dim // group_size), mx.bfloat16), mx.zeros((*shape, dim // group_size), mx.bfloat16))
+
+    def write(buffer, x, col):
+        return mx.slice_update(buffer, x, col, axes=(2,))
+
+    def quantized_attention(q, keys: tuple, values: tuple, mask):
+        grouped = (q * scale).reshape(1, kv_heads, per_kv, dim)
+        s = mx.quantized_matmul(grouped, *keys, transpose=True, group_size=group_size, bits=8)
+        if mask is not None:
+            s = mx.where(mask, s, mx.finfo(s.dtype).min)
+        w = mx.softmax(s, axis=-1, precise=True)
+        return mx.quantized_matmul(w, *values, transpose=False, group_size=group_size, bits=8).reshape(1, heads, 1, dim)
+
+    def layer(way: str, buffers: list, q, k, col, end):
+        k = k + q[:, :kv_heads] * 0  # each layer waits for the one before, as in a model
+        # Values apart from keys: a trace merges the same op on the same
+        # input, which for mlx's quantize (three outputs) fails in 0.32.
+        v = k * 0.5
+        if way == "bf16-eager":
+            keys, values = buffers
+            keys[..., end - 1 : end, :] = k
+            values[..., end - 1 : end, :] = v
+            return [keys, values], mx.fast.scaled_dot_product_attention(q, keys[..., :end, :], values[..., :end, :], scale=scale)
+        if way == "bf16-traced":
+            keys, values = write(buffers[0], k, col), write(buffers[1], v, col)
+            mask = (columns <= col)[None, None, None, :]
+            return [keys, values], mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        mask = (columns <= col)[None, None, None, :]
+        if way.startswith("q8one"):
+            both = mx.quantize(mx.concatenate([k, v], axis=1), group_size=group_size, bits=8)
+            if way == "q8one-traced":
+                kv = tuple(write(b, x, col) for b, x in zip(buffers[0], both))
+            else:
+                kv = buffers[0]
+                for b, x in zip(kv, both):
+                    b[..., end - 1 : end, :] = x
+            return [kv], quantized_attention(q, tuple(x[:, :kv_heads] for x in kv), tuple(x[:, kv_heads:] for x in kv), mask)
+        qk, qv = mx.quantize(k, group_size=group_size, bits=8), mx.quantize(v, group_size=group_size, bits=8)
+        if way == "q8-traced":
+            keys = tuple(write(b, x, col) for b, x in zip(buffers[0], qk))
+            values = tuple(write(b, x, col) for b, x in zip(buffers[1], qv))
+            return [keys, values], quantized_attention(q, keys, values, mask)
+        keys, values = buffers
+        for b, x in zip(keys + values, qk + qv):
+            b[..., end - 1 : end, :] = x
+        if way == "q8-eager":
+            filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
+            return [keys, values], quantized_attention(q, filled(keys), filled(values), None)
+        return [keys, values], quantized_attention(q, keys, values, (columns < end)[None, None, None, :])
+
+    def buffers(way: str) -> list:
+        if way.startswith("bf16"):
+            return [[mx.zeros((1, kv_heads, capacity, dim), mx.bfloat16) for _ in range(2)] for _ in range(layers)]
+        if way.startswith("q8one"):
+            return [[packed(2 * kv_heads)] for _ in range(layers)]
+        return [[packed(kv_heads), packed(kv_heads)] for _ in range(layers)]
+
+    def make(way: str):
+        def step(all_buffers, q, k, col, end=None):
+            written = []
+            for b in all_buffers:
+                new, q = layer(way, b, q, k, col, end)
+                written.append(new)
+            return written, q
+
+        return mx.compile(step) if way.endswith("traced") else step
+
+    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in WAYS}
+
+
+def time_way(made, heads: int, kv_heads: int, dim: int, context: int, n: int, warm: int) -> float:
+    """The median step time (ms) of one way over n steps after `warm`."""
+    import mlx.core as mx
+
+    buffers, step, traced = made
+    held = [buffers()]
+    mx.eval(held[0])
+    q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
+    mx.eval(q, k)
+    times = []
+    for i in range(warm + n):
+        end = context - warm - n + i + 1
+        col = mx.array([end - 1])
+        mx.eval(col)
+        t0 = time.perf_counter()
+        current = held.pop()
+        # A traced step takes the column as an array only (a Python int would be a constant of its trace).
+        written, out = step(current, q, k, col) if traced else step(current, q, k, col, end)
+        # The old buffers go before the eval, so that the writes are in place.
+        del current
+        held.append(written)
+        del written
+        mx.eval(held[0], out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warm:]) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--context", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warm", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+
+    from worker.runtime.cpu_backend import load_openblas
+
+    load_openblas()
+    from bench.common import backend, machine, summary, tagged, write_result
+
+    capacity = -(-(args.context + 1) // 256) * 256
+    made = steps(args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
+    name = tagged(f"kv-step-{backend()}", args.tag)
+    result = {"machine": machine(), "args": vars(args), "capacity": capacity, "rounds": []}
+    shape = (args.heads, args.kv_heads, args.head_dim, args.context)
+    for way in WAYS:  # each way's kernels built once, before any timing
+        time_way(made[way], *shape, n=2, warm=2)
+    for r in range(args.rounds):
+        ms = {way: round(time_way(made[way], *shape, args.steps, args.warm), 3) for way in (WAYS if r % 2 == 0 else WAYS[::-1])}
+        result["rounds"].append(ms)
+        result["ratios_to_bf16_eager"] = {way: summary([x[way] / x["bf16-eager"] for x in result["rounds"]]) for way in WAYS}
+        result["ms_a_step"] = {way: summary([x[way] for x in result["rounds"]]) for way in WAYS}
+        write_result(name, result)
+        print(f"round {r}: " + "; ".join(f"{w} {ms[w]:.3f} ms" for w in WAYS), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
