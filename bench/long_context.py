@@ -204,6 +204,9 @@ def part_kv(args, path: Path, record) -> None:
 
 # -- decode -------------------------------------------------------------------------
 
+# Each decode engine's batch memory (its rows' caches).
+BATCH_MEMORY = 1 << 34
+
 
 def part_decode(args, path: Path, codec, record) -> None:
     import mlx.core as mx
@@ -214,7 +217,7 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
-    from worker.runtime.memory import processor
+    from worker.runtime.memory import bound_buffer_cache, processor
 
     # "0": the model's dtype, the worker's decode step (the default: on the
     # CPU compiled; on CUDA traced or op by op, whichever its timing of
@@ -226,6 +229,10 @@ def part_decode(args, path: Path, codec, record) -> None:
     # made with, and each engine traces its own). Engines of the same cache share one loaded model (a 16 GB load
     # apiece on the 8B shape).
     keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8e")
+    # MLX's cache of freed buffers bounded as a worker bounds it: unbounded,
+    # it may grow to the GPU's 95 % while four engines and two models share
+    # this process.
+    bound_buffer_cache(BATCH_MEMORY)
     engines = {}
     models = {}
     for key in keys:
@@ -235,7 +242,7 @@ def part_decode(args, path: Path, codec, record) -> None:
             if quantized:
                 kv_quant.install(models[quantized].model, 8, args_group(models[quantized]))
         loaded = models[quantized]
-        s = Scheduler(loaded, codec, lambda d: None, batch_memory=1 << 34, prefix_cache_bytes=0, compile_decode=not key.endswith("e"))
+        s = Scheduler(loaded, codec, lambda d: None, batch_memory=BATCH_MEMORY, prefix_cache_bytes=0, compile_decode=not key.endswith("e"))
         with scores_by(key):
             s.warm_up()
         engines[key] = s
@@ -270,6 +277,11 @@ def part_decode(args, path: Path, codec, record) -> None:
             for key in keys if r % 2 == 0 else keys[::-1]:
                 with scores_by(key):
                     row[f"n{n}_{key}"] = round(steps_per_s(engines[key], n), 1)
+        row["mlx_gb"] = {
+            "active": round(mx.get_active_memory() / 1e9, 2),
+            "cache": round(mx.get_cache_memory() / 1e9, 2),
+            "peak": round(mx.get_peak_memory() / 1e9, 2),
+        }
         rounds.append(row)
         ratios = {
             f"n{n}_8bit_over_{base}": [x[f"n{n}_8"] / x[f"n{n}_{key}"] for x in rounds] for n in rows for key, base in (("0", "dtype"), ("0e", "dtype_eager"))
