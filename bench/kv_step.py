@@ -1,7 +1,7 @@
 """What a quantized (`kv_bits = 8`) cache adds to one row's decode step.
 
 The attention layers alone, no weights: each layer writes the new key and
-value into its cache and attends over it, one row, the query heads of a KV
+value into its cache and attends over it, one row (`--rows`), the query heads of a KV
 head as in Qwen3-8B (32 query heads, 8 KV heads of 128, 36 layers by
 default), `--context` tokens filled in a buffer of 256-token steps, buffers
 written in place as a worker's are (the caller drops its references before
@@ -25,7 +25,8 @@ median of `--steps` steps after `--warm` unmeasured ones; ratios are the
 way's step time over `bf16-eager`'s in the same round. Meaningful on a GPU,
 where these steps are bound by their kernels' count rather than their bytes.
 
-    python -m bench.kv_step --rounds 5   # on a GPU
+    python -m bench.kv_step --rounds 5             # on a GPU
+    python -m bench.kv_step --rows 8 --rounds 5    # eight rows
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ import time
 WAYS = ("bf16-eager", "bf16-traced", "q8-traced", "q8-eager", "q8-eager-full", "q8one-traced", "q8one-eager-full")
 
 
-def steps(layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
+def ways(rows: int) -> tuple[str, ...]:
+    """The ways measured for this many rows: keys and values in one buffer
+    only for one row, where each is a contiguous half of it (mlx's CUDA
+    quantized matmul takes contiguous operands only)."""
+    return WAYS if rows == 1 else tuple(w for w in WAYS if not w.startswith("q8one"))
+
+
+def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
     """way -> (buffers(), step(buffers, q, k, col, end)): a step over all layers."""
     import mlx.core as mx
 
@@ -48,19 +56,19 @@ def steps(layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group
     scale = dim**-0.5
 
     def packed(rows_of_heads: int) -> tuple:
-        shape = (1, rows_of_heads, capacity)
+        shape = (rows, rows_of_heads, capacity)
         return (mx.zeros((*shape, words), mx.uint32), mx.zeros((*shape, dim // group_size), mx.bfloat16), mx.zeros((*shape, dim // group_size), mx.bfloat16))
 
     def write(buffer, x, col):
         return mx.slice_update(buffer, x, col, axes=(2,))
 
     def quantized_attention(q, keys: tuple, values: tuple, mask):
-        grouped = (q * scale).reshape(1, kv_heads, per_kv, dim)
+        grouped = (q * scale).reshape(rows, kv_heads, per_kv, dim)
         s = mx.quantized_matmul(grouped, *keys, transpose=True, group_size=group_size, bits=8)
         if mask is not None:
             s = mx.where(mask, s, mx.finfo(s.dtype).min)
         w = mx.softmax(s, axis=-1, precise=True)
-        return mx.quantized_matmul(w, *values, transpose=False, group_size=group_size, bits=8).reshape(1, heads, 1, dim)
+        return mx.quantized_matmul(w, *values, transpose=False, group_size=group_size, bits=8).reshape(rows, heads, 1, dim)
 
     def layer(way: str, buffers: list, q, k, col, end):
         k = k + q[:, :kv_heads] * 0  # each layer waits for the one before, as in a model
@@ -101,7 +109,7 @@ def steps(layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group
 
     def buffers(way: str) -> list:
         if way.startswith("bf16"):
-            return [[mx.zeros((1, kv_heads, capacity, dim), mx.bfloat16) for _ in range(2)] for _ in range(layers)]
+            return [[mx.zeros((rows, kv_heads, capacity, dim), mx.bfloat16) for _ in range(2)] for _ in range(layers)]
         if way.startswith("q8one"):
             return [[packed(2 * kv_heads)] for _ in range(layers)]
         return [[packed(kv_heads), packed(kv_heads)] for _ in range(layers)]
@@ -116,18 +124,18 @@ def steps(layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group
 
         return mx.compile(step) if way.endswith("traced") else step
 
-    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in WAYS}
+    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in ways(rows)}
 
 
-def time_way(made, heads: int, kv_heads: int, dim: int, context: int, n: int, warm: int) -> float:
+def time_way(made, rows: int, heads: int, kv_heads: int, dim: int, context: int, n: int, warm: int) -> float:
     """The median step time (ms) of one way over n steps after `warm`."""
     import mlx.core as mx
 
     buffers, step, traced = made
     held = [buffers()]
     mx.eval(held[0])
-    q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
-    k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
+    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((rows, kv_heads, 1, dim)).astype(mx.bfloat16)
     mx.eval(q, k)
     times = []
     for i in range(warm + n):
@@ -149,6 +157,7 @@ def time_way(made, heads: int, kv_heads: int, dim: int, context: int, n: int, wa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1, help="rows decoding together (keys and values in one buffer: one row only)")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -167,19 +176,20 @@ def main() -> int:
     from bench.common import backend, machine, summary, tagged, write_result
 
     capacity = -(-(args.context + 1) // 256) * 256
-    made = steps(args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
-    name = tagged(f"kv-step-{backend()}", args.tag)
+    made = steps(args.rows, args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
+    measured = ways(args.rows)
+    name = tagged(f"kv-step-{backend()}" + (f"-rows{args.rows}" if args.rows > 1 else ""), args.tag)
     result = {"machine": machine(), "args": vars(args), "capacity": capacity, "rounds": []}
-    shape = (args.heads, args.kv_heads, args.head_dim, args.context)
-    for way in WAYS:  # each way's kernels built once, before any timing
+    shape = (args.rows, args.heads, args.kv_heads, args.head_dim, args.context)
+    for way in measured:  # each way's kernels built once, before any timing
         time_way(made[way], *shape, n=2, warm=2)
     for r in range(args.rounds):
-        ms = {way: round(time_way(made[way], *shape, args.steps, args.warm), 3) for way in (WAYS if r % 2 == 0 else WAYS[::-1])}
+        ms = {way: round(time_way(made[way], *shape, args.steps, args.warm), 3) for way in (measured if r % 2 == 0 else measured[::-1])}
         result["rounds"].append(ms)
-        result["ratios_to_bf16_eager"] = {way: summary([x[way] / x["bf16-eager"] for x in result["rounds"]]) for way in WAYS}
-        result["ms_a_step"] = {way: summary([x[way] for x in result["rounds"]]) for way in WAYS}
+        result["ratios_to_bf16_eager"] = {way: summary([x[way] / x["bf16-eager"] for x in result["rounds"]]) for way in measured}
+        result["ms_a_step"] = {way: summary([x[way] for x in result["rounds"]]) for way in measured}
         write_result(name, result)
-        print(f"round {r}: " + "; ".join(f"{w} {ms[w]:.3f} ms" for w in WAYS), file=sys.stderr, flush=True)
+        print(f"round {r}: " + "; ".join(f"{w} {ms[w]:.3f} ms" for w in measured), file=sys.stderr, flush=True)
     return 0
 
 
