@@ -459,20 +459,19 @@ def test_a_chat_prompt_reads_in_the_passes_mlx_lm_takes(dense_model, qwen35):
 
     from worker.runtime.loader import load
 
-    marker = MARKER
     chat = seeded_chat(np.random.default_rng(5))
     loaded = load(dense_model)
     vocab = loaded.model.args.vocab_size
-    tokens, lengths = read_chat_prompt(loaded.model, vocab, chat, marker, 8)
+    tokens, lengths = read_chat_prompt(loaded.model, vocab, chat, MARKER, 8)
     # 71 tokens with a 64-token step: the 7 past the step fold into the
     # pass; then one-token passes (run ahead: one past the last token read).
     assert lengths[0] == len(chat) and set(lengths[1:]) == {1}
     theirs = [int(t) for t, _ in generate_step(mx.array(chat), loaded.model, max_tokens=8)]
     assert tokens == theirs
     hybrid, hybrid_vocab = qwen35
-    cut, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2)
+    cut, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, MARKER, 2)
     assert lengths[:3] == [31, 37, 3] and set(lengths[3:]) == {1}
-    through, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, marker, 2, defer=True)
+    through, lengths = read_chat_prompt(hybrid.model, hybrid_vocab, chat, MARKER, 2, defer=True)
     assert lengths[:2] == [31, 40] and set(lengths[2:]) == {1}
     assert through == cut
 
@@ -487,12 +486,11 @@ def test_on_a_cpu_a_lone_prompt_reads_through_its_last_cut_from_cpu_defer_from_t
     from worker.engine import generator as generator_module
 
     loaded, vocab = qwen35
-    marker = MARKER
     chat = seeded_chat(np.random.default_rng(5))
 
     def passes() -> tuple[list[int], list[int]]:
         with positions_read(loaded.model.language_model.model) as lengths:
-            gen = TokenGenerator(loaded.model, vocab, PrefixCache(loaded.model, 1 << 30), 64, marker)
+            gen = TokenGenerator(loaded.model, vocab, PrefixCache(loaded.model, 1 << 30), 64, MARKER)
             gen.start([Row(0, chat, RowSampling(GREEDY, vocab, chat))])
             tokens: list[int] = []
             while len(tokens) < 4 or gen.prefilling:
@@ -522,7 +520,6 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
 
     loaded, vocab = qwen35
     model = loaded.model
-    marker = MARKER
     rng = np.random.default_rng(5)
     chat = seeded_chat(rng)
 
@@ -530,7 +527,7 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
         """The first tokens, and the passes taken until no row reads."""
         steps.clear()
         with positions_read(getattr(model, "language_model", model).model) as lengths:
-            gen = TokenGenerator(model, vocab, cache, 64, marker)
+            gen = TokenGenerator(model, vocab, cache, 64, MARKER)
             gen.defer_from = 0
             row = Row(0, ids, RowSampling(GREEDY, vocab, ids))
             gen.start([row])
@@ -552,7 +549,7 @@ def test_a_hybrid_prompts_last_snapshot_is_read_after_its_first_token(qwen35, mo
     built = next(i for i, (passes, _) in enumerate(steps) if passes > ghost)
     assert built > 0 and steps[built - 1][1] >= 1
     assert sorted(len(e.tokens) for e in cache._entries.values()) == [31, 68]
-    following = chat + tokens[:4] + [marker] + rng.integers(10, 200, size=12).tolist() + [marker, 8, 9]
+    following = chat + tokens[:4] + [MARKER] + rng.integers(10, 200, size=12).tolist() + [MARKER, 8, 9]
     want, _, _ = read(following, PrefixCache(model, 0))
     got, _, row = read(following, cache)
     assert row.cached == 68 and got == want
@@ -645,14 +642,13 @@ def test_rows_starting_together_keep_their_cut_and_ghosts_start_one_at_a_time(qw
     own, one after the other, and store their snapshots."""
     loaded, vocab = qwen35
     model = loaded.model
-    marker = MARKER
     rng = np.random.default_rng(6)
     system = rng.integers(10, 200, size=30).tolist()
     chats = [seeded_chat(rng, system) for _ in range(2)]
     body = getattr(model, "language_model", model).model
     cache = PrefixCache(model, 1 << 30)
     with positions_read(body) as lengths:
-        gen = TokenGenerator(model, vocab, cache, 64, marker)
+        gen = TokenGenerator(model, vocab, cache, 64, MARKER)
         gen.defer_from = 0
         gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(chats)])
         for _ in range(6):
@@ -660,7 +656,7 @@ def test_rows_starting_together_keep_their_cut_and_ghosts_start_one_at_a_time(qw
     assert lengths[:3] == [31, 37, 3] and not gen._deferred
     cache = PrefixCache(model, 1 << 30)
     with positions_read(body) as lengths:
-        gen = TokenGenerator(model, vocab, cache, 64, marker)
+        gen = TokenGenerator(model, vocab, cache, 64, MARKER)
         gen._deferred.extend(Row(i, ids[:69], RowSampling(GREEDY, vocab, ids), ghost=True) for i, ids in enumerate(chats))
         while gen:
             gen.step()

@@ -59,10 +59,9 @@ def test_kept_pieces_give_the_ids_of_the_whole_prompt(codec):
         assert codec.encode(prompt) == codec.tokenizer.encode(prompt, add_special_tokens=False).ids
 
 
-def test_a_long_system_prompt_is_tokenized_once(codec, monkeypatch):
-    system = "".join(f"{i}: tool {i} reads a file and returns its text\n" for i in range(400))
-    first = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhich tool?<|im_end|>\n<|im_start|>assistant\n"
-    codec.encode(first)
+def count_tokenized(codec, monkeypatch) -> list[int]:
+    """The lengths of the texts the codec's piece cache hands its tokenizer
+    from now on, filled as it tokenizes."""
     seen: list[int] = []
     real = codec.tokenizer
 
@@ -72,6 +71,15 @@ def test_a_long_system_prompt_is_tokenized_once(codec, monkeypatch):
             return real.encode(text, add_special_tokens=add_special_tokens)
 
     monkeypatch.setattr(codec.pieces, "_tokenizer", Counting())
+    return seen
+
+
+def test_a_long_system_prompt_is_tokenized_once(codec, monkeypatch):
+    system = "".join(f"{i}: tool {i} reads a file and returns its text\n" for i in range(400))
+    first = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhich tool?<|im_end|>\n<|im_start|>assistant\n"
+    codec.encode(first)
+    real = codec.tokenizer
+    seen = count_tokenized(codec, monkeypatch)
     second = first.replace("Which tool?", "How do I run the tests?")
     assert codec.encode(second) == real.encode(second, add_special_tokens=False).ids
     assert seen and max(seen) < 100  # only the new turns were tokenized
@@ -86,14 +94,7 @@ def test_a_stored_prefix_taught_from_its_ids_is_not_tokenized_again(tiny_model, 
     head = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
     real = fresh.tokenizer
     fresh.learn(real.encode(head, add_special_tokens=False).ids)
-    seen: list[int] = []
-
-    class Counting:
-        def encode(self, text, add_special_tokens=True):
-            seen.append(len(text))
-            return real.encode(text, add_special_tokens=add_special_tokens)
-
-    monkeypatch.setattr(fresh.pieces, "_tokenizer", Counting())
+    seen = count_tokenized(fresh, monkeypatch)
     prompt = head + "Which folder?<|im_end|>\n<|im_start|>assistant\n"
     assert fresh.encode(prompt) == real.encode(prompt, add_special_tokens=False).ids
     assert seen and max(seen) < 100
