@@ -49,6 +49,20 @@ DRIP = 0.1
 NEVER = 30.0
 
 
+def _unread(sock: socket.socket) -> bytes:
+    """What the peer sent and this side has not read yet, up to its close."""
+    out = b""
+    while select.select([sock], [], [], 0)[0]:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def drip(sock: socket.socket, data: bytes) -> tuple[bytes, float | None]:
     """Sends `data` one byte per DRIP until the peer closes the connection:
     what came back, and the seconds from the first byte to the close (None
@@ -59,7 +73,9 @@ def drip(sock: socket.socket, data: bytes) -> tuple[bytes, float | None]:
         try:
             sock.sendall(bytes([byte]))
         except (BrokenPipeError, ConnectionResetError):
-            return answer, time.monotonic() - start
+            # The peer answered and closed while this byte went out: its
+            # answer may still wait, unread, in this socket's buffer.
+            return answer + _unread(sock), time.monotonic() - start
         readable, _, _ = select.select([sock], [], [], DRIP)
         if readable:
             try:
