@@ -7,6 +7,7 @@ nothing grows without bound."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -166,36 +167,37 @@ def test_slow_control_and_metrics_clients_are_cut_off_and_ps_still_works(fakes, 
         with sock:
             results[name] = drip(sock, data)
 
-    silent = [connect(ctl) for _ in range(2)]  # they take both of max_control_clients' slots
-    for client in silent:
-        client.sendall(b'{"op":"status"}\n')
-        assert b'"ev":"status"' in client.recv(65536)
-    slow = [
-        ("control", connect(ctl), b'{"op":"status","pad":"' + b"x" * 1000),
-        *((f"metrics {n}", socket.create_connection(("127.0.0.1", port)), b"GET /metrics HTTP/1.1\r\nx-pad: " + b"a" * 1000) for n in range(2)),
-    ]
-    threads = [threading.Thread(target=drip_on, args=args) for args in slow]
-    for thread in threads:
-        thread.start()
-    try:
-        # While the slow ones drip: `ps` comes in through the room kept for it.
-        out = cli("ps", "--control-socket", str(ctl))
-        assert out.returncode == 0 and b"NAME" in out.stdout, out.stderr
-        # A client let into that room that says nothing is closed soon.
-        with connect(ctl) as quiet:
-            assert read_all(quiet) == b""
-    finally:
+    with contextlib.ExitStack() as stack:
+        # They take both of max_control_clients' slots; closed whatever fails.
+        silent = [stack.enter_context(connect(ctl)) for _ in range(2)]
+        for client in silent:
+            client.sendall(b'{"op":"status"}\n')
+            assert b'"ev":"status"' in client.recv(65536)
+        slow = [
+            ("control", connect(ctl), b'{"op":"status","pad":"' + b"x" * 1000),
+            *((f"metrics {n}", socket.create_connection(("127.0.0.1", port)), b"GET /metrics HTTP/1.1\r\nx-pad: " + b"a" * 1000) for n in range(2)),
+        ]
+        threads = [threading.Thread(target=drip_on, args=args) for args in slow]
         for thread in threads:
-            thread.join(NEVER + 30)
-    for name, (_, closed_after) in results.items():
-        assert closed_after is not None and closed_after < 15, f"the slow {name} client was not cut off ({closed_after})"
-    assert b"control_request_timeout" in results["control"][0]
+            thread.start()
+        try:
+            # While the slow ones drip: `ps` comes in through the room kept for it.
+            out = cli("ps", "--control-socket", str(ctl))
+            assert out.returncode == 0 and b"NAME" in out.stdout, out.stderr
+            # A client let into that room that says nothing is closed soon.
+            with connect(ctl) as quiet:
+                assert read_all(quiet) == b""
+        finally:
+            for thread in threads:
+                thread.join(NEVER + 30)
+        for name, (_, closed_after) in results.items():
+            assert closed_after is not None and closed_after < 15, f"the slow {name} client was not cut off ({closed_after})"
+        assert b"control_request_timeout" in results["control"][0]
 
-    wait_for(lambda: metrics_served(port), 30, interval=0.2, message="a scrape to be served")
-    for client in silent:  # quiet, but within control_idle_timeout: still served
-        client.sendall(b'{"op":"status"}\n')
-        assert b'"ev":"status"' in client.recv(65536)
-        client.close()
+        wait_for(lambda: metrics_served(port), 30, interval=0.2, message="a scrape to be served")
+        for client in silent:  # quiet, but within control_idle_timeout: still served
+            client.sendall(b'{"op":"status"}\n')
+            assert b'"ev":"status"' in client.recv(65536)
     assert pool.close() == 0
 
 
