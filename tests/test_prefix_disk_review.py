@@ -411,6 +411,28 @@ def test_the_files_of_a_model_are_bounded_in_number_as_well_as_bytes(tmp_path, m
     assert sorted(int(e.tokens[0]) for e in disk._index.values()) == [2000, 3000, 4000]
 
 
+def test_a_tier_that_finds_files_makes_its_read_threads_buffers_before_any_read(tmp_path):
+    """A restarted worker's first check made the buffers its threads read
+    into, and faulted their pages in on the request's time; now a tier that
+    starts with files makes them at once. A tier without files makes no
+    threads."""
+    from worker.cache import prefix_disk
+    from worker.cache.disk_files import read_buffer
+
+    assert not prefix_disk.PrefixDisk(tmp_path / "empty", "model", budget=1 << 30)._io._threads
+    disk_of(tmp_path, 1)
+    disk = prefix_disk.PrefixDisk(tmp_path, "model", budget=1 << 30)
+    together = threading.Barrier(prefix_disk.READ_THREADS, timeout=30)
+
+    def buffer_size() -> int:  # one call a thread, as the warm-up's
+        size = len(read_buffer(0))
+        together.wait()
+        return size
+
+    sizes = [f.result(60) for f in [disk._io.submit(buffer_size) for _ in range(prefix_disk.READ_THREADS)]]
+    assert sizes == [prefix_disk.CHUNK] * prefix_disk.READ_THREADS
+
+
 _SWAPPED_FOR_A_FIFO = """
 import os, sys
 from pathlib import Path

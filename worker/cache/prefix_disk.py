@@ -63,7 +63,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from worker.cache.disk_files import drop_unused_beside, fd_path, open_regular, read_buffer, writer_runs
+from worker.cache.disk_files import drop_unused_beside, fd_path, open_regular, read_buffer, warm_read_buffer, writer_runs
 from worker.cache.prefix_file import (
     DTYPES,
     FORMAT,
@@ -248,6 +248,12 @@ class PrefixDisk:
         self._quiet_since = 0.0
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prefix-disk-io")
         self._scan()
+        if self._index:
+            # A worker that finds files is likely a restarted one, whose
+            # first request reads one of them.
+            together = threading.Barrier(READ_THREADS, timeout=5.0)
+            for _ in range(READ_THREADS):
+                self._io.submit(warm_read_buffer, CHUNK, together)
         threading.Thread(target=self._run, name="prefix-disk", daemon=True).start()
 
     @property
