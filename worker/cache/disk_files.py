@@ -99,7 +99,7 @@ def warm_read_buffer(size: int, together: threading.Barrier) -> None:
     waits for the pool's other threads to do the same, so that each thread
     takes one of these calls. A fresh buffer's page faults came on a
     restarted worker's first check, on the request's time: on a 2-core
-    EPYC VM a 4 MB buffer's took 5 ms, and the check of a 13 MB file took
+    Xeon VM a 4 MB buffer's took 5 ms, and the check of a 13 MB file took
     8 ms in each of three restarted workers with fresh buffers, 6 ms with
     these (`python -m bench.long_context --parts restart`, the tiny demo
     model)."""
