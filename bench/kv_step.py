@@ -18,7 +18,13 @@ the step's eval). The ways:
   mlx's CUDA quantized matmul takes);
 - `q8-eager-full`: op by op over the whole buffer under a mask, no copies;
 - `q8one-traced`, `q8one-eager-full`: keys and values of a layer in one
-  buffer, quantized by one call and written by three writes.
+  buffer, quantized by one call and written by three writes;
+- `q8-dequantized`: op by op, the filled slices dequantized by mlx's
+  `dequantize`, then mlx's fused attention;
+- `q8-bytes`: the same with the filled slices dequantized by an
+  elementwise function of their bytes, compiled (one fused kernel a
+  tensor: each byte is a value, times its group's scale, plus its bias),
+  in place of mlx's quantized kernels.
 
 Each round times every way (the order reversed on odd rounds), each the
 median of `--steps` steps after `--warm` unmeasured ones; ratios are the
@@ -35,8 +41,9 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 
-WAYS = ("bf16-eager", "bf16-traced", "q8-traced", "q8-eager", "q8-eager-full", "q8one-traced", "q8one-eager-full")
+WAYS = ("bf16-eager", "bf16-traced", "q8-traced", "q8-eager", "q8-eager-full", "q8one-traced", "q8one-eager-full", "q8-dequantized", "q8-bytes")
 
 
 def ways(rows: int) -> tuple[str, ...]:
@@ -44,6 +51,28 @@ def ways(rows: int) -> tuple[str, ...]:
     only for one row, where each is a contiguous half of it (mlx's CUDA
     quantized matmul takes contiguous operands only)."""
     return WAYS if rows == 1 else tuple(w for w in WAYS if not w.startswith("q8one"))
+
+
+def dequantize_bytes(packed, scales, biases, group_size: int):
+    """mlx's 8-bit affine dequantization as elementwise ops on the packed
+    bytes: byte j of a row is its value j (mlx packs value i at bits 8i of
+    a little-endian word), times its group's scale, plus its bias."""
+    import mlx.core as mx
+
+    values = packed.view(mx.uint8).astype(scales.dtype)
+    grouped = values.reshape(*scales.shape, group_size) * scales[..., None] + biases[..., None]
+    return grouped.reshape(*packed.shape[:-1], -1)
+
+
+def check_bytes(group_size: int, dim: int) -> None:
+    """Fails unless `dequantize_bytes` gives what mlx's dequantize gives."""
+    import mlx.core as mx
+
+    x = mx.random.normal((2, 3, 40, dim), key=mx.random.key(0)).astype(mx.bfloat16)
+    packed = mx.quantize(x, group_size=group_size, bits=8)
+    ours, theirs = dequantize_bytes(*packed, group_size=group_size), mx.dequantize(*packed, group_size=group_size, bits=8)
+    if not mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), rtol=1e-2, atol=1e-2).item():
+        raise SystemExit("the bytes' dequantization differs from mlx's")
 
 
 def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
@@ -61,6 +90,8 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
 
     def write(buffer, x, col):
         return mx.slice_update(buffer, x, col, axes=(2,))
+
+    from_bytes = mx.compile(partial(dequantize_bytes, group_size=group_size))
 
     def quantized_attention(q, keys: tuple, values: tuple, mask):
         grouped = (q * scale).reshape(rows, kv_heads, per_kv, dim)
@@ -102,9 +133,12 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
         keys, values = buffers
         for b, x in zip(keys + values, qk + qv):
             b[..., end - 1 : end, :] = x
+        filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
         if way == "q8-eager":
-            filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
             return [keys, values], quantized_attention(q, filled(keys), filled(values), None)
+        if way in ("q8-dequantized", "q8-bytes"):
+            full = from_bytes if way == "q8-bytes" else lambda *t: mx.dequantize(*t, group_size=group_size, bits=8)
+            return [keys, values], mx.fast.scaled_dot_product_attention(q, full(*filled(keys)), full(*filled(values)), scale=scale)
         return [keys, values], quantized_attention(q, keys, values, (columns < end)[None, None, None, :])
 
     def buffers(way: str) -> list:
@@ -175,6 +209,7 @@ def main() -> int:
     load_openblas()
     from bench.common import backend, machine, summary, tagged, write_result
 
+    check_bytes(args.group_size, args.head_dim)
     capacity = -(-(args.context + 1) // 256) * 256
     made = steps(args.rows, args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
     measured = ways(args.rows)
