@@ -19,12 +19,12 @@ the step's eval). The ways:
 - `q8-eager-full`: op by op over the whole buffer under a mask, no copies;
 - `q8one-traced`, `q8one-eager-full`: keys and values of a layer in one
   buffer, quantized by one call and written by three writes;
-- `q8-dequantized`: op by op, the filled slices dequantized by mlx's
-  `dequantize`, then mlx's fused attention;
-- `q8-bytes`: the same with the filled slices dequantized by an
-  elementwise function of their bytes, compiled (one fused kernel a
-  tensor: each byte is a value, times its group's scale, plus its bias),
-  in place of mlx's quantized kernels.
+- `q8-dequantized`: op by op, the whole buffer dequantized by mlx's
+  `dequantize`, then its filled tokens through mlx's fused attention;
+- `q8-bytes`: the same with the buffer dequantized by an elementwise
+  function of its bytes, compiled once (the buffer's shape does not
+  change: one fused kernel a tensor, each byte a value, times its group's
+  scale, plus its bias), in place of mlx's quantized kernels.
 
 Each round times every way (the order reversed on odd rounds), each the
 median of `--steps` steps after `--warm` unmeasured ones; ratios are the
@@ -133,12 +133,12 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
         keys, values = buffers
         for b, x in zip(keys + values, qk + qv):
             b[..., end - 1 : end, :] = x
-        filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
         if way == "q8-eager":
+            filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
             return [keys, values], quantized_attention(q, filled(keys), filled(values), None)
         if way in ("q8-dequantized", "q8-bytes"):
             full = from_bytes if way == "q8-bytes" else lambda *t: mx.dequantize(*t, group_size=group_size, bits=8)
-            return [keys, values], mx.fast.scaled_dot_product_attention(q, full(*filled(keys)), full(*filled(values)), scale=scale)
+            return [keys, values], mx.fast.scaled_dot_product_attention(q, full(*keys)[..., :end, :], full(*values)[..., :end, :], scale=scale)
         return [keys, values], quantized_attention(q, keys, values, (columns < end)[None, None, None, :])
 
     def buffers(way: str) -> list:
