@@ -414,23 +414,24 @@ def test_the_files_of_a_model_are_bounded_in_number_as_well_as_bytes(tmp_path, m
 def test_a_tier_that_finds_files_makes_its_read_threads_buffers_before_any_read(tmp_path):
     """A restarted worker's first check made the buffers its threads read
     into, and faulted their pages in on the request's time; now a tier that
-    starts with files makes them at once. A tier without files makes no
-    threads."""
+    starts with files makes them at once (one without files does not)."""
     from worker.cache import prefix_disk
     from worker.cache.disk_files import read_buffer
 
-    assert not prefix_disk.PrefixDisk(tmp_path / "empty", "model", budget=1 << 30)._io._threads
+    def buffer_sizes(disk) -> list[int]:
+        together = threading.Barrier(prefix_disk.READ_THREADS, timeout=30)
+
+        def size() -> int:  # one call a thread, as the warm-up's
+            n = len(read_buffer(0))
+            together.wait()
+            return n
+
+        return [f.result(60) for f in [disk._io.submit(size) for _ in range(prefix_disk.READ_THREADS)]]
+
+    assert buffer_sizes(prefix_disk.PrefixDisk(tmp_path / "empty", "model", budget=1 << 30)) == [0] * prefix_disk.READ_THREADS
     disk_of(tmp_path, 1)
     disk = prefix_disk.PrefixDisk(tmp_path, "model", budget=1 << 30)
-    together = threading.Barrier(prefix_disk.READ_THREADS, timeout=30)
-
-    def buffer_size() -> int:  # one call a thread, as the warm-up's
-        size = len(read_buffer(0))
-        together.wait()
-        return size
-
-    sizes = [f.result(60) for f in [disk._io.submit(buffer_size) for _ in range(prefix_disk.READ_THREADS)]]
-    assert sizes == [prefix_disk.CHUNK] * prefix_disk.READ_THREADS
+    assert buffer_sizes(disk) == [prefix_disk.CHUNK] * prefix_disk.READ_THREADS
 
 
 _SWAPPED_FOR_A_FIFO = """
