@@ -24,7 +24,14 @@ the step's eval). The ways:
 - `q8-bytes`: the same with the buffer dequantized by an elementwise
   function of its bytes, compiled once (the buffer's shape does not
   change: one fused kernel a tensor, each byte a value, times its group's
-  scale, plus its bias), in place of mlx's quantized kernels.
+  scale, plus its bias), in place of mlx's quantized kernels;
+- `q8-split-traced`, `q8-split-eager-full`: `q8-traced` and
+  `q8-eager-full` with the values' product split into blocks of 256
+  keys, one batch entry each, and summed: mlx's CUDA kernel for `x @ W`
+  (0.32.4, `qmm_naive`) gives each tile of rows and head dimension one
+  thread block that walks every key, so a decode step's product runs on
+  one block a KV head (8 of an H100's 132 multiprocessors for Qwen3-8B's
+  heads), however long the cache.
 
 Each round times every way (the order reversed on odd rounds), each the
 median of `--steps` steps after `--warm` unmeasured ones; ratios are the
@@ -43,7 +50,22 @@ import sys
 import time
 from functools import partial
 
-WAYS = ("bf16-eager", "bf16-traced", "q8-traced", "q8-eager", "q8-eager-full", "q8one-traced", "q8one-eager-full", "q8-dequantized", "q8-bytes")
+WAYS = (
+    "bf16-eager",
+    "bf16-traced",
+    "q8-traced",
+    "q8-eager",
+    "q8-eager-full",
+    "q8one-traced",
+    "q8one-eager-full",
+    "q8-dequantized",
+    "q8-bytes",
+    "q8-split-traced",
+    "q8-split-eager-full",
+)
+# Keys a block of the split values' product (`q8-split-*`): the buffers'
+# 256-token step, so that every capacity splits whole.
+SPLIT = 256
 
 
 def ways(rows: int) -> tuple[str, ...]:
@@ -93,13 +115,22 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
 
     from_bytes = mx.compile(partial(dequantize_bytes, group_size=group_size))
 
-    def quantized_attention(q, keys: tuple, values: tuple, mask):
+    def quantized_attention(q, keys: tuple, values: tuple, mask, split: bool = False):
         grouped = (q * scale).reshape(rows, kv_heads, per_kv, dim)
         s = mx.quantized_matmul(grouped, *keys, transpose=True, group_size=group_size, bits=8)
         if mask is not None:
             s = mx.where(mask, s, mx.finfo(s.dtype).min)
         w = mx.softmax(s, axis=-1, precise=True)
-        return mx.quantized_matmul(w, *values, transpose=False, group_size=group_size, bits=8).reshape(rows, heads, 1, dim)
+        if not split:
+            return mx.quantized_matmul(w, *values, transpose=False, group_size=group_size, bits=8).reshape(rows, heads, 1, dim)
+        # One product a SPLIT-token block of the keys (a batch axis of the
+        # call), summed after: mlx's kernel for `x @ W` gives each (rows,
+        # head dimension) tile one thread block that walks every key, and a
+        # decode step has a tile a KV head.
+        n = w.shape[-1] // SPLIT
+        blocks = w.reshape(rows, kv_heads, per_kv, n, SPLIT).swapaxes(2, 3)
+        parts = mx.quantized_matmul(blocks, *(x.reshape(rows, kv_heads, n, SPLIT, x.shape[-1]) for x in values), transpose=False, group_size=group_size, bits=8)
+        return parts.astype(mx.float32).sum(axis=2).astype(q.dtype).reshape(rows, heads, 1, dim)
 
     def layer(way: str, buffers: list, q, k, col, end):
         k = k + q[:, :kv_heads] * 0  # each layer waits for the one before, as in a model
@@ -126,10 +157,10 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
                     b[..., end - 1 : end, :] = x
             return [kv], quantized_attention(q, tuple(x[:, :kv_heads] for x in kv), tuple(x[:, kv_heads:] for x in kv), mask)
         qk, qv = mx.quantize(k, group_size=group_size, bits=8), mx.quantize(v, group_size=group_size, bits=8)
-        if way == "q8-traced":
+        if way in ("q8-traced", "q8-split-traced"):
             keys = tuple(write(b, x, col) for b, x in zip(buffers[0], qk))
             values = tuple(write(b, x, col) for b, x in zip(buffers[1], qv))
-            return [keys, values], quantized_attention(q, keys, values, mask)
+            return [keys, values], quantized_attention(q, keys, values, mask, split=way == "q8-split-traced")
         keys, values = buffers
         for b, x in zip(keys + values, qk + qv):
             b[..., end - 1 : end, :] = x
@@ -139,7 +170,7 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
         if way in ("q8-dequantized", "q8-bytes"):
             full = from_bytes if way == "q8-bytes" else lambda *t: mx.dequantize(*t, group_size=group_size, bits=8)
             return [keys, values], mx.fast.scaled_dot_product_attention(q, full(*keys)[..., :end, :], full(*values)[..., :end, :], scale=scale)
-        return [keys, values], quantized_attention(q, keys, values, (columns < end)[None, None, None, :])
+        return [keys, values], quantized_attention(q, keys, values, (columns < end)[None, None, None, :], split=way == "q8-split-eager-full")
 
     def buffers(way: str) -> list:
         if way.startswith("bf16"):
