@@ -142,11 +142,10 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
             keys[..., end - 1 : end, :] = k
             values[..., end - 1 : end, :] = v
             return [keys, values], mx.fast.scaled_dot_product_attention(q, keys[..., :end, :], values[..., :end, :], scale=scale)
+        mask = (columns <= col)[None, None, None, :]
         if way == "bf16-traced":
             keys, values = write(buffers[0], k, col), write(buffers[1], v, col)
-            mask = (columns <= col)[None, None, None, :]
             return [keys, values], mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-        mask = (columns <= col)[None, None, None, :]
         if way.startswith("q8one"):
             both = mx.quantize(mx.concatenate([k, v], axis=1), group_size=group_size, bits=8)
             if way == "q8one-traced":
