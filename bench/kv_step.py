@@ -62,17 +62,20 @@ WAYS = (
     "q8-bytes",
     "q8-split-traced",
     "q8-split-eager-full",
+    "q8-kernel",
+    "q8-kernel-traced",
 )
 # Keys a block of the split values' product (`q8-split-*`): the buffers'
 # 256-token step, so that every capacity splits whole.
 SPLIT = 256
 
 
-def ways(rows: int) -> tuple[str, ...]:
+def ways(rows: int, cuda: bool) -> tuple[str, ...]:
     """The ways measured for this many rows: keys and values in one buffer
     only for one row, where each is a contiguous half of it (mlx's CUDA
-    quantized matmul takes contiguous operands only)."""
-    return WAYS if rows == 1 else tuple(w for w in WAYS if not w.startswith("q8one"))
+    quantized matmul takes contiguous operands only); the CUDA kernel only
+    on CUDA."""
+    return tuple(w for w in WAYS if not (w.startswith("q8one") and rows > 1) and not (w.startswith("q8-kernel") and not cuda))
 
 
 def dequantize_bytes(packed, scales, biases, group_size: int):
@@ -100,6 +103,8 @@ def check_bytes(group_size: int, dim: int) -> None:
 def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
     """way -> (buffers(), step(buffers, q, k, col, end)): a step over all layers."""
     import mlx.core as mx
+
+    from worker.engine import quant_decode_kernel as kernel
 
     per_kv = heads // kv_heads
     words = dim * 8 // 32
@@ -156,13 +161,17 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
                     b[..., end - 1 : end, :] = x
             return [kv], quantized_attention(q, tuple(x[:, :kv_heads] for x in kv), tuple(x[:, kv_heads:] for x in kv), mask)
         qk, qv = mx.quantize(k, group_size=group_size, bits=8), mx.quantize(v, group_size=group_size, bits=8)
-        if way in ("q8-traced", "q8-split-traced"):
+        if way in ("q8-traced", "q8-split-traced", "q8-kernel-traced"):
             keys = tuple(write(b, x, col) for b, x in zip(buffers[0], qk))
             values = tuple(write(b, x, col) for b, x in zip(buffers[1], qv))
+            if way == "q8-kernel-traced":
+                return [keys, values], kernel.attention(q, keys, values, scale, mask, group_size, 8)
             return [keys, values], quantized_attention(q, keys, values, mask, split=way == "q8-split-traced")
         keys, values = buffers
         for b, x in zip(keys + values, qk + qv):
             b[..., end - 1 : end, :] = x
+        if way == "q8-kernel":
+            return [keys, values], kernel.attention(q, tuple(x[..., :end, :] for x in keys), tuple(x[..., :end, :] for x in values), scale, None, group_size, 8)
         if way == "q8-eager":
             filled = lambda t: tuple(mx.contiguous(x[..., :end, :]) for x in t)  # noqa: E731
             return [keys, values], quantized_attention(q, filled(keys), filled(values), None)
@@ -188,7 +197,7 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
 
         return mx.compile(step) if way.endswith("traced") else step
 
-    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in ways(rows)}
+    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in ways(rows, mx.cuda.is_available())}
 
 
 def time_way(made, rows: int, heads: int, kv_heads: int, dim: int, context: int, n: int, warm: int) -> float:
@@ -231,6 +240,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ways", default="", help="comma-separated ways to time (default: all; bf16-eager always, the ratios' baseline)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -242,7 +252,12 @@ def main() -> int:
     check_bytes(args.group_size, args.head_dim)
     capacity = -(-(args.context + 1) // 256) * 256
     made = steps(args.rows, args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
-    measured = ways(args.rows)
+    measured = ways(args.rows, backend() == "cuda")
+    if args.ways:
+        asked = {"bf16-eager", *args.ways.split(",")}
+        if unknown := asked - set(WAYS):
+            p.error(f"no such way: {', '.join(sorted(unknown))}")
+        measured = tuple(w for w in measured if w in asked)
     name = tagged(f"kv-step-{backend()}" + (f"-rows{args.rows}" if args.rows > 1 else ""), args.tag)
     result = {"machine": machine(), "args": vars(args), "capacity": capacity, "rounds": []}
     shape = (args.rows, args.heads, args.kv_heads, args.head_dim, args.context)

@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
 
-from worker.engine import quant_attention
+from worker.engine import quant_attention, quant_decode_kernel
 from worker.runtime.memory import processor
 
 log = logging.getLogger("worker")
@@ -554,7 +554,12 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     bad = sorted(d for d in dims if d % group_size)
     if bad:
         raise ValueError(f"kv_group_size {group_size} does not divide the head dimension {bad[0]}; use one that does (32, 64 or 128)")
-    if note := one_group_note(processor(), dims, group_size):
+    where = processor()
+    kernel = where == "cuda"
+    if kernel and (failed := quant_decode_kernel.check(dims, group_size, bits)):
+        log.warning("the CUDA kernel for quantized decode attention is off (%s): decode steps use mlx's quantized matmuls", failed)
+        kernel = False
+    if not kernel and (note := one_group_note(where, dims, group_size)):
         log.warning("%s", note)
     made = model.make_cache if hasattr(model, "make_cache") else None
 
@@ -563,7 +568,7 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
         return [(LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)) if type(c) is KVCache else c for c in caches]
 
     model.make_cache = make_cache
-    quant_attention.install(model)
+    quant_attention.install(model, kernel)
     # Where a prompt's prefill chunks end, so that a row converts at exactly
     # this many tokens (worker.engine.generator).
     model.quantized_kv_start = start

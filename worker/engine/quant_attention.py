@@ -40,6 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import base
 
+from worker.engine import quant_decode_kernel
 from worker.runtime import short_attention
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
@@ -182,8 +183,10 @@ def _float32(packed: tuple) -> tuple:
     return (packed[0], *(x.astype(mx.float32) for x in packed[1:]))
 
 
-def _attention(where: str):
-    """The attention for a backend: `cpu`, `cuda` or `metal`."""
+def _attention(where: str, kernel: bool = False):
+    """The attention for a backend: `cpu`, `cuda` or `metal`; `kernel`: on
+    CUDA, decode steps through worker.engine.quant_decode_kernel where it
+    takes their shape."""
     cuda, cpu = where == "cuda", where == "cpu"
     plain = short_attention.attention if cuda else _ORIGINAL
 
@@ -202,6 +205,8 @@ def _attention(where: str):
             if dtype != mx.float32:
                 queries, keys, values = queries.astype(mx.float32), _float32(keys), _float32(values)
         elif cuda:
+            if kernel and quant_decode_kernel.supported(queries.shape, keys, cache.group_size, cache.bits, mask):
+                return quant_decode_kernel.attention(queries, keys, values, scale, mask, cache.group_size, cache.bits)
             scores_by = "dequantized" if keys_dequantized(where, queries.shape[-1], cache.group_size) else "kernel"
             keys = keys if scores_by == "dequantized" else _contiguous(keys)
             values = _contiguous(values)
@@ -211,11 +216,11 @@ def _attention(where: str):
     return scaled_dot_product_attention
 
 
-def install(model) -> int:
+def install(model, kernel: bool = False) -> int:
     """Routes the attention of the model's modules (mlx-lm's, or an earlier
     install's) through this one; a plain cache still takes mlx-lm's own
-    path (on CUDA, worker.runtime.short_attention's). Returns how many
-    modules were rebound."""
-    attention = _attention(processor())
+    path (on CUDA, worker.runtime.short_attention's). `kernel`: see
+    `_attention`. Returns how many modules were rebound."""
+    attention = _attention(processor(), kernel)
     ours = (__name__, short_attention.__name__)
     return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) in ours)
