@@ -106,3 +106,31 @@ def test_shapes_the_kernel_does_not_take_are_left_to_the_caller():
     assert not kernel.supported((1, 8, 9, 128), keys, 64, 8, None)  # 36 query rows a KV head
     assert not kernel.supported((1, 8, 1, 128), keys, 64, 2, None)  # 2 bits
     assert not kernel.supported((1, 8, 1, 128), keys, 64, 8, mx.zeros((1, 8, 1, 10), dtype=mx.bool_))  # a mask a head
+
+
+def test_a_cuda_step_takes_the_kernel_from_its_length_on(monkeypatch):
+    """The routing in worker.engine.quant_attention, run on any backend: the
+    kernel's place taken by its reference, which computes what it does."""
+    from types import SimpleNamespace
+
+    from worker.engine import quant_attention
+
+    taken = []
+
+    def counted(*args):
+        taken.append(args[1][0].shape[2])
+        return kernel.reference(*args)
+
+    monkeypatch.setattr(kernel, "FROM_TOKENS", 256)
+    monkeypatch.setattr(kernel, "attention", counted)
+    attention = quant_attention._attention("cuda", kernel=True)
+    cache = SimpleNamespace(bits=8, group_size=64)
+    for S in (255, 256, 300):
+        keys, values = _cache(2, 2, S, 128, 64, 8, seed=S)
+        queries = mx.random.normal((2, 8, 1, 128), key=mx.random.key(S)).astype(mx.float32)
+        got = attention(queries + 0, keys, values, cache, scale=128**-0.5, mask=None)
+        want = kernel.reference(queries, keys, values, 128**-0.5, None, 64, 8)
+        assert mx.allclose(got, want, rtol=1e-2, atol=1e-2).item()
+    assert taken == [256, 300]
+    assert quant_attention._attention("cuda")(queries + 0, keys, values, cache, scale=128**-0.5, mask=None) is not None
+    assert taken == [256, 300]  # kernel off: mlx's way

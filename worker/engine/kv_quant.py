@@ -559,7 +559,7 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     if kernel and (failed := quant_decode_kernel.check(dims, group_size, bits)):
         log.warning("the CUDA kernel for quantized decode attention is off (%s): decode steps use mlx's quantized matmuls", failed)
         kernel = False
-    if not kernel and (note := one_group_note(where, dims, group_size)):
+    if note := one_group_note(where, dims, group_size):
         log.warning("%s", note)
     made = model.make_cache if hasattr(model, "make_cache") else None
 

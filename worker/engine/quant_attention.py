@@ -33,6 +33,14 @@ float32, its scales and biases converted, and gives its output back in
 the model's dtype: one layer's step on Qwen3-8B's heads (8 KV heads of 4
 queries) took 8.8 against 29.1 ms at 2,304 tokens and 23.7 against
 78.2 ms at 8k, 0.3 % from a float32 reference where it was 8.5-13.8 %.
+
+On CUDA a decode step over a long cache (worker.engine.quant_decode_kernel
+.FROM_TOKENS and more) skips mlx's quantized matmuls altogether: their
+kernel for the values' product walks every cached token on one thread
+block a KV head, and at 32k tokens an 8B row decoded at 0.27x bf16. The
+worker's own kernel (worker.engine.quant_decode_kernel) splits the tokens
+over thread blocks instead; kv_quant.install checks it against a float32
+reference once at load and keeps mlx's way if it fails there.
 """
 
 from __future__ import annotations
@@ -205,7 +213,11 @@ def _attention(where: str, kernel: bool = False):
             if dtype != mx.float32:
                 queries, keys, values = queries.astype(mx.float32), _float32(keys), _float32(values)
         elif cuda:
-            if kernel and quant_decode_kernel.supported(queries.shape, keys, cache.group_size, cache.bits, mask):
+            if (
+                kernel
+                and keys[0].shape[2] >= quant_decode_kernel.FROM_TOKENS
+                and quant_decode_kernel.supported(queries.shape, keys, cache.group_size, cache.bits, mask)
+            ):
                 return quant_decode_kernel.attention(queries, keys, values, scale, mask, cache.group_size, cache.bits)
             scores_by = "dequantized" if keys_dequantized(where, queries.shape[-1], cache.group_size) else "kernel"
             keys = keys if scores_by == "dequantized" else _contiguous(keys)

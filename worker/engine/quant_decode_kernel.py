@@ -35,6 +35,12 @@ ROWS_AT_MOST = 32  # query rows a KV head (queries a head x heads a KV head)
 # fewer leave multiprocessors idle, more write more partial outputs.
 BLOCKS_AIMED = 512
 TILES_AT_MOST = 64
+# The worker's steps take the kernel over caches of this many tokens or
+# more. Below, mlx's quantized matmuls keep them: at 2k tokens on an H100
+# they ran a compiled step's attention layer in 35 us against 47 for an
+# earlier kernel of this kind, while at 32k its 8B row decoded at 0.27x
+# bf16. Where between the two the kernel starts to win has not been timed.
+FROM_TOKENS = 16384
 
 _SOURCE = r"""
     constexpr int T = 128;
