@@ -28,6 +28,7 @@ import math
 import struct
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 THREADS = 128  # tokens a tile: a thread a token while scoring
 ROWS_AT_MOST = 32  # query rows a KV head (queries a head x heads a KV head)
@@ -301,7 +302,7 @@ def _mask(mask, B: int, L: int, S: int):
     if mask is None:
         return 0, mx.zeros((1, 1, 1), dtype=mx.bool_)
     if isinstance(mask, str):
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :]
+        mask = create_causal_mask(L, S - L)
     if mask.ndim == 4:
         mask = mask[:, 0]
     return (1 if mask.dtype == mx.bool_ else 2), mx.broadcast_to(mask, (B, L, S))
