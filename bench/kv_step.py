@@ -100,8 +100,9 @@ def check_bytes(group_size: int, dim: int) -> None:
         raise SystemExit("the bytes' dequantization differs from mlx's")
 
 
-def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
-    """way -> (buffers(), step(buffers, q, k, col, end)): a step over all layers."""
+def steps(measured: tuple[str, ...], rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity: int, group_size: int):
+    """way -> (buffers(), step(buffers, q, k, col, end)): a step over all
+    layers, for each way measured."""
     import mlx.core as mx
 
     from worker.engine import quant_decode_kernel as kernel
@@ -197,7 +198,7 @@ def steps(rows: int, layers: int, heads: int, kv_heads: int, dim: int, capacity:
 
         return mx.compile(step) if way.endswith("traced") else step
 
-    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in ways(rows, mx.cuda.is_available())}
+    return {way: (lambda way=way: buffers(way), make(way), way.endswith("traced")) for way in measured}
 
 
 def time_way(made, rows: int, heads: int, kv_heads: int, dim: int, context: int, n: int, warm: int) -> float:
@@ -251,13 +252,13 @@ def main() -> int:
 
     check_bytes(args.group_size, args.head_dim)
     capacity = -(-(args.context + 1) // 256) * 256
-    made = steps(args.rows, args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
     measured = ways(args.rows, backend() == "cuda")
     if args.ways:
         asked = {"bf16-eager", *args.ways.split(",")}
         if unknown := asked - set(WAYS):
             p.error(f"no such way: {', '.join(sorted(unknown))}")
         measured = tuple(w for w in measured if w in asked)
+    made = steps(measured, args.rows, args.layers, args.heads, args.kv_heads, args.head_dim, capacity, args.group_size)
     name = tagged(f"kv-step-{backend()}" + (f"-rows{args.rows}" if args.rows > 1 else ""), args.tag)
     result = {"machine": machine(), "args": vars(args), "capacity": capacity, "rounds": []}
     shape = (args.rows, args.heads, args.kv_heads, args.head_dim, args.context)
