@@ -4,7 +4,9 @@ worker of the same model, files removed behind a worker's back, reads that
 cross each other, and a disk that hangs."""
 
 import json
+import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -398,6 +400,36 @@ def test_files_no_worker_used_for_30_days_leave_the_other_folders_at_a_start(tmp
     PrefixDisk(tmp_path, "model", budget=1 << 30)
     assert not (tmp_path / "old-model").exists()
     assert files(tmp_path / "other-model") == [recent]
+
+
+def test_a_folder_another_model_has_just_made_stays_and_a_long_idle_empty_one_goes(tmp_path, caplog):
+    """Two models' workers starting together: the second removed the
+    first's folder, just made and still empty, and every write of the first
+    then failed for want of it."""
+    from worker.cache.disk_files import UNUSED_S
+    from worker.cache.prefix_disk import PrefixDisk
+
+    first = PrefixDisk(tmp_path, "first-model", budget=1 << 30)
+    (tmp_path / "left-model").mkdir()
+    long_ago = time.time() - UNUSED_S - 3600
+    os.utime(tmp_path / "left-model", (long_ago, long_ago))
+    PrefixDisk(tmp_path, "second-model", budget=1 << 30)
+    assert (tmp_path / "first-model").is_dir() and not (tmp_path / "left-model").exists()
+    with caplog.at_level(logging.WARNING):
+        first.write(None, np.arange(50), snapshot_layers(0, 50))
+        assert first.flush(30)
+    assert len(files(tmp_path / "first-model")) == 1 and "cannot write" not in caplog.text
+
+
+def test_a_write_makes_its_folder_again_when_it_has_gone(tmp_path, caplog):
+    from worker.cache.prefix_disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    shutil.rmtree(tmp_path / "model")
+    with caplog.at_level(logging.WARNING):
+        disk.write(None, np.arange(50), snapshot_layers(0, 50))
+        assert disk.flush(30)
+    assert len(files(tmp_path / "model")) == 1 and "cannot write" not in caplog.text
 
 
 def test_the_files_of_a_model_are_bounded_in_number_as_well_as_bytes(tmp_path, monkeypatch):

@@ -121,13 +121,16 @@ def drop_unused_beside(own: Path) -> None:
     (other models, or this model before its weights, format or mlx
     changed) that nothing has used for UNUSED_S, and the folders they leave
     empty: each worker bounds only its own folder, and a folder no worker
-    serves any more would keep its files for ever."""
+    serves any more would keep its files for ever. An empty folder goes only
+    when nothing has changed in it for UNUSED_S either: a worker of another
+    model starting beside this one has just made its own, still empty."""
     cutoff = time.time() - UNUSED_S
     removed = 0
     try:
         with os.scandir(own.parent) as entries:
             folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != own.name]
         for folder in folders:
+            idle = os.stat(folder, follow_symlinks=False).st_mtime < cutoff
             with os.scandir(folder) as entries:
                 old = [
                     e
@@ -137,8 +140,9 @@ def drop_unused_beside(own: Path) -> None:
             for e in old:
                 os.unlink(e.path)
                 removed += 1
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only when empty
+            if old or idle:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only when empty
     except OSError as exc:
         log.warning("prefix cache: cannot clear unused files beside %s: %s", own, exc)
     if removed:

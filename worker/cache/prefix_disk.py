@@ -654,6 +654,10 @@ class PrefixDisk:
         path = self.dir / name
         tmp = path.with_name(f"{name}.{os.getpid()}.tmp")
         try:
+            # The folder may have gone since the start: removed by hand, or
+            # by a worker of another model (disk_files.drop_unused_beside)
+            # that found only files unused for a month in it.
+            self.dir.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(LENGTH.pack(len(raw)))
                 f.write(raw)
