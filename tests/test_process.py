@@ -53,7 +53,7 @@ def test_overlong_line_is_reported_once_and_never_delivered():
     async def main():
         rec = Recorder()
         proc = rec.process()
-        code = "import os, time; os.write(1, b'ok\\n'); os.write(1, b'x' * (5 << 20)); os.write(1, b'\\nafter\\n'); time.sleep(60)"
+        code = "import os, signal; os.write(1, b'ok\\n'); os.write(1, b'x' * (5 << 20)); os.write(1, b'\\nafter\\n'); signal.pause()"
         await proc.start(python(code), child_env())
         await async_wait_for(lambda: rec.overflows, 30, message="the overflow report")
         proc.kill()
@@ -89,7 +89,7 @@ def test_a_full_request_pipe_is_noticed_without_blocking():
     async def main():
         rec = Recorder()
         proc = rec.process()
-        await proc.start(python("import time; time.sleep(60)"), child_env())
+        await proc.start(python("import signal; signal.pause()"), child_env())
         assert proc.write_blocked_since is None
         for rid in range(4):
             assert proc.send(Generate(rid=rid, prompt="x" * 100_000))

@@ -271,13 +271,13 @@ def test_worker_dies_with_its_parent(tiny_model):
     # The parent kills nothing until its worker is ready: the lifeline is
     # armed by then, and a kill during start-up would only time the load.
     code = (
-        "import subprocess, sys, time\n"
+        "import signal, subprocess, sys\n"
         f"p = subprocess.Popen([sys.executable, '-m', 'worker', '--model', {str(tiny_model)!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
         "for line in p.stdout:\n"
         "    if b'\"ready\"' in line:\n"
         "        break\n"
         "print(p.pid, flush=True)\n"
-        "time.sleep(600)\n"
+        "signal.pause()\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), cwd=ROOT)
     pid = int(parent.stdout.readline())
