@@ -421,6 +421,33 @@ def test_a_folder_another_model_has_just_made_stays_and_a_long_idle_empty_one_go
     assert len(files(tmp_path / "first-model")) == 1 and "cannot write" not in caplog.text
 
 
+def test_a_folder_gone_while_the_others_are_cleared_is_passed_over(tmp_path, monkeypatch, caplog):
+    """Workers of two models starting together clear the same folders: one
+    that the other worker removed first used to end the clearing, with a
+    warning, before the folders after it."""
+    from worker.cache import disk_files
+
+    long_ago = time.time() - disk_files.UNUSED_S - 3600
+    for name in ("gone-model", "old-model"):
+        (tmp_path / name).mkdir()
+        stale = tmp_path / name / f"x{disk_files.SUFFIX}"
+        stale.write_bytes(b"x")
+        os.utime(stale, (long_ago, long_ago))
+    clear = disk_files._drop_unused
+
+    def removed_first(folder: str, cutoff: float) -> int:
+        if folder.endswith("gone-model"):
+            shutil.rmtree(folder)
+        return clear(folder, cutoff)
+
+    monkeypatch.setattr(disk_files, "_drop_unused", removed_first)
+    (tmp_path / "model").mkdir()
+    with caplog.at_level(logging.INFO):
+        disk_files.drop_unused_beside(tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert "cannot clear" not in caplog.text and "1 file(s) unused" in caplog.text
+
+
 def test_a_write_makes_its_folder_again_when_it_has_gone(tmp_path, caplog):
     from worker.cache.prefix_disk import PrefixDisk
 

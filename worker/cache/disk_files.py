@@ -125,28 +125,38 @@ def drop_unused_beside(own: Path) -> None:
     when nothing has changed in it for UNUSED_S either: a worker of another
     model starting beside this one has just made its own, still empty."""
     cutoff = time.time() - UNUSED_S
-    removed = 0
     try:
         with os.scandir(own.parent) as entries:
             folders = [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != own.name]
-        for folder in folders:
-            idle = os.stat(folder, follow_symlinks=False).st_mtime < cutoff
-            with os.scandir(folder) as entries:
-                old = [
-                    e
-                    for e in entries
-                    if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff
-                ]
-            for e in old:
-                os.unlink(e.path)
-                removed += 1
-            if old or idle:
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only when empty
     except OSError as exc:
         log.warning("prefix cache: cannot clear unused files beside %s: %s", own, exc)
+        return
+    removed = 0
+    for folder in folders:
+        try:
+            removed += _drop_unused(folder, cutoff)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another worker starting beside this one
+        except OSError as exc:
+            log.warning("prefix cache: cannot clear unused files in %s: %s", folder, exc)
     if removed:
         log.info("prefix cache: %d file(s) unused for %d days removed from other folders of %s", removed, UNUSED_S // 86400, own.parent)
+
+
+def _drop_unused(folder: str, cutoff: float) -> int:
+    """`drop_unused_beside` for one folder: how many files it removed."""
+    idle = os.stat(folder, follow_symlinks=False).st_mtime < cutoff
+    with os.scandir(folder) as entries:
+        old = [e for e in entries if e.name.endswith((SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff]
+    removed = 0
+    for e in old:
+        with contextlib.suppress(FileNotFoundError):  # another worker's removal of the same file
+            os.unlink(e.path)
+            removed += 1
+    if old or idle:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only when empty
+    return removed
 
 
 def fd_path(fd: int) -> str:
