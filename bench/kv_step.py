@@ -256,6 +256,8 @@ def main() -> int:
         asked = {"bf16-eager", *args.ways.split(",")}
         if unknown := asked - set(WAYS):
             p.error(f"no such way: {', '.join(sorted(unknown))}")
+        if unavailable := asked - set(measured):
+            p.error(f"not measured with {args.rows} rows on {backend()}: {', '.join(sorted(unavailable))}")
         measured = tuple(w for w in measured if w in asked)
     if "q8-bytes" in measured:
         check_bytes(args.group_size, args.head_dim)
