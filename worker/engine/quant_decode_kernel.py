@@ -19,6 +19,12 @@ sums, in the queries' dtype. Everything is float32 inside; the queries,
 masks (boolean or additive, broadcast over heads) and slices of a
 cache's buffer (strided along the token axis) are read where they lie,
 so none is copied: a layer's attention is two kernels.
+
+Each thread issues all its loads of a tile (its token's packed key and
+groups' scales and biases; U tokens' packed values at a time) before any
+arithmetic on them, so that they wait for the memory together: 36 layers
+of Qwen3-8B's heads over 32k tokens took 2.76 ms against 2.95 with a
+load waited for before the next was issued (an H100, the kernels alone).
 """
 
 from __future__ import annotations
@@ -33,24 +39,27 @@ from mlx_lm.models.base import create_causal_mask
 THREADS = 128  # tokens a tile: a thread a token while scoring
 ROWS_AT_MOST = 32  # query rows a KV head (queries a head x heads a KV head)
 # Thread blocks a step aims for (about four a multiprocessor of an H100):
-# fewer leave multiprocessors idle, more write more partial outputs.
+# fewer leave multiprocessors idle, more write more partial outputs. At 32k
+# tokens of Qwen3-8B's heads, aiming for 256, 512, 1024 and 2048 took 2.78,
+# 2.76, 2.87 and 3.05 ms for 36 layers on an H100.
 BLOCKS_AIMED = 512
 TILES_AT_MOST = 64
 # The worker's steps take the kernel over caches of this many tokens or
-# more. Below, mlx's quantized matmuls keep them: at 2k tokens on an H100
-# they ran a compiled step's attention layer in 35 us against 47 for an
-# earlier kernel of this kind, while at 32k this kernel took 36 layers'
-# attention in 7.8 ms against their 30.2 (bench.kv_step). Where between
-# the two it starts to win has not been timed.
-FROM_TOKENS = 16384
+# more; below, mlx's quantized matmuls keep them. On an H100, 36 layers of
+# Qwen3-8B's heads at 8k tokens took 4.6 ms a step this way against 8.4
+# (op by op) and 9.9 (traced) through mlx's (bench.kv_step); a whole 8B
+# step at 2k tokens was no faster this way (one round of
+# bench.long_context), the step there bound by its kernels' count.
+FROM_TOKENS = 8192
 
 _SOURCE = r"""
-    constexpr int T = 128;
     constexpr int PER_WORD = 32 / BITS;
     constexpr int WORDS = D / PER_WORD;
     constexpr int NG = D / GS;
     constexpr int WORDS_A_GROUP = GS / PER_WORD;
     constexpr int TG = T / WORDS;
+    constexpr int NT = T / TG;
+    constexpr int U = NT < 8 ? NT : 8;
     constexpr int RC = (R * PER_WORD <= 64) ? R : (64 / PER_WORD);
     constexpr uint32_t LOW = (1u << BITS) - 1u;
     const float NEG_INF = __int_as_float(static_cast<int>(0xff800000u));
@@ -114,21 +123,33 @@ _SOURCE = r"""
         if (t0 >= S) break;
         const int tok = t0 + tid;
 
-        // Scores: a thread a token.
+        // Scores: a thread a token, its packed key and its groups' scales
+        // and biases loaded before any arithmetic, so that every load of
+        // the tile is in flight at once (a load waited for before the next
+        // is issued costs the memory's latency each).
         float s[R];
         if (tok < S) {
+            const uint4* kr = reinterpret_cast<const uint4*>(kwp + tok * kw_strides[2]);
+            uint4 kq[WORDS / 4];
+#pragma unroll
+            for (int i = 0; i < WORDS / 4; ++i) kq[i] = kr[i];
+            float ks_g[NG];
+            float kb_g[NG];
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                ks_g[g] = float(ksp[tok * ks_strides[2] + g]);
+                kb_g[g] = float(kbp[tok * kb_strides[2] + g]);
+            }
 #pragma unroll
             for (int r = 0; r < R; ++r) s[r] = 0.f;
-            const uint4* kr = reinterpret_cast<const uint4*>(kwp + tok * kw_strides[2]);
-#pragma unroll 1
+#pragma unroll
             for (int g = 0; g < NG; ++g) {
                 float a[R];
 #pragma unroll
                 for (int r = 0; r < R; ++r) a[r] = 0.f;
-#pragma unroll 1
+#pragma unroll
                 for (int w4 = g * WORDS_A_GROUP / 4; w4 < (g + 1) * WORDS_A_GROUP / 4; ++w4) {
-                    const uint4 four = kr[w4];
-                    const uint32_t ws[4] = {four.x, four.y, four.z, four.w};
+                    const uint32_t ws[4] = {kq[w4].x, kq[w4].y, kq[w4].z, kq[w4].w};
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -140,10 +161,8 @@ _SOURCE = r"""
                         }
                     }
                 }
-                const float ks_g = float(ksp[tok * ks_strides[2] + g]);
-                const float kb_g = float(kbp[tok * kb_strides[2] + g]);
 #pragma unroll
-                for (int r = 0; r < R; ++r) s[r] += ks_g * a[r] + kb_g * qsum[r * NG + g];
+                for (int r = 0; r < R; ++r) s[r] += ks_g[g] * a[r] + kb_g[g] * qsum[r * NG + g];
             }
             if (MASK != 0) {
 #pragma unroll
@@ -197,20 +216,34 @@ _SOURCE = r"""
             for (int rr = 0; rr < RC; ++rr)
 #pragma unroll
                 for (int k = 0; k < PER_WORD; ++k) acc[rr][k] = 0.f;
-            for (int i = tgroup; i < T && t0 + i < S; i += TG) {
-                const int t = t0 + i;
-                const uint32_t w = vwp[t * vw_strides[2] + word];
-                const float vs_g = float(vsp[t * vs_strides[2] + vgroup]);
-                const float vb_g = float(vbp[t * vb_strides[2] + vgroup]);
-                float v[PER_WORD];
+            // U tokens' words, scales and biases loaded, then added in.
+#pragma unroll 1
+            for (int n0 = 0; n0 < NT; n0 += U) {
+                uint32_t w[U];
+                float vs_g[U];
+                float vb_g[U];
 #pragma unroll
-                for (int k = 0; k < PER_WORD; ++k) v[k] = vs_g * float((w >> (k * BITS)) & LOW) + vb_g;
+                for (int u = 0; u < U; ++u) {
+                    const int t = t0 + tgroup + (n0 + u) * TG;
+                    const bool in = t < S;
+                    w[u] = in ? vwp[t * vw_strides[2] + word] : 0u;
+                    vs_g[u] = in ? float(vsp[t * vs_strides[2] + vgroup]) : 0.f;
+                    vb_g[u] = in ? float(vbp[t * vb_strides[2] + vgroup]) : 0.f;
+                }
 #pragma unroll
-                for (int rr = 0; rr < RC; ++rr) {
-                    if (r0 + rr < R) {
-                        const float p = sc[(r0 + rr) * T + i];
+                for (int u = 0; u < U; ++u) {
+                    // Past the cache's end p is 0 and so is v.
+                    const int i = tgroup + (n0 + u) * TG;
+                    float v[PER_WORD];
 #pragma unroll
-                        for (int k = 0; k < PER_WORD; ++k) acc[rr][k] += p * v[k];
+                    for (int k = 0; k < PER_WORD; ++k) v[k] = vs_g[u] * float((w[u] >> (k * BITS)) & LOW) + vb_g[u];
+#pragma unroll
+                    for (int rr = 0; rr < RC; ++rr) {
+                        if (r0 + rr < R) {
+                            const float p = sc[(r0 + rr) * T + i];
+#pragma unroll
+                            for (int k = 0; k < PER_WORD; ++k) acc[rr][k] += p * v[k];
+                        }
                     }
                 }
             }
@@ -247,11 +280,13 @@ _MERGE = r"""
     const float NEG_INF = __int_as_float(static_cast<int>(0xff800000u));
     const float* st = stats + (size_t)bh * blocks * R * 2 + r * 2;
     float top = NEG_INF;
+#pragma unroll 8
     for (int n = 0; n < blocks; ++n) top = fmaxf(top, st[n * R * 2]);
     float num = 0.f;
     float den = 0.f;
     if (top != NEG_INF) {
         const float* op = o + (size_t)bh * blocks * R * D + r * D + d;
+#pragma unroll 8
         for (int n = 0; n < blocks; ++n) {
             const float m = st[n * R * 2];
             if (m == NEG_INF) continue;
@@ -367,7 +402,7 @@ def attention(queries, keys: tuple, values: tuple, scale: float, mask, group_siz
     blocks = -(-S // (THREADS * tiles))
     shared = 4 * (2 * R * D + R * (D // group_size) + R * THREADS + 3 * R)
     scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
-    template = [("D", D), ("GS", group_size), ("BITS", bits), ("R", R), ("L", L), ("TILES", tiles), ("MASK", kind), ("SCALE", scale_bits)]
+    template = [("T", THREADS), ("D", D), ("GS", group_size), ("BITS", bits), ("R", R), ("L", L), ("TILES", tiles), ("MASK", kind), ("SCALE", scale_bits)]
     o, stats = _kernel(shared)(
         inputs=[queries, *keys, *values, m],
         template=template,
