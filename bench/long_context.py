@@ -19,7 +19,8 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
   both with the worker's decode step (the default) and op by op (on
   CUDA; on the CPU the model's dtype only), alternated in one process; on the CPU also
   8-bit KV with the keys read by mlx's quantized matmul rather than scored
-  from their bytes (`8k`).
+  from their bytes (`8k`). The worker's step is timed once it has chosen
+  its way for that many rows at that context (on CUDA it times both first).
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
@@ -216,6 +217,7 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.engine.generator import Row
     from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
+    from worker.engine.step_choice import TRIAL_AT_MOST
     from worker.runtime.loader import load
     from worker.runtime.memory import bound_buffer_cache, processor
 
@@ -259,6 +261,13 @@ def part_decode(args, path: Path, codec, record) -> None:
         while gen.prefilling:
             gen.step()
         for _ in range(4):
+            gen.step()
+        # On CUDA the worker's step tries both ways at each new span of
+        # context (worker.engine.step_choice): timed after its choice.
+        choice = s.compiled.choice if s.compiled is not None else None
+        for _ in range(TRIAL_AT_MOST + 1):
+            if choice is None or choice.chosen(n) is not None:
+                break
             gen.step()
         mx.synchronize()
         t0 = time.perf_counter()

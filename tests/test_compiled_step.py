@@ -267,6 +267,8 @@ def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op_where_st
     assert compiled.decodes(batch.layers) and compiled.way(lone.layers, 1) is False  # no choice: the rule
     compiled.choice = StepChoice()
     assert compiled.way(lone.layers, 1) is True  # a trial starts with the trace
+    # A choice is kept per rows and context: the longest cache's capacity.
+    assert compiled.key(lone.layers, 1) == (1, max(c.keys.shape[2] for c in lone.layers)) and compiled.key(lone.layers, 1)[1] >= 9
     assert not compiled.decodes(lone.layers)
     model, vocab = hybrid
     compiled = CompiledDecode(model)
@@ -289,7 +291,7 @@ def test_the_generator_times_its_steps_both_ways_and_keeps_the_faster(dense_mode
     compiled.choice = StepChoice()
     timed = []
     original = compiled.choice.timed
-    monkeypatch.setattr(compiled.choice, "timed", lambda batch, traced, seconds: timed.append((batch, traced)) or original(batch, traced, seconds))
+    monkeypatch.setattr(compiled.choice, "timed", lambda key, traced, seconds: timed.append((key[0], traced)) or original(key, traced, seconds))
     gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None, compiled=compiled)
     prompts = prompts_of(vocab, [9, 6, 12][:rows])
     gen.start([Row(i, ids, RowSampling(GREEDY, vocab, ids)) for i, ids in enumerate(prompts)])
@@ -322,15 +324,17 @@ def test_a_step_is_timed_only_as_it_runs_in_a_run_of_its_own_way(dense_model):
     compiled = CompiledDecode(model)
     compiled.choice = StepChoice()
     reports = []
-    compiled.choice.timed = lambda batch, traced, seconds: reports.append((batch, traced, seconds))
+    compiled.choice.timed = lambda key, traced, seconds: reports.append((key, traced, seconds))
     gen = TokenGenerator(model, vocab, PrefixCache(model, 0), 64, None, compiled=compiled)
-    steady = [(8, 2, True, False), (9, 2, True, False), (10, 2, True, False)]
+    two = (2, 512)  # two rows, caches of 512 tokens
+    steady = [(8, two, True, False), (9, two, True, False), (10, two, True, False)]
     cases = {
         "steady": (steady, (9, 3), True),
         "a prompt chunk since the read before": (steady, (9, 2), False),
-        "the way before was the other": ([(8, 2, False, False)] + steady[1:], (9, 3), False),
-        "other rows before": ([(8, 3, True, False)] + steady[1:], (9, 3), False),
-        "it made a trace": ([steady[0], (9, 2, True, True), steady[2]], (9, 3), False),
+        "the way before was the other": ([(8, two, False, False)] + steady[1:], (9, 3), False),
+        "other rows before": ([(8, (3, 512), True, False)] + steady[1:], (9, 3), False),
+        "caches grown since the step before": ([(8, (2, 256), False, False), (9, two, False, False), steady[2]], (9, 3), False),
+        "it made a trace": ([steady[0], (9, two, True, True), steady[2]], (9, 3), False),
         "no read in the step before (a speculative step)": (steady, (8, 3), False),
         "not a step the choice chose (an adapter's rows)": ([steady[0], None, steady[2]], (9, 3), False),
     }
@@ -344,7 +348,7 @@ def test_a_step_is_timed_only_as_it_runs_in_a_run_of_its_own_way(dense_model):
         assert bool(reports) == timed, name
         if timed:
             [(batch, traced, seconds)] = reports
-            assert batch == 2 and traced and seconds >= 0.005
+            assert batch == (2, 512) and traced and seconds >= 0.005
         assert gen._read_at[0] == 10 and gen._read_at[2] == 3
 
 

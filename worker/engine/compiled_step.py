@@ -248,13 +248,25 @@ class CompiledDecode:
     def way(self, layers: list, rows: int | None = None) -> bool | None:
         """None when these caches cannot take the trace; else whether a
         decode step over them does: for a step the caller times (`rows`
-        given; it reports to `choice`) the way chosen for that many rows,
-        otherwise `decodes`'s rule."""
+        given; it reports to `choice` under `key(layers, rows)`) the way
+        chosen for that many rows at that length of context, otherwise
+        `decodes`'s rule."""
         if not self.steppable(layers):
             return None
         if rows is not None and self.choice is not None:
-            return self.choice.traced(rows)
+            return self.choice.traced(self.key(layers, rows))
         return not (self.lone_attention_eager and all(type(c) is KVCache for c in layers))
+
+    @staticmethod
+    def key(layers: list, rows: int) -> tuple[int, int]:
+        """What a choice of way is kept for: the rows, and the capacity in
+        tokens of their longest attention cache (0 for a model without one)."""
+        tokens = 0
+        for c in layers:
+            c = _inner(c)
+            if _attention(c) and c.keys is not None:
+                tokens = max(tokens, (c.keys[0] if isinstance(c.keys, tuple) else c.keys).shape[2])
+        return rows, tokens
 
     def _traced(self, states: list) -> list:
         layers = []

@@ -263,7 +263,7 @@ class TokenGenerator:
         self._steps = 0
         self._chunks = 0
         self._way: tuple[int, int, bool, bool] | None = None
-        self._ways: deque[tuple[int, int, bool, bool] | None] = deque(maxlen=3)
+        self._ways: deque[tuple[int, tuple[int, int], bool, bool] | None] = deque(maxlen=3)
         self._read_at: tuple[int, float, int] | None = None
 
     # -- membership ---------------------------------------------------------
@@ -565,9 +565,10 @@ class TokenGenerator:
     def _time_read(self) -> None:
         """Reports the time of the forward whose draw was just read to the
         compiled step's choice, where it ran as in a run of its own way:
-        built by the step before, right after a forward of the same way and
-        rows (whose draw the step before read), no prompt chunk read since
-        that read, and no trace made (worker.engine.step_choice)."""
+        built by the step before, right after a forward of the same way,
+        rows and caches' capacity (whose draw the step before read), no
+        prompt chunk read since that read, and no trace made
+        (worker.engine.step_choice)."""
         now = time.monotonic()
         last, self._read_at = self._read_at, (self._steps, now, self._chunks)
         choice = self.compiled.choice if self.compiled is not None else None
@@ -618,11 +619,12 @@ class TokenGenerator:
         # an adapter's rows, nor caches it cannot trace).
         traced = self.compiled.way(layers, len(slots)) if self.compiled is not None and all(s is None for s in slots) else None
         if not traced:
-            self._way = None if traced is None else (self._steps, len(slots), False, False)
+            self._way = None if traced is None else (self._steps, self.compiled.key(layers, len(slots)), False, False)
             return self.model(inputs[:, None], cache=layers)[:, -1, :]
         traces = self.compiled.traces
+        key = self.compiled.key(layers, len(slots))
         logits = self.compiled.forward(inputs, layers)
-        self._way = (self._steps, len(slots), True, self.compiled.traces != traces)
+        self._way = (self._steps, key, True, self.compiled.traces != traces)
         return logits
 
     def _start_masks(self, inputs: mx.array) -> tuple[list[int], Future]:

@@ -9,11 +9,16 @@ shape, the batch, the context and the machine: on two H100s, one process,
 the 8B shape's lone row stepped op by op at 0.96x and 0.98x mlx-lm's rate
 and traced at 0.85x on the first machine and 1.09x on the second; with 8
 rows at 2k tokens op by op ran 1.2x the trace. So the worker times both,
-per batch size, and keeps the faster.
+per batch size and span of context, and keeps the faster: a choice made
+for a short context does not hold for a long one (on an H100 a lone row
+of the 8B shape over an 8-bit cache of 32k tokens stepped at 51-55 tokens
+a second traced, the way its warm-up had chosen at a few tokens, and at
+90 op by op). Contexts within a factor of 4 of each other (by their
+caches' capacity: 512-2047 tokens, 2048-8191, ...) share a choice.
 
 A trial alternates blocks of BLOCK steps of each way until each has TRIAL
 timed steps, then keeps the one with the lower median step time, for RETRY
-steps at that batch size; then it tries again, since a machine's speed
+steps at that batch size and span; then it tries again, since a machine's speed
 drifts (other work, clocks) and a long context changes the balance. A
 trial that has not timed enough steps in TRIAL_AT_MOST (a batch whose
 steps keep sharing their time with prompt chunks) chooses on what it has,
@@ -23,7 +28,9 @@ after a step of the same way and batch size, with no prompt chunk and no
 new trace in between (so the first step of each block is not timed).
 
 Pure: no clock and no model; the generator measures, this judges. The
-table holds one entry per batch size, at most the worker's max_batch.
+table holds one entry per batch size and span met: at most the worker's
+max_batch times the spans up to its longest context (5 from 256 to 128k
+tokens: capacities grow in steps of 256).
 """
 
 from __future__ import annotations
@@ -51,23 +58,35 @@ class _Size:
         self.steps = 0  # steps of the trial
 
 
-class StepChoice:
-    def __init__(self) -> None:
-        self._sizes: dict[int, _Size] = {}
+def span(tokens: int) -> int:
+    """The span of context a choice holds for: contexts within a factor of
+    4 of each other share one."""
+    return max(tokens, 1).bit_length() // 2
 
-    def traced(self, batch: int) -> bool:
-        """The way the next decode step of `batch` rows runs (True: traced)."""
-        size = self._sizes.get(batch)
+
+class StepChoice:
+    """Keys are (rows, tokens): a decode step's batch size and its caches'
+    capacity in tokens."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[tuple[int, int], _Size] = {}
+        self._latest: dict[int, tuple[int, int]] = {}  # rows -> the span they last stepped at
+
+    def traced(self, key: tuple[int, int]) -> bool:
+        """The way the next decode step of `key` runs (True: traced)."""
+        rows, tokens = key
+        key = self._latest[rows] = (rows, span(tokens))
+        size = self._sizes.get(key)
         if size is None:
-            size = self._sizes[batch] = _Size()
+            size = self._sizes[key] = _Size()
         if size.traced is not None:
             size.since += 1
             if size.since < RETRY:
                 return size.traced
-            self._sizes[batch] = size = _Size()
+            self._sizes[key] = size = _Size()
         size.steps += 1
         if size.steps > TRIAL_AT_MOST:
-            self._choose(batch, size)
+            self._choose(key, size)
             return size.traced
         if size.left == 0 or len(size.times[size.turn]) >= TRIAL:
             if len(size.times[not size.turn]) < TRIAL:
@@ -76,31 +95,37 @@ class StepChoice:
         size.left -= 1
         return size.turn
 
-    def timed(self, batch: int, traced: bool, seconds: float) -> None:
-        """A step of `batch` rows run that way took `seconds` (see the module's
+    def timed(self, key: tuple[int, int], traced: bool, seconds: float) -> None:
+        """A step of `key` run that way took `seconds` (see the module's
         docstring for which steps count)."""
-        size = self._sizes.get(batch)
+        rows, tokens = key
+        key = (rows, span(tokens))
+        size = self._sizes.get(key)
         if size is None or size.traced is not None or seconds <= 0:
             return
         times = size.times[traced]
         if len(times) < TRIAL:
             times.append(seconds)
         if all(len(t) >= TRIAL for t in size.times.values()):
-            self._choose(batch, size)
+            self._choose(key, size)
 
     @staticmethod
-    def _choose(batch: int, size: _Size) -> None:
+    def _choose(key: tuple[int, int], size: _Size) -> None:
         traced, eager = size.times[True], size.times[False]
         size.traced = not (traced and eager) or median(traced) <= median(eager)
+        rows, s = key
         log.info(
-            "decode steps of %d rows: traced %s, op by op %s: %s",
-            batch,
+            "decode steps of %d rows over %d-%d tokens of context: traced %s, op by op %s: %s",
+            rows,
+            1 << (2 * s - 1) if s else 0,
+            (1 << (2 * s + 1)) - 1,
             f"{median(traced) * 1e3:.2f} ms (median of {len(traced)})" if traced else "not timed",
             f"{median(eager) * 1e3:.2f} ms (median of {len(eager)})" if eager else "not timed",
             "traced" if size.traced else "op by op",
         )
 
-    def chosen(self, batch: int) -> bool | None:
-        """The way kept for this batch size (None: not chosen yet)."""
-        size = self._sizes.get(batch)
+    def chosen(self, rows: int) -> bool | None:
+        """The way kept for this many rows at the span they last stepped at
+        (None: not chosen yet)."""
+        size = self._sizes.get(self._latest.get(rows))
         return None if size is None else size.traced
