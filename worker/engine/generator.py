@@ -262,7 +262,7 @@ class TokenGenerator:
         # time, chunks) of the last such step's read.
         self._steps = 0
         self._chunks = 0
-        self._way: tuple[int, int, bool, bool] | None = None
+        self._way: tuple[int, tuple[int, int], bool, bool] | None = None
         self._ways: deque[tuple[int, tuple[int, int], bool, bool] | None] = deque(maxlen=3)
         self._read_at: tuple[int, float, int] | None = None
 

@@ -24,7 +24,7 @@ trial that has not timed enough steps in TRIAL_AT_MOST (a batch whose
 steps keep sharing their time with prompt chunks) chooses on what it has,
 the trace where one way has nothing. The
 caller times a step only where it ran as it does in a run of its own kind:
-after a step of the same way and batch size, with no prompt chunk and no
+after a step of the same way, batch size and capacity, with no prompt chunk and no
 new trace in between (so the first step of each block is not timed).
 
 Pure: no clock and no model; the generator measures, this judges. The
