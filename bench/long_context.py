@@ -106,7 +106,7 @@ def part_restart(args, path: Path, system: str, record) -> None:
         restart = ask(pool, 2)
         pool.close()
         for line in pool.stderr.decode(errors="replace").splitlines():
-            if "read from disk" in line or "not read:" in line or "prefix cache file(s) on disk" in line or " ready: " in line:
+            if "read from disk" in line or "rehearsed" in line or "not read:" in line or "prefix cache file(s) on disk" in line or " ready: " in line:
                 print(f"  restarted worker: {line.strip()}", file=sys.stderr)
         rounds.append({"cold": cold, "warm": warm, "restart": restart, "disk_bytes": disk_bytes})
         record(

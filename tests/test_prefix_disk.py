@@ -315,6 +315,9 @@ def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkey
     system = min(disk._index.values(), key=lambda e: e.size)
     assert system.size > 4 * (16 << 10)
     reader = engine_for(tiny_model, prefix_disk=disk)
+    rehearsed = []
+    rehearse = reader.prefix_cache.rehearse
+    monkeypatch.setattr(reader.prefix_cache, "rehearse", lambda: rehearsed.append(len(reader.prefix_cache)) or rehearse())
     assert disk.read(system, read_back=True)
     wait_for(lambda: disk._results.qsize(), timeout=30, message="the read-back's check")
     reader.step()  # as the worker's loop does when the disk thread wakes it
@@ -324,8 +327,38 @@ def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkey
         steps += 1
         assert steps < 1000
     assert steps > 4 and len(reader.prefix_cache) == 1
+    assert rehearsed == [1]  # once, with the file in the memory tier
     _, done = run(reader, prompt=SECOND)
     assert done["cached_tokens"] > 0
+
+
+def test_a_rehearsed_hit_leaves_its_copy_s_buffers_in_mlx_s_cache(tiny_model, tmp_path):
+    """The rehearsal makes the live cache a hit on the longest snapshot
+    makes, so a restarted worker's first hit gets its buffers back from
+    mlx's cache rather than from memory never touched."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    disk = disk_after_first(tiny_model, tmp_path)
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    assert reader.prefix_cache.rehearse() == 0  # nothing held
+    entries = list(disk._index.values())
+    for entry in entries:
+        assert disk.read(entry, read_back=True)
+    deadline = time.monotonic() + 60
+    while disk.reading or reader.has_work or len(reader.prefix_cache) < len(entries):
+        assert time.monotonic() < deadline, "the read-backs"
+        reader.step()  # as the worker's loop does when the disk thread wakes it
+    held = list(reader.prefix_cache._entries.values())
+    longest = max(held, key=lambda e: len(e.tokens))
+    capacity = -(-(len(longest.tokens) + 1) // KVCache.step) * KVCache.step
+    kinds = make_prompt_cache(reader.prefix_cache.model)
+    kv = [saved for c, saved in zip(kinds, longest.layers) if isinstance(c, KVCache)]
+    copy_bytes = sum(2 * k.shape[0] * k.shape[1] * capacity * k.shape[3] * k.itemsize for k, _ in kv)
+    mx.clear_cache()
+    assert reader.prefix_cache.rehearse() == len(longest.tokens)
+    assert kv and mx.get_cache_memory() >= copy_bytes
+    assert list(reader.prefix_cache._entries.values()) == held
 
 
 def test_another_models_files_are_in_another_directory(tiny_model, second_model, tmp_path):

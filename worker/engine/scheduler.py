@@ -199,6 +199,8 @@ class Scheduler:
         # no request waits for a file: at most one per file in the disk
         # tier's index.
         self._restoring: deque[_Restoring] = deque()
+        # Read-backs made since the last rehearsal of a hit (PrefixCache.rehearse).
+        self._rehearse_due = False
         self._first_pending_since: float | None = None  # since when a first token has been pending
         # Files read and long prompts read, timed (_disk_results, _end).
         self.disk_rates = DiskRates()
@@ -316,6 +318,7 @@ class Scheduler:
                 # made a part a step, once no request waits for a file.
                 if loaded is not None:
                     self._restoring.append(_Restoring(entry, loaded, loaded.parts(READ_BACK_STEP_BYTES)))
+                    self._rehearse_due = True
                 continue
             if loaded is not None:
                 self._restore(_Restoring(entry, loaded, loaded.parts(None)))
@@ -325,6 +328,14 @@ class Scheduler:
         if self._restoring and not awaited:
             if self._restore(self._restoring[0]):
                 self._restoring.popleft()
+        if self._rehearse_ready:
+            self._rehearse_due = False
+            t0 = time.monotonic()
+            try:
+                if tokens := self.prefix_cache.rehearse():
+                    log.info("prefix cache: a hit on %d tokens rehearsed in %.0f ms", tokens, (time.monotonic() - t0) * 1e3)
+            except Exception:  # only a head start for the first hit: the worker goes on without it
+                log.exception("prefix cache: rehearsing a hit failed")
 
     def _restore(self, restoring: _Restoring) -> bool:
         """Makes the next part of a file's arrays; at the last, puts its
@@ -385,12 +396,20 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return (
-            bool(self.generator)
+            self._rehearse_ready
+            or bool(self.generator)
             or (bool(self.waiting) and not self._stalled)
             or self.adapters.has_results
             or (bool(self._restoring) and not any(w.disk for w in self.waiting))
             or (self.prefix_cache.disk is not None and bool(self.prefix_cache.disk.uncopied))
         )
+
+    @property
+    def _rehearse_ready(self) -> bool:
+        """Every file read back is in the memory tier and nothing runs: a
+        hit's rehearsal holds up no request (PrefixCache.rehearse)."""
+        disk = self.prefix_cache.disk
+        return self._rehearse_due and not self._restoring and not self.busy and disk is not None and not disk.reading
 
     @property
     def busy(self) -> bool:
