@@ -332,6 +332,34 @@ def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkey
     assert done["cached_tokens"] > 0
 
 
+def test_a_hit_is_rehearsed_only_once_no_request_runs(tiny_model, tmp_path, monkeypatch):
+    """Read-backs made into arrays while a request is in the worker leave
+    the rehearsal for after it, so it holds up no step of a request."""
+    from worker.cache import prefix_disk
+
+    monkeypatch.setattr(prefix_disk, "READ_BACK_QUIET_S", 0.0)
+    disk = disk_after_first(tiny_model, tmp_path)
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    rehearsed = []
+    rehearse = reader.prefix_cache.rehearse
+    monkeypatch.setattr(reader.prefix_cache, "rehearse", lambda: rehearsed.append(reader.busy) or rehearse())
+    entries = list(disk._index.values())
+    for entry in entries:
+        assert disk.read(entry, read_back=True)
+    reader.submit(Generate(rid=0, prompt="An unrelated question about rivers.", temperature=0.0, max_tokens=4), 0.0)
+    deadline = time.monotonic() + 60
+    # The scheduler's own handling of disk results, run while the request waits.
+    while disk.reading or reader._restoring or len(reader.prefix_cache) < len(entries):
+        assert time.monotonic() < deadline, "the read-backs"
+        reader._disk_results()
+    assert reader.busy and rehearsed == []
+    reader.drain()
+    while reader.has_work:
+        assert time.monotonic() < deadline, "the rehearsal"
+        reader.step()
+    assert rehearsed == [False]
+
+
 def test_a_rehearsed_hit_leaves_its_copy_s_buffers_in_mlx_s_cache(tiny_model, tmp_path):
     """The rehearsal makes the live cache a hit on the longest snapshot
     makes, so a restarted worker's first hit gets its buffers back from
