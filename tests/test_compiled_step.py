@@ -264,9 +264,9 @@ def test_on_cuda_a_lone_row_of_an_attention_only_model_decodes_op_by_op_where_st
     assert compiled.decodes(lone.layers) and compiled.decodes(batch.layers)
     compiled.lone_attention_eager = True
     assert not compiled.decodes(lone.layers) and compiled.steppable(lone.layers)
-    assert compiled.decodes(batch.layers) and compiled.way(lone.layers, 1) is False  # no choice: the rule
+    assert compiled.decodes(batch.layers) and compiled.way(lone.layers, 1) == (False, None)  # no choice: the rule
     compiled.choice = StepChoice()
-    assert compiled.way(lone.layers, 1) is True  # a trial starts with the trace
+    assert compiled.way(lone.layers, 1) == (True, compiled.key(lone.layers, 1))  # a trial starts with the trace
     # A choice is kept per rows and context: the longest cache's capacity.
     assert compiled.key(lone.layers, 1) == (1, max(c.keys.shape[2] for c in lone.layers)) and compiled.key(lone.layers, 1)[1] >= 9
     assert not compiled.decodes(lone.layers)

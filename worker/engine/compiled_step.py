@@ -243,19 +243,23 @@ class CompiledDecode:
         """Whether a decode step (one token a row) nobody times takes the
         trace: steppable, and not a lone row of plain attention caches on
         CUDA (see the module's docstring)."""
-        return self.way(layers) is True
+        return self.steppable(layers) and self._by_rule(layers)
 
-    def way(self, layers: list, rows: int | None = None) -> bool | None:
-        """None when these caches cannot take the trace; else whether a
-        decode step over them does: for a step the caller times (`rows`
-        given; it reports to `choice` under `key(layers, rows)`) the way
-        chosen for that many rows at that length of context, otherwise
-        `decodes`'s rule."""
-        if not self.steppable(layers):
-            return None
-        if rows is not None and self.choice is not None:
-            return self.choice.traced(self.key(layers, rows))
+    def _by_rule(self, layers: list) -> bool:
         return not (self.lone_attention_eager and all(type(c) is KVCache for c in layers))
+
+    def way(self, layers: list, rows: int) -> tuple[bool | None, tuple[int, int] | None]:
+        """For a decode step of `rows` the caller times: None when these
+        caches cannot take the trace, else whether it does, the way `choice`
+        keeps for `key(layers, rows)`, and that key, which the caller
+        reports the step's time under (None without a choice: `decodes`'s
+        rule decides)."""
+        if not self.steppable(layers):
+            return None, None
+        if self.choice is None:
+            return self._by_rule(layers), None
+        key = self.key(layers, rows)
+        return self.choice.traced(key), key
 
     @staticmethod
     def key(layers: list, rows: int) -> tuple[int, int]:

@@ -262,8 +262,8 @@ class TokenGenerator:
         # time, chunks) of the last such step's read.
         self._steps = 0
         self._chunks = 0
-        self._way: tuple[int, tuple[int, int], bool, bool] | None = None
-        self._ways: deque[tuple[int, tuple[int, int], bool, bool] | None] = deque(maxlen=3)
+        self._way: tuple[int, tuple[int, int] | None, bool, bool] | None = None
+        self._ways: deque[tuple[int, tuple[int, int] | None, bool, bool] | None] = deque(maxlen=3)
         self._read_at: tuple[int, float, int] | None = None
 
     # -- membership ---------------------------------------------------------
@@ -617,12 +617,11 @@ class TokenGenerator:
         layers = self._cache.layers
         # Only a step whose way the compiled step chose is timed for it (not
         # an adapter's rows, nor caches it cannot trace).
-        traced = self.compiled.way(layers, len(slots)) if self.compiled is not None and all(s is None for s in slots) else None
+        traced, key = self.compiled.way(layers, len(slots)) if self.compiled is not None and all(s is None for s in slots) else (None, None)
         if not traced:
-            self._way = None if traced is None else (self._steps, self.compiled.key(layers, len(slots)), False, False)
+            self._way = None if traced is None else (self._steps, key, False, False)
             return self.model(inputs[:, None], cache=layers)[:, -1, :]
         traces = self.compiled.traces
-        key = self.compiled.key(layers, len(slots))
         logits = self.compiled.forward(inputs, layers)
         self._way = (self._steps, key, True, self.compiled.traces != traces)
         return logits
