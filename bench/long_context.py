@@ -217,7 +217,6 @@ def part_decode(args, path: Path, codec, record) -> None:
     from worker.engine.generator import Row
     from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
-    from worker.engine.step_choice import TRIAL_AT_MOST
     from worker.runtime.loader import load
     from worker.runtime.memory import bound_buffer_cache, processor
 
@@ -264,11 +263,7 @@ def part_decode(args, path: Path, codec, record) -> None:
             gen.step()
         # On CUDA the worker's step tries both ways at each new span of
         # context (worker.engine.step_choice): timed after its choice.
-        choice = s.compiled.choice if s.compiled is not None else None
-        for _ in range(TRIAL_AT_MOST + 1):
-            if choice is None or choice.chosen(n) is not None:
-                break
-            gen.step()
+        gen.step_until_chosen(n)
         mx.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.decode_steps):

@@ -98,6 +98,7 @@ from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintViolation, RowConstraint
 from worker.engine.sampling import BatchSampler, RowSampling, StepLogprobs
 from worker.engine.speculate import Speculator
+from worker.engine.step_choice import TRIAL_AT_MOST
 from worker.runtime.gated_delta import CHUNK
 from worker.runtime.parts import last_position_only, model_parts, text_model
 
@@ -459,6 +460,16 @@ class TokenGenerator:
         return lost
 
     # -- stepping -----------------------------------------------------------
+
+    def step_until_chosen(self, rows: int) -> None:
+        """Steps until the compiled step has chosen its way for this many
+        rows at their context (worker.engine.step_choice), at most a
+        trial's length; without a choice (the CPU), not at all."""
+        choice = self.compiled.choice if self.compiled is not None else None
+        for _ in range(TRIAL_AT_MOST + 1):
+            if choice is None or choice.chosen(rows) is not None:
+                return
+            self.step()
 
     def step(self) -> list[tuple[Row, int | None]]:
         """One decode step and one prefill chunk. Returns each decode row

@@ -49,7 +49,6 @@ from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, Ro
 from worker.engine.generator import BatchFailed, Row, TokenGenerator
 from worker.engine.sampling import RowSampling
 from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
-from worker.engine.step_choice import TRIAL_AT_MOST
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.runtime import defaults, short_attention
@@ -716,11 +715,7 @@ class Scheduler:
         # here rather than in the first request's steps, half of which would
         # take the slower way (worker.engine.step_choice): a chat app's
         # requests mostly come one at a time.
-        choice = self.compiled.choice if self.compiled is not None else None
-        for _ in range(TRIAL_AT_MOST + 1):
-            if choice is None or choice.chosen(1) is not None:
-                break
-            generator.step()
+        generator.step_until_chosen(1)
         generator.remove([lone])
         rows = [row(i, greedy if i == 1 else default) for i in range(self.max_batch)]
         run(rows, 1)
