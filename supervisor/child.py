@@ -69,11 +69,15 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None) -> tuple[list[str], dict[str, str]]:
+def worker_command(spec: ModelSpec, config: Config, adapter_copies: Path | None, held_elsewhere: int = 0) -> tuple[list[str], dict[str, str]]:
     """argv and environment of the pool's worker for `spec.key`, named by
     `spec.name`. It starts without an adapter: every request names its own
-    (docs/adapters.md), so the one worker serves every name on its base model."""
+    (docs/adapters.md), so the one worker serves every name on its base
+    model. `held_elsewhere`: the memory the pool's other workers hold or may
+    take, which its default budgets leave out."""
     args = ["--model", str(spec.path), "--name", spec.name, "--heartbeat", str(config.heartbeat_interval), "--max-batch", str(spec.max_batch)]
+    if held_elsewhere > 0:
+        args += ["--memory-held-elsewhere", str(held_elsewhere)]
     args += ["--max-adapters", str(spec.max_adapters)]
     if spec.draft is not None:
         args += ["--draft", spec.draft, "--draft-tokens", str(spec.draft_tokens)]

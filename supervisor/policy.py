@@ -142,6 +142,20 @@ def footprint_of(figures) -> int:
     return footprint(figures.rss_bytes, figures.mlx_active_bytes, figures.mlx_cache_bytes)
 
 
+def promised(ready: dict) -> int | None:
+    """What a ready worker holds or may take of the memory it computes on,
+    from its ready line: its weights, its prefix cache's budget and the
+    most its rows' caches take (None where the line lacks one). A
+    worker starting beside it sizes its own defaults from what is left
+    (`--memory-held-elsewhere`): each sizing from free memory alone, two
+    workers on one GPU or Mac would each count the other's caches, not yet
+    allocated, as theirs."""
+    parts = [ready.get(k) for k in ("weights_bytes", "prefix_cache_bytes", "rows_memory_bytes")]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in parts):
+        return None
+    return sum(parts)
+
+
 # Without max_loaded or memory_budget the pool still bounds its workers: as
 # many as fit in this share of the machine's memory at the footprint of the
 # largest (its weights and the runtime a worker takes besides), never more

@@ -40,6 +40,7 @@ from supervisor.policy import (
     footprint_of,
     make_room,
     memory_to_share,
+    promised,
 )
 from supervisor.resolve import Resolver
 from supervisor.slot import WorkerSlot
@@ -173,7 +174,7 @@ class Workers:
         first name of a worker creates its slot and starts its admission."""
         slot = self.slots.get(spec.key)
         if slot is None:
-            command = lambda: worker_command(spec, self.pool.config, self.copies.dir_for(spec))  # noqa: E731
+            command = lambda: worker_command(spec, self.pool.config, self.copies.dir_for(spec), self._held_elsewhere(spec.key))  # noqa: E731
             slot = WorkerSlot(spec, self, self.pool.output, command, self.restart_policy, self.rng, next(self._numbers))
             slot.pause_reading(self.pool.output.paused)
             self.slots[spec.key] = slot
@@ -207,6 +208,20 @@ class Workers:
             weights = 0
         measured = [held(s) - s.stats.weights_bytes for s in self.slots.values() if held(s) and s.state in LIVE]
         return weights + (int(statistics.median(measured)) if measured else DEFAULT_RUNTIME_BYTES)
+
+    def _held_elsewhere(self, key: object) -> int:
+        """What the other live workers on this machine hold or may take of
+        its compute memory, as the worker of `key` starts: a ready one's
+        promise (policy.promised), a loading one's estimated footprint. A
+        model split over processes (its ranks may be on other hosts) is not
+        counted."""
+        total = 0
+        for s in self.slots.values():
+            if s.spec.key == key or s.spec.group is not None or s.state not in LIVE:
+                continue
+            told = promised(s.ready) if s.state != State.LOADING else None
+            total += told if told is not None else self._estimate_bytes(s.spec)
+        return total
 
     def _residents(self, exclude: WorkerSlot) -> list[Resident]:
         return [

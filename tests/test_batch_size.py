@@ -1,6 +1,8 @@
 """max_batch = "auto": the sizing rule (pure arithmetic, no device needed)
 and what a worker and the pool say they chose."""
 
+import re
+
 import pytest
 
 from worker.runtime.batch_size import (
@@ -74,6 +76,42 @@ def test_the_workers_ready_line_says_what_it_chose(tiny_model, args, rows, why):
         assert worker.close() == 0
 
 
+def test_memory_held_elsewhere_leaves_a_worker_less_and_none_still_serves_one_row(tiny_model):
+    """On a CPU the guard's default is a quarter of the RAM and at most three
+    quarters of what is unused; the pool's other workers' memory is not
+    unused."""
+    import psutil
+
+    from harness.procs import wait_for
+    from harness.worker import WorkerProc
+
+    def ready_line(worker: WorkerProc) -> dict[str, int]:
+        line = wait_for(lambda: next((x for x in worker.stderr.decode().splitlines() if " ready: " in x), None), 30, message="the ready log line")
+        return {k: int(v) for k, v in re.findall(r"(batch_memory|memory_held_elsewhere)=(\d+)", line)}
+
+    total = psutil.virtual_memory().total
+    prefix = 512 * 1024 * 1024  # the CPU's default prefix cache
+    # 1 GiB left beside the prefix cache's budget: a guard of about 0.75 GiB.
+    worker = WorkerProc(tiny_model, "--memory-held-elsewhere", str(total - prefix - GIB))
+    try:
+        ready = worker.wait_ready()
+        figures = ready_line(worker)
+        assert figures["memory_held_elsewhere"] == total - prefix - GIB
+        assert 0.5 * GIB < figures["batch_memory"] <= 0.75 * GIB
+        assert ready["rows_memory_bytes"] <= figures["batch_memory"]
+    finally:
+        assert worker.close() == 0
+    # Nothing left: no guard, one row at a time, and requests are still served.
+    worker = WorkerProc(tiny_model, "--memory-held-elsewhere", str(total))
+    try:
+        ready = worker.wait_ready()
+        assert ready_line(worker)["batch_memory"] == 0 and ready["rows_memory_bytes"] == 0
+        assert ready["max_batch"] == 1 and ready["max_batch_why"].startswith("auto: 1:")
+        assert worker.generate(prompt="<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", max_tokens=3)["done"]
+    finally:
+        assert worker.close() == 0
+
+
 def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
     config = tmp_path / "pool.toml"
     config.write_text(f'[[models]]\nname = "m"\npath = "{tiny_model}"\npreload = true\n')
@@ -83,6 +121,26 @@ def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
     row = pool.wait_ev("status")["models"][0]
     assert row["max_batch"] == CPU_MAX and row["max_batch_why"].startswith("auto: 8, the cpu cap")
     assert row["prefix_cache_bytes"] == 512 * 1024 * 1024
+    assert pool.close() == 0
+
+
+def test_the_pool_tells_a_worker_what_the_others_hold_or_may_take(tiny_model, spawn_pool, tmp_path):
+    import psutil
+
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[[models]]\nname = "a"\npath = "{tiny_model}"\npreload = true\n\n[[models]]\nname = "b"\npath = "{tiny_model}"\nmax_batch = 2\n')
+    pool = spawn_pool("--config", str(config), "--no-control-socket")
+    first = pool.wait_ev("ready", model="a")
+    promise = first["weights_bytes"] + first["prefix_cache_bytes"] + first["rows_memory_bytes"]
+    # 8 rows at the tiny model's whole context: far below the guard (a quarter of the RAM).
+    assert 0 < first["rows_memory_bytes"] < 256 * 1024**2
+    pool.send({"op": "load", "model": "b"})
+    pool.wait_ev("ready", model="b")
+    pool.send({"op": "status"})
+    rows = {r["model"]: r for r in pool.wait_ev("status")["models"]}
+    argv = psutil.Process(rows["b"]["pid"]).cmdline()
+    assert argv[argv.index("--memory-held-elsewhere") + 1] == str(promise)
+    assert "--memory-held-elsewhere" not in psutil.Process(rows["a"]["pid"]).cmdline()
     assert pool.close() == 0
 
 
@@ -97,7 +155,7 @@ def test_a_worker_leaves_its_prefix_cache_budget_out_of_the_rows_memory(tiny_mod
     row = first.row_fixed_bytes + first.row_token_bytes * SIZING_TOKENS  # the tiny model has no stated context
     room = int(40.5 * row / FREE_SHARE)  # 40 rows of unused memory, below the 1 GiB guard
     monkeypatch.setattr(scheduler_module, "processor", lambda: "cuda")
-    monkeypatch.setattr(scheduler_module, "unused_device_memory", lambda: room)
+    monkeypatch.setattr(scheduler_module, "unused_device_memory", lambda held_elsewhere: room - held_elsewhere)
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0).max_batch == 40
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=int(20 * row / FREE_SHARE)).max_batch == 20
 

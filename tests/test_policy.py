@@ -26,6 +26,7 @@ from supervisor.policy import (
     make_room,
     memory_to_share,
     on_crash,
+    promised,
 )
 
 POLICY = RestartPolicy()
@@ -200,6 +201,16 @@ def test_the_memory_shared_out_is_the_devices_where_workers_report_a_smaller_one
     assert memory_to_share(125 * gib, [0]) == 125 * gib
     assert memory_to_share(64 * gib, [64 * gib]) == 64 * gib
     assert default_max_loaded(memory_to_share(125 * gib, [80 * gib]), [16 * gib]) == 3
+
+
+def test_a_ready_worker_promises_its_weights_its_prefix_cache_and_its_rows_most():
+    ready = {"ev": "ready", "weights_bytes": 16 << 30, "prefix_cache_bytes": 2 << 30, "rows_memory_bytes": 35 << 30}
+    assert promised(ready) == 53 << 30
+    # A line without the figures (an older or a fake worker), or with a bad one.
+    assert promised({"ev": "ready", "weights_bytes": 1}) is None
+    assert promised(ready | {"rows_memory_bytes": True}) is None
+    assert promised(ready | {"prefix_cache_bytes": -1}) is None
+    assert promised(ready | {"weights_bytes": "16GiB"}) is None
 
 
 def test_footprint_counts_mlx_buffers_that_rss_does_not_show():

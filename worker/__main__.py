@@ -124,6 +124,13 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
         help="memory for reusable prompt state of earlier requests, 0 to disable (default: 512 MiB on a CPU, an eighth of a GPU's memory or a quarter of what is free on it, if less)",
     )
     p.add_argument(
+        "--memory-held-elsewhere",
+        type=int,
+        default=0,
+        help="bytes of this machine's compute memory that other workers hold or may take (the pool passes their weights, "
+        "prefix caches and memory guards): the defaults of --batch-memory, --prefix-cache-bytes and --max-batch auto leave them out",
+    )
+    p.add_argument(
         "--prefix-disk-dir",
         type=Path,
         help="directory for the prefix cache's files, which outlive this process (default: none, memory only)",
@@ -243,6 +250,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--quantized-kv-start is a count of tokens (>= 0) for --kv-bits")
     if args.ranks > 1 and (args.kv_bits or args.warm_prompt or args.warm_prompt_file):
         p.error("--kv-bits and warm prompts are for a model in one process (--ranks 1)")
+    if args.memory_held_elsewhere < 0:
+        p.error(f"--memory-held-elsewhere is a count of bytes (>= 0), not {args.memory_held_elsewhere}")
     if not 0.01 <= args.gil_switch_ms <= 1000:  # also refuses nan
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
 
@@ -391,7 +400,7 @@ def prefix_cache_budget(args: argparse.Namespace) -> int:
 
     from worker.runtime.memory import device_memory, unused_device_memory
 
-    return defaults.prefix_cache_bytes(mx.default_device() == mx.gpu, device_memory(), unused_device_memory())
+    return defaults.prefix_cache_bytes(mx.default_device() == mx.gpu, device_memory(), unused_device_memory(args.memory_held_elsewhere))
 
 
 def open_prefix_disk(args: argparse.Namespace, loaded, wake):
@@ -440,7 +449,7 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
             max_batch=args.max_batch,
             batch_memory=args.batch_memory
             if args.batch_memory is not None
-            else default_batch_memory(device_memory(), unused_device_memory(), args.prefix_cache_bytes),
+            else default_batch_memory(device_memory(), unused_device_memory(args.memory_held_elsewhere), args.prefix_cache_bytes),
             prefill_step=args.prefill_step,  # None: the device's default
             prefix_cache_bytes=args.prefix_cache_bytes,
             max_prompt_bytes=args.max_prompt_bytes,
@@ -452,6 +461,7 @@ def build_scheduler(args: argparse.Namespace, loaded, codec, server, group, pref
             draft_tokens=args.draft_tokens,
             max_context=args.max_context,
             prefix_disk=prefix_disk,
+            held_elsewhere=args.memory_held_elsewhere,
         )
     except DraftError as exc:
         raise StartError(f"bad draft: {exc}") from exc
@@ -541,7 +551,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     weights = server.weights_bytes if group is None else group.weights_bytes(loaded)
     load_ms = int((time.perf_counter() - t0) * 1000)
     log.info(
-        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d buffer_cache=%d prefix_cache=%d mask_threads=%d gil_switch_ms=%g",
+        "ready: format=%s weights=%d bytes load_ms=%d max_batch=%d (%s) batch_memory=%d buffer_cache=%d prefix_cache=%d memory_held_elsewhere=%d mask_threads=%d gil_switch_ms=%g",
         loaded.format,
         weights,
         load_ms,
@@ -550,6 +560,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
         scheduler.batch_memory,
         buffer_cache_limit(scheduler.batch_memory),
         scheduler.prefix_cache.budget,
+        args.memory_held_elsewhere,
         scheduler.masks.threads,
         sys.getswitchinterval() * 1000,
     )
@@ -570,6 +581,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
             max_batch=scheduler.max_batch,
             max_batch_why=scheduler.max_batch_why,
             prefix_cache_bytes=scheduler.prefix_cache.budget,
+            rows_memory_bytes=scheduler.rows_memory_at_most,
         )
     )
 

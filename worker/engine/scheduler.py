@@ -52,7 +52,7 @@ from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.runtime import defaults, short_attention
-from worker.runtime.batch_size import auto_max_batch
+from worker.runtime.batch_size import SIZING_TOKENS, auto_max_batch
 from worker.runtime.loader import LoadedModel
 from worker.runtime.memory import processor, trim_heap, unused_device_memory
 from worker.text.prompts import PromptReader, RequestError, model_limit
@@ -120,6 +120,7 @@ class Scheduler:
         draft_tokens: int = DEFAULT_TOKENS,
         max_context: int | None = None,
         prefix_disk: PrefixDisk | None = None,
+        held_elsewhere: int = 0,  # worker.runtime.memory.unused_device_memory's
     ):
         self.loaded = loaded
         self.run_ahead = run_ahead  # TokenGenerator's
@@ -160,7 +161,7 @@ class Scheduler:
                 processor=processor(),
                 # The prefix cache fills its budget as it is used: what it
                 # will hold is not memory for rows.
-                free_bytes=unused_device_memory() - self.prefix_cache.budget,
+                free_bytes=unused_device_memory(held_elsewhere) - self.prefix_cache.budget,
                 guard_bytes=batch_memory,
                 row_fixed_bytes=self.row_fixed_bytes,
                 row_token_bytes=self.row_token_bytes,
@@ -572,6 +573,15 @@ class Scheduler:
             # Joining the group that was reading can take that group down too.
             for row in rows + (exc.rows if isinstance(exc, BatchFailed) else []):
                 self._fail(row, exc)
+
+    @property
+    def rows_memory_at_most(self) -> int:
+        """The most the rows' caches take: the memory guard, or max_batch
+        rows at the model's context where that is less (at SIZING_TOKENS a
+        row for a model that states none, as max_batch auto sizes them). The
+        pool leaves it out of the budgets of workers started beside this one."""
+        tokens = self.prompts.max_context or SIZING_TOKENS
+        return min(self.batch_memory, self._projected_bytes([tokens] * self.max_batch))
 
     def _projected_bytes(self, lengths: list[int]) -> int:
         """Cache bytes of a batch of rows of these lengths: attention caches

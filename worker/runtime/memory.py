@@ -65,16 +65,20 @@ def device_memory() -> int:
     return size or int(psutil.virtual_memory().total)
 
 
-def unused_device_memory() -> int:
+def unused_device_memory(held_elsewhere: int = 0) -> int:
     """Memory of the device that nothing holds now, or only this process's
-    cache of freed buffers: on CUDA the driver's figure for the whole GPU
-    (other processes' use subtracted) plus that cache, elsewhere the
-    device's memory less this process's MLX buffers in use."""
+    cache of freed buffers: the device's memory less this process's MLX
+    buffers in use and `held_elsewhere` (what the pool's other workers on
+    this machine hold or may take: their weights, prefix caches and memory
+    guards, most of which they have not allocated yet); on CUDA no more than
+    the driver's figure for the whole GPU (other processes' use
+    subtracted) plus that cache."""
+    unused = device_memory() - int(mx.get_active_memory()) - held_elsewhere
     if mx.default_device() == mx.gpu:
         free = mx.device_info().get("free_memory")
         if free:
-            return int(free) + int(mx.get_cache_memory())
-    return device_memory() - int(mx.get_active_memory())
+            return min(unused, int(free) + int(mx.get_cache_memory()))
+    return unused
 
 
 def trim_heap() -> None:
