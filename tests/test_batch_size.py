@@ -11,8 +11,10 @@ from worker.runtime.batch_size import (
     GPU_MAX,
     SIZING_TOKENS,
     auto_max_batch,
+    batch_cache_bytes,
     default_batch_memory,
     gpu_memory,
+    rows_memory_at_most,
 )
 
 GIB = 1024**3
@@ -50,6 +52,18 @@ def test_a_short_context_sizes_rows_by_the_context():
     size = auto_max_batch(processor="cuda", free_bytes=100 * GIB, guard_bytes=GIB, row_fixed_bytes=0, row_token_bytes=1 << 20, context=512)
     assert size.rows == GIB // ((1 << 20) * 512) == 2
     assert "512 tokens" in size.why
+
+
+def test_the_most_rows_take_is_the_guard_or_max_batch_rows_at_the_context():
+    # Caches are padded to the longest row, in 256-token steps.
+    assert batch_cache_bytes(3, 257, row_fixed_bytes=10, row_token_bytes=2) == 3 * (10 + 512 * 2)
+    eight_b = {"row_fixed_bytes": 0, "row_token_bytes": QWEN3_8B_TOKEN}
+    # Qwen3-8B's 40k context: 62 rows would take more than the 35 GiB guard.
+    assert rows_memory_at_most(batch_memory=35 * GIB, max_batch=62, context=40960, **eight_b) == 35 * GIB
+    # 4 rows at 40k: 22.5 GiB, below the guard.
+    assert rows_memory_at_most(batch_memory=35 * GIB, max_batch=4, context=40960, **eight_b) == 4 * 40960 * QWEN3_8B_TOKEN
+    # No stated context: rows of SIZING_TOKENS.
+    assert rows_memory_at_most(batch_memory=35 * GIB, max_batch=4, context=None, **eight_b) == 4 * SIZING_TOKENS * QWEN3_8B_TOKEN
 
 
 def test_gpu_memory_reads_metal_and_cuda_device_info():

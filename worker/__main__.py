@@ -539,6 +539,7 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
     """The server learns what it serves; the log and the supervisor hear
     `ready`."""
     from ipc.events import encode_event
+    from worker.runtime.batch_size import rows_memory_at_most
     from worker.runtime.memory import buffer_cache_limit, device_memory, processor
 
     server.scheduler = scheduler
@@ -581,7 +582,13 @@ def say_ready(args: argparse.Namespace, t0: float, loaded, codec, server, group,
             max_batch=scheduler.max_batch,
             max_batch_why=scheduler.max_batch_why,
             prefix_cache_bytes=scheduler.prefix_cache.budget,
-            rows_memory_bytes=scheduler.rows_memory_at_most,
+            rows_memory_bytes=rows_memory_at_most(
+                batch_memory=scheduler.batch_memory,
+                max_batch=scheduler.max_batch,
+                row_fixed_bytes=scheduler.row_fixed_bytes,
+                row_token_bytes=scheduler.row_token_bytes,
+                context=scheduler.prompts.max_context,
+            ),
         )
     )
 

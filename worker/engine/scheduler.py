@@ -52,7 +52,7 @@ from worker.engine.speculate import DEFAULT_TOKENS, speculator_for
 from worker.lora.manager import WAIT, AdapterManager, AdapterMessage, Refused
 from worker.lora.residency import Version
 from worker.runtime import defaults, short_attention
-from worker.runtime.batch_size import SIZING_TOKENS, auto_max_batch
+from worker.runtime.batch_size import auto_max_batch, batch_cache_bytes
 from worker.runtime.loader import LoadedModel
 from worker.runtime.memory import processor, trim_heap, unused_device_memory
 from worker.text.prompts import PromptReader, RequestError, model_limit
@@ -574,20 +574,8 @@ class Scheduler:
             for row in rows + (exc.rows if isinstance(exc, BatchFailed) else []):
                 self._fail(row, exc)
 
-    @property
-    def rows_memory_at_most(self) -> int:
-        """The most the rows' caches take: the memory guard, or max_batch
-        rows at the model's context where that is less (at SIZING_TOKENS a
-        row for a model that states none, as max_batch auto sizes them). The
-        pool leaves it out of the budgets of workers started beside this one."""
-        tokens = self.prompts.max_context or SIZING_TOKENS
-        return min(self.batch_memory, self._projected_bytes([tokens] * self.max_batch))
-
     def _projected_bytes(self, lengths: list[int]) -> int:
-        """Cache bytes of a batch of rows of these lengths: attention caches
-        are padded to the longest row and grow in 256-token steps."""
-        width = -(-max(lengths) // 256) * 256
-        return len(lengths) * (self.row_fixed_bytes + width * self.row_token_bytes)
+        return batch_cache_bytes(len(lengths), max(lengths), self.row_fixed_bytes, self.row_token_bytes)
 
     def _feed(self, row: Row, token: int | None) -> str | None:
         """Streams the row's token; returns its finish reason, if any."""

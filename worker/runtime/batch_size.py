@@ -59,6 +59,22 @@ def auto_max_batch(*, processor: str, free_bytes: int, guard_bytes: int, row_fix
     return BatchSize(rows, why)
 
 
+def batch_cache_bytes(rows: int, longest: int, row_fixed_bytes: int, row_token_bytes: int) -> int:
+    """Cache bytes of a batch of `rows` rows whose longest holds `longest`
+    tokens: attention caches are padded to the longest row and grow in
+    256-token steps."""
+    width = -(-longest // 256) * 256
+    return rows * (row_fixed_bytes + width * row_token_bytes)
+
+
+def rows_memory_at_most(*, batch_memory: int, max_batch: int, row_fixed_bytes: int, row_token_bytes: int, context: int | None) -> int:
+    """The most a worker's rows' caches take: its memory guard, or max_batch
+    rows at the model's context where that is less (at SIZING_TOKENS a row
+    for a model that states none, as `auto_max_batch` sizes them). The pool
+    leaves it out of the budgets of workers started beside this one."""
+    return min(batch_memory, batch_cache_bytes(max_batch, context or SIZING_TOKENS, row_fixed_bytes, row_token_bytes))
+
+
 # The rows' caches may take a 1/BATCH_MEMORY_SHARE of the device's memory by
 # default (the memory guard, `batch_memory`).
 BATCH_MEMORY_SHARE = 4
