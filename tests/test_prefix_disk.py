@@ -150,6 +150,43 @@ def test_a_file_replaced_after_its_check_is_not_used(tmp_path, caplog):
     assert loaded.layers() is None  # gone: the same answer
 
 
+def test_mlx_reads_a_requests_file_beside_its_check_and_its_arrays_serve_only_that_file(tmp_path):
+    """read_beside starts mlx's read before the check ends; `parts` takes its
+    arrays only for the very file the check passed (same inode, size and
+    modification time), else reads the file itself."""
+    import mlx.core as mx
+    import numpy as np
+
+    from worker.cache.prefix_disk import Beside, PrefixDisk
+
+    disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
+    layers = snapshot_layers(0, 50)
+    disk.write(None, np.arange(50), layers)
+    assert disk.flush(30)
+    [entry] = disk._index.values()
+    beside = disk.read_beside(entry)
+    loaded = disk.load_now(entry)
+    assert beside is not None and beside.identity == loaded.identity
+    back, _ = loaded.layers(beside)
+    assert mx.array_equal(back[0][0], layers[0][0]).item() and mx.array_equal(back[1][0], layers[1][0]).item()
+    # The arrays read beside are what `parts` returns: zeros in their place come back.
+    zeros = Beside(loaded.identity, {name: mx.zeros_like(a) for name, a in beside.found.items()} | {"tokens": beside.found["tokens"]})
+    back, _ = loaded.layers(zeros)
+    assert not mx.any(back[0][0]).item()
+    # The same bytes under a new inode (another worker's write renamed over
+    # it) are another file: read again, the zeros not taken.
+    path = disk.dir / entry.name
+    (tmp_path / "copy").write_bytes(path.read_bytes())
+    os.replace(tmp_path / "copy", path)
+    loaded = disk.load_now(entry)
+    assert loaded.identity != zeros.identity
+    back, _ = loaded.layers(zeros)
+    assert mx.array_equal(back[0][0], layers[0][0]).item()
+    # A header that is not one: nothing read beside (the check reports and removes it).
+    path.write_bytes(b"\xff" * 64)
+    assert disk.read_beside(entry) is None
+
+
 def test_on_a_gpu_the_disk_writes_copies(tmp_path, monkeypatch):
     """Reading an array's bytes on the host moves a CUDA buffer into managed
     memory for good; the write must read copies, so that the memory tier's
@@ -721,9 +758,9 @@ def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_mo
     made = []
     parts = prefix_disk.Loaded.parts
 
-    def tracked(self, step_bytes):
+    def tracked(self, step_bytes, beside=None):
         made.append(self.entry.name)  # when its first array is made
-        return (yield from parts(self, step_bytes))
+        return (yield from parts(self, step_bytes, beside))
 
     monkeypatch.setattr(prefix_disk.Loaded, "parts", tracked)
     reader = engine_for(tiny_model, prefix_disk=disk)

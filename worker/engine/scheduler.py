@@ -42,7 +42,7 @@ from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
 from worker.cache.disk_rates import DiskRates
 from worker.cache.prefix_cache import PrefixCache, cut_points, tokens_of
-from worker.cache.prefix_disk import READ_WAIT_S, DiskEntry, Loaded, PrefixDisk
+from worker.cache.prefix_disk import READ_WAIT_S, Beside, DiskEntry, Loaded, PrefixDisk
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
@@ -199,6 +199,10 @@ class Scheduler:
         # no request waits for a file: at most one per file in the disk
         # tier's index.
         self._restoring: deque[_Restoring] = deque()
+        # mlx's read of a file a request waits for, started beside its check
+        # (PrefixDisk.read_beside), by name: one at a time, so that files
+        # waited for hold no more than one file's arrays before their checks.
+        self._beside: dict[str, Beside] = {}
         # Read-backs made since the last rehearsal of a hit (PrefixCache.rehearse).
         self._rehearse_due = False
         self._first_pending_since: float | None = None  # since when a first token has been pending
@@ -285,6 +289,8 @@ class Scheduler:
                     continue
                 disk.read(entry)
                 w.disk.add(entry.name)
+                if not self._beside and (beside := disk.read_beside(entry)) is not None:
+                    self._beside[entry.name] = beside
         except Exception:  # the disk tier is an optimisation: never a request's failure
             log.exception("prefix cache: looking on disk failed")
         if w.disk:
@@ -313,6 +319,9 @@ class Scheduler:
             return
         awaited = set().union(*(w.disk for w in self.waiting))
         for entry, loaded in disk.results():
+            # Read beside a check that failed, or for a request that stopped
+            # waiting, its arrays are dropped here, never used.
+            beside = self._beside.pop(entry.name, None)
             if entry.name not in awaited:
                 # A read-back (or a file its request stopped waiting for):
                 # made a part a step, once no request waits for a file.
@@ -321,7 +330,7 @@ class Scheduler:
                     self._rehearse_due = True
                 continue
             if loaded is not None:
-                self._restore(_Restoring(entry, loaded, loaded.parts(None)))
+                self._restore(_Restoring(entry, loaded, loaded.parts(None, beside)))
             for w in self.waiting:
                 w.disk.discard(entry.name)
             self._stalled = False
