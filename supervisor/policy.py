@@ -142,6 +142,11 @@ def footprint_of(figures) -> int:
     return footprint(figures.rss_bytes, figures.mlx_active_bytes, figures.mlx_cache_bytes)
 
 
+def byte_count(value: object) -> int | None:
+    """A count of bytes from a worker's line: an int >= 0, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def promised(ready: dict) -> int | None:
     """What a ready worker holds or may take of the memory it computes on,
     from its ready line: its weights, its prefix cache's budget and the
@@ -150,10 +155,8 @@ def promised(ready: dict) -> int | None:
     (`--memory-held-elsewhere`): each sizing from free memory alone, two
     workers on one GPU or Mac would each count the other's caches, not yet
     allocated, as theirs."""
-    parts = [ready.get(k) for k in ("weights_bytes", "prefix_cache_bytes", "rows_memory_bytes")]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in parts):
-        return None
-    return sum(parts)
+    parts = [byte_count(ready.get(k)) for k in ("weights_bytes", "prefix_cache_bytes", "rows_memory_bytes")]
+    return None if None in parts else sum(parts)
 
 
 # Without max_loaded or memory_budget the pool still bounds its workers: as

@@ -40,7 +40,7 @@ from ipc.worker_events import AdapterError, AdapterLoaded, AdapterUnloaded, Load
 from supervisor.child import MAX_WORKER_LINE, RESOURCE_ERRNOS, ChildProcess
 from supervisor.job import Sink
 from supervisor.names import NamesTold, Roster
-from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, on_crash
+from supervisor.policy import CrashHistory, GiveUp, RestartPolicy, byte_count, on_crash
 from supervisor.spec import ModelSpec
 from supervisor.states import LIVE, State, StateMachine
 from supervisor.stderr import LastMessage
@@ -110,6 +110,8 @@ class WorkerSlot:
         self.max_batch_why: str | None = None
         # The worker's prefix cache budget, from its ready line (None before).
         self.prefix_cache_bytes: int | None = None
+        # The most its rows' caches take, from its ready line (None before).
+        self.rows_memory_bytes: int | None = None
         self.sm = StateMachine(self.describe)
         self.roster = Roster(self, events, self.sm, lines)
         self.names = self.roster.names  # the roster's table: the names this worker serves
@@ -259,8 +261,8 @@ class WorkerSlot:
         if isinstance(chosen, int) and chosen >= 1:
             self.max_batch = self._capped(chosen)
             self.max_batch_why = self.ready.get("max_batch_why")
-        budget = self.ready.get("prefix_cache_bytes")
-        self.prefix_cache_bytes = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+        self.prefix_cache_bytes = byte_count(self.ready.get("prefix_cache_bytes"))
+        self.rows_memory_bytes = byte_count(self.ready.get("rows_memory_bytes"))
         self.sm.to(State.READY, "worker ready")
         self.settled.set()
         self.roster.worker_ready(line)

@@ -54,6 +54,9 @@ class StatusRow(msgspec.Struct):
     # The worker's memory for earlier prompts' state (its default or the
     # configured prefix_cache_bytes); null until the worker is ready.
     prefix_cache_bytes: int | None = None
+    # The most the worker's rows' caches take: its memory guard, or
+    # max_batch rows at the model's context if less; null until it is ready.
+    rows_memory_bytes: int | None = None
     active_rows: int = 0
     waiting_rows: int = 0
     rows_cache_bytes: int = 0
@@ -137,6 +140,7 @@ def status_row(slot: WorkerSlot, name: Name, stats: WorkerStats | None, state: S
         max_batch=slot.max_batch,
         max_batch_why=slot.max_batch_why,
         prefix_cache_bytes=slot.prefix_cache_bytes,
+        rows_memory_bytes=slot.rows_memory_bytes,
         active_rows=s.active_rows,
         waiting_rows=s.waiting_rows,
         rows_cache_bytes=s.rows_cache_bytes,

@@ -135,6 +135,7 @@ def test_status_says_what_auto_chose(tiny_model, spawn_pool, tmp_path):
     row = pool.wait_ev("status")["models"][0]
     assert row["max_batch"] == CPU_MAX and row["max_batch_why"].startswith("auto: 8, the cpu cap")
     assert row["prefix_cache_bytes"] == 512 * 1024 * 1024
+    assert 0 < row["rows_memory_bytes"] < 256 * 1024**2  # 8 rows at the tiny model's context
     assert pool.close() == 0
 
 
