@@ -210,16 +210,17 @@ class Workers:
         return weights + (int(statistics.median(measured)) if measured else DEFAULT_RUNTIME_BYTES)
 
     def _held_elsewhere(self, key: object) -> int:
-        """What the other live workers on this machine hold or may take of
-        its compute memory, as the worker of `key` starts: a ready one's
-        promise (policy.promised), a loading one's estimated footprint. A
-        model split over processes (its ranks may be on other hosts) is not
-        counted."""
+        """What the other workers on this machine, live or restarting, hold
+        or may take of its compute memory as the worker of `key` starts: the
+        promise of its last ready line (policy.promised; a worker started
+        again takes what it took), or before one, its estimated footprint.
+        A model split over processes (its ranks may be on other hosts) is
+        not counted."""
         total = 0
         for s in self.slots.values():
-            if s.spec.key == key or s.spec.group is not None or s.state not in LIVE:
+            if s.spec.key == key or s.spec.group is not None or not (s.state in LIVE or s.state == State.RESTARTING):
                 continue
-            told = promised(s.ready) if s.state != State.LOADING else None
+            told = promised(s.ready)
             total += told if told is not None else self._estimate_bytes(s.spec)
         return total
 
