@@ -157,7 +157,8 @@ def test_mlx_reads_a_requests_file_beside_its_check_and_its_arrays_serve_only_th
     import mlx.core as mx
     import numpy as np
 
-    from worker.cache.prefix_disk import Beside, PrefixDisk
+    from worker.cache.prefix_disk import PrefixDisk
+    from worker.cache.prefix_loaded import Beside
 
     disk = PrefixDisk(tmp_path, "model", budget=1 << 30)
     layers = snapshot_layers(0, 50)
@@ -742,7 +743,7 @@ def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_mo
     import threading
 
     from ipc.messages import Generate
-    from worker.cache import prefix_disk
+    from worker.cache import prefix_loaded
 
     disk = disk_after_first(tiny_model, tmp_path)
     system, turn = sorted(disk._index.values(), key=lambda e: len(e.tokens))
@@ -756,13 +757,13 @@ def test_read_backs_make_their_arrays_after_the_file_a_request_waits_for(tiny_mo
 
     monkeypatch.setattr(disk, "_load", load_file)
     made = []
-    parts = prefix_disk.Loaded.parts
+    parts = prefix_loaded.Loaded.parts
 
     def tracked(self, step_bytes, beside=None):
         made.append(self.entry.name)  # when its first array is made
         return (yield from parts(self, step_bytes, beside))
 
-    monkeypatch.setattr(prefix_disk.Loaded, "parts", tracked)
+    monkeypatch.setattr(prefix_loaded.Loaded, "parts", tracked)
     reader = engine_for(tiny_model, prefix_disk=disk)
     assert disk.read(turn, read_back=True)
     wait_for(lambda: disk._results.qsize(), timeout=30, message="the read-back")

@@ -22,15 +22,16 @@ prefix on disk than in memory waits while its file is checked
 (worker.engine.scheduler): READ_THREADS threads read and check its chunks
 at once (file reads and zlib let go of the GIL), which also brings the file
 into the page cache. Then the main thread has mlx read it into arrays
-(`Loaded.layers`): mlx's reader fills the arrays' memory itself, with no
-copy through Python. For the first file a request waits for, mlx's read
-starts as the request asks (`read_beside`, on mlx's CPU stream, its header
-checked first), beside the check rather than after it; its arrays are used
-only if the check passes on that same file (the same inode, size and
-modification time), and dropped otherwise. On a 2-core EPYC, for a 445 MB file in the page cache,
-the check took 0.09-0.15 s and mlx's read 0.13-0.16 s, where one thread
-that read the file and took its SHA-256 took 0.88 s and making arrays from
-its bytes another 0.27 s on the main thread.
+(worker.cache.prefix_loaded): mlx's reader fills the arrays' memory
+itself, with no copy through Python. For the first file a request waits
+for, mlx's read starts as the request asks (`read_beside`, on mlx's CPU
+stream, its header checked first), beside the check rather than after it;
+its arrays are used only if the check passes on that same file (the same
+inode, size and modification time), and dropped otherwise. On a 2-core
+EPYC, for a 445 MB file in the page cache, the check took 0.09-0.15 s and
+mlx's read 0.13-0.16 s, where one thread that read the file and took its
+SHA-256 took 0.88 s and making arrays from its bytes another 0.27 s on the
+main thread.
 
 A worker that starts reads the most recently used files back into memory
 the same way, up to half its memory budget, so that after a restart the
@@ -51,17 +52,14 @@ it holds (worker.cache.disk_rates).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,23 +67,19 @@ import numpy as np
 
 from worker.cache.disk_files import drop_unused_beside, fd_path, open_regular, read_buffer, warm_read_buffer, writer_runs
 from worker.cache.prefix_file import (
-    DTYPES,
-    FORMAT,
     LENGTH,
-    MAX_CHUNK,
     SUFFIX,
     BadEntry,
-    bytes_of,
+    check_chunk,
+    checked_layout,
     crc_of,
-    dtype_name,
+    encode,
     entry_name,
     flatten,
-    head_digest,
-    pieces,
     read_layout,
     read_tokens,
-    unflatten,
 )
+from worker.cache.prefix_loaded import Beside, DiskEntry, Loaded, identity
 
 log = logging.getLogger("worker")
 
@@ -136,92 +130,6 @@ def device_copies(arrays: list[mx.array]) -> list[mx.array]:
     that nothing else holds its buffer (as the snapshots the memory tier
     keeps are held, and a file's arrays as they are read are not)."""
     return [mx.array(a) for a in arrays]
-
-
-@dataclass
-class DiskEntry:
-    name: str
-    adapter: str | None
-    tokens: np.ndarray
-    size: int  # bytes of the file
-    used: float  # its modification time: when last written or hit
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-@dataclass
-class Beside:
-    """mlx's read of a file, started before its check ends (`read_beside`):
-    the file's identity, and mlx's arrays by name."""
-
-    identity: tuple
-    found: dict
-
-
-@dataclass
-class Loaded:
-    """A file checked on the disk thread; its arrays are read on the main
-    thread (mlx arrays are made there)."""
-
-    entry: DiskEntry
-    path: Path
-    tree: object
-    arrays: int
-    identity: tuple  # of the file checked (_identity)
-    check_s: float = 0.0  # how long the check took (the disk thread's read)
-
-    def layers(self, beside: Beside | None = None) -> tuple[list, int] | None:
-        """The file's state, read by mlx's own reader (into the arrays'
-        memory: no copy through Python); None, logged, when the file changed
-        since it was checked. `beside`: see `parts`."""
-        parts = self.parts(None, beside)
-        while True:
-            try:
-                next(parts)
-            except StopIteration as end:
-                return end.value
-
-    def parts(self, step_bytes: int | None, beside: Beside | None = None) -> Generator[None, None, tuple[list, int] | None]:
-        """`layers`, made about `step_bytes` of arrays at a time (None: all
-        at once): the generator yields after each part and returns the
-        state. A read-back beside running rows holds them up a part a step,
-        not a whole file (the 8B shape's 3.8 GB took 0.4 s on an H100).
-        `beside`: mlx's read of this file started before the check ended,
-        taken where it read the file checked."""
-        if beside is not None and beside.identity != self.identity:
-            beside = None
-        try:
-            # mlx reads the file opened here, through its descriptor: a FIFO
-            # put under the name since the check would block mx.load (on
-            # the main thread) for ever, and open_regular refuses one.
-            with contextlib.nullcontext() if beside is not None else open_regular(self.path) as f:
-                found = beside.found if beside is not None else mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
-                # mlx reads a file on the host, into managed memory on CUDA,
-                # and the GPU pulls it over page by page at its first use.
-                # That is still the fastest way measured: on an H100, 3.8 GB
-                # read in 0.42-0.63 s and first used in 0.36 s, against
-                # 2.1-2.2 s copied to the device array by array as they are
-                # made and 2.4-2.7 s read by mlx on the GPU's stream (a host
-                # buffer, then one copy).
-                tokens = found["tokens"]
-                arrays = [found[f"a{i}"] for i in range(self.arrays)]
-                part, size = [tokens], 0
-                for a in arrays:
-                    part.append(a)
-                    size += a.nbytes
-                    if step_bytes is not None and size >= step_bytes:
-                        mx.eval(part)
-                        part, size = [], 0
-                        yield
-                mx.eval(part)
-            if not np.array_equal(np.array(tokens), self.entry.tokens):
-                raise ValueError("its token ids changed since its check")
-            return unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
-        except (RuntimeError, ValueError, KeyError, IndexError, TypeError, OSError) as exc:
-            log.warning("prefix cache: %s could not be read after its check (%s); not used", self.entry.name, exc)
-            return None
 
 
 class PrefixDisk:
@@ -412,7 +320,7 @@ class PrefixDisk:
                 read_layout(f, st.st_size)
                 found = mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
             mx.async_eval(list(found.values()))
-            return Beside(_identity(st), found)
+            return Beside(identity(st), found)
         except Exception:  # a bad file is the check's to report and remove
             return None
 
@@ -645,51 +553,23 @@ class PrefixDisk:
         """`_load`'s check of the open file `f`: Loaded, or STOPPED; raises
         BadEntry (and what a malformed header raises) when it is bad."""
         st = os.fstat(f.fileno())
-        layout = read_layout(f, st.st_size)
-        tokens = read_tokens(f, layout)
-        meta = layout.meta
-        chunk, crcs = meta.get("chunk"), meta.get("crc32")
-        if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
-            raise BadEntry("its checksums do not cover its data")
-        if meta.get("head") != head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
-            raise BadEntry("its header's checksum does not match: the file is corrupt")
-        if meta.get("adapter") != entry.adapter or not np.array_equal(tokens, entry.tokens):
-            raise BadEntry("its adapter or token ids changed since it was indexed")
+        layout = checked_layout(f, st.st_size, entry.adapter, entry.tokens)
 
         def one(i: int) -> bool:
             if stop is not None and stop():
                 return False
-            part = read_buffer(chunk)[: min(chunk, layout.data_size - i * chunk)]
-            got = 0
-            while got < len(part):
-                n = os.preadv(f.fileno(), [part[got:]], layout.data_start + i * chunk + got)
-                if not n:
-                    raise BadEntry("shorter than its header says")
-                got += n
-            if zlib.crc32(part) != crcs[i]:
-                raise BadEntry("its checksum does not match: the file is corrupt")
+            check_chunk(f.fileno(), layout, i, read_buffer(layout.meta["chunk"]))
             return True
 
-        if not all(self._io.map(one, range(len(crcs)))):
+        if not all(self._io.map(one, range(len(layout.meta["crc32"])))):
             return STOPPED
         self._touch(entry)
-        return Loaded(entry, path, meta.get("tree"), layout.arrays, _identity(st))
+        return Loaded(entry, path, layout.meta.get("tree"), layout.arrays, identity(st))
 
     def _store(self, name: str, adapter: str | None, tokens: np.ndarray, tree: object, arrays: list[mx.array]) -> None:
         """Writes a snapshot flattened by `write` (prefix_file.flatten)."""
-        segments = [memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B"), *(bytes_of(a) for a in arrays)]
-        kinds = [("I32", [len(tokens)]), *((DTYPES[dtype_name(a)], list(a.shape)) for a in arrays)]
-        header: dict = {}
-        at = 0
-        for i, ((dtype, shape), seg) in enumerate(zip(kinds, segments)):
-            header["tokens" if i == 0 else f"a{i - 1}"] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(seg)]}
-            at += len(seg)
-        crcs = list(self._io.map(crc_of, pieces(segments, CHUNK)))
-        head = head_digest(header, adapter, tree)
-        header["__metadata__"] = {"lattice": json.dumps({"format": FORMAT, "adapter": adapter, "tree": tree, "chunk": CHUNK, "crc32": crcs, "head": head})}
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
-        if LENGTH.size + len(raw) + at > self.budget:
+        raw, segments = encode(tokens, arrays, adapter, tree, CHUNK, lambda parts: self._io.map(crc_of, parts))
+        if LENGTH.size + len(raw) + sum(len(seg) for seg in segments) > self.budget:
             return
         path = self.dir / name
         tmp = path.with_name(f"{name}.{os.getpid()}.tmp")

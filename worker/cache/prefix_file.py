@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,3 +237,56 @@ def crc_of(parts: list[memoryview]) -> int:
     for part in parts:
         crc = zlib.crc32(part, crc)
     return crc
+
+
+def checked_layout(f, size: int, adapter: str | None, tokens: np.ndarray) -> Layout:
+    """The layout of the open file `f` of `size` bytes, once its header holds
+    up: checksums that cover its data, the header's own digest, and the
+    adapter and token ids of its index entry. Raises BadEntry (and what a
+    malformed header raises) otherwise."""
+    layout = read_layout(f, size)
+    found = read_tokens(f, layout)
+    meta = layout.meta
+    chunk, crcs = meta.get("chunk"), meta.get("crc32")
+    if not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK or not isinstance(crcs, list) or len(crcs) != -(-layout.data_size // chunk):
+        raise BadEntry("its checksums do not cover its data")
+    if meta.get("head") != head_digest(layout.tensors, meta.get("adapter"), meta.get("tree")):
+        raise BadEntry("its header's checksum does not match: the file is corrupt")
+    if meta.get("adapter") != adapter or not np.array_equal(found, tokens):
+        raise BadEntry("its adapter or token ids changed since it was indexed")
+    return layout
+
+
+def check_chunk(fd: int, layout: Layout, i: int, buffer: memoryview) -> None:
+    """Reads chunk `i` of a checked layout's data through `fd` into `buffer`
+    (at least a chunk long) and compares its CRC-32; raises BadEntry."""
+    chunk = layout.meta["chunk"]
+    part = buffer[: min(chunk, layout.data_size - i * chunk)]
+    got = 0
+    while got < len(part):
+        n = os.preadv(fd, [part[got:]], layout.data_start + i * chunk + got)
+        if not n:
+            raise BadEntry("shorter than its header says")
+        got += n
+    if zlib.crc32(part) != layout.meta["crc32"][i]:
+        raise BadEntry("its checksum does not match: the file is corrupt")
+
+
+def encode(tokens: np.ndarray, arrays: list[mx.array], adapter: str | None, tree: object, chunk: int, crcs: Callable) -> tuple[bytes, list[memoryview]]:
+    """A snapshot as a file: its header's JSON and its data's segments, to
+    be written after the header's length (LENGTH), one after the other.
+    `crcs` takes the data's pieces of `chunk` bytes (`pieces`) to their
+    CRC-32s (on threads, say)."""
+    segments = [memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B"), *(bytes_of(a) for a in arrays)]
+    kinds = [("I32", [len(tokens)]), *((DTYPES[dtype_name(a)], list(a.shape)) for a in arrays)]
+    header: dict = {}
+    at = 0
+    for i, ((dtype, shape), seg) in enumerate(zip(kinds, segments)):
+        header["tokens" if i == 0 else f"a{i - 1}"] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(seg)]}
+        at += len(seg)
+    checksums = list(crcs(pieces(segments, chunk)))
+    head = head_digest(header, adapter, tree)
+    header["__metadata__"] = {"lattice": json.dumps({"format": FORMAT, "adapter": adapter, "tree": tree, "chunk": chunk, "crc32": checksums, "head": head})}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    return raw, segments

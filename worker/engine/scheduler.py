@@ -42,7 +42,8 @@ from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
 from worker.cache.disk_rates import DiskRates
 from worker.cache.prefix_cache import PrefixCache, cut_points, tokens_of
-from worker.cache.prefix_disk import READ_WAIT_S, Beside, DiskEntry, Loaded, PrefixDisk
+from worker.cache.prefix_disk import READ_WAIT_S, PrefixDisk
+from worker.cache.prefix_loaded import Beside, DiskEntry, Loaded
 from worker.engine.batch_cache import row_bytes
 from worker.engine.compiled_step import CompiledDecode
 from worker.engine.constrain import BatchMasks, ConstraintError, Constraints, RowConstraint
