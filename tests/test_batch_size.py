@@ -175,6 +175,20 @@ def test_a_worker_leaves_its_prefix_cache_budget_out_of_the_rows_memory(tiny_mod
     assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=int(20 * row / FREE_SHARE)).max_batch == 20
 
 
+def test_a_max_context_below_the_sizing_tokens_sizes_rows_by_it(tiny_model, monkeypatch):
+    """A model limited to a short context (the pool's max_context) never
+    holds rows of 4096 tokens: auto sizes its rows at that context."""
+    from harness.engine import engine_for
+    from worker.engine import scheduler as scheduler_module
+
+    first = engine_for(tiny_model, max_batch=1)
+    short = first.row_fixed_bytes + first.row_token_bytes * 512
+    monkeypatch.setattr(scheduler_module, "processor", lambda: "cuda")
+    monkeypatch.setattr(scheduler_module, "unused_device_memory", lambda held_elsewhere: int(30.5 * short / FREE_SHARE))
+    assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0, max_context=512).max_batch == 30
+    assert engine_for(tiny_model, max_batch=None, prefix_cache_bytes=0).max_batch < 30
+
+
 def test_the_buffer_cache_is_a_quarter_of_the_batch_memory_and_at_least_a_gibibyte():
     from worker.runtime.memory import buffer_cache_limit
 

@@ -166,7 +166,7 @@ class Scheduler:
                 guard_bytes=batch_memory,
                 row_fixed_bytes=self.row_fixed_bytes,
                 row_token_bytes=self.row_token_bytes,
-                context=model_limit(loaded.config, "max_position_embeddings"),
+                context=self.prompts.max_context,
             )
             self.max_batch, self.max_batch_why = chosen.rows, chosen.why
         else:
