@@ -272,10 +272,29 @@ def this_machines_address() -> str | None:
     return None
 
 
+def taken_after_a_free_port() -> tuple[socket.socket, int]:
+    """A socket bound to a port whose port below is free (rank 0's, rank 1's
+    taken). Below the systems' ephemeral ranges (from 32768 on Linux, 49152
+    on macOS): a port the kernel picked for another socket, as the test's
+    neighbours on the machine open them, could take rank 0's port too
+    while the pool starts."""
+    start = 20000 + (os.getpid() % 500) * 20
+    for port in range(start, start + 2000):
+        taken, below = socket.socket(), socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port))
+            below.bind(("127.0.0.1", port - 1))
+        except OSError:
+            taken.close()
+            continue
+        finally:
+            below.close()
+        return taken, port
+    raise AssertionError(f"no free pair of ports from {start - 1}")
+
+
 def test_groups_that_cannot_start_fail_with_their_cause_and_are_not_retried(spawn_pool, tiny_model, dense_model, tmp_path):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    port = taken.getsockname()[1]
+    taken, port = taken_after_a_free_port()
 
     def copy(name):  # the pool keeps one worker per model dir
         return shutil.copytree(tiny_model, tmp_path / name)
