@@ -128,7 +128,8 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="bytes of this machine's compute memory that other workers hold or may take (the pool passes their weights, "
-        "prefix caches and memory guards): the defaults of --batch-memory, --prefix-cache-bytes and --max-batch auto leave them out",
+        "prefix cache budgets and the most their rows' caches take): the defaults of --batch-memory, --prefix-cache-bytes "
+        "and --max-batch auto leave them out",
     )
     p.add_argument(
         "--prefix-disk-dir",

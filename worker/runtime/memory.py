@@ -69,10 +69,10 @@ def unused_device_memory(held_elsewhere: int = 0) -> int:
     """Memory of the device that nothing holds now, or only this process's
     cache of freed buffers: the device's memory less this process's MLX
     buffers in use and `held_elsewhere` (what the pool's other workers on
-    this machine hold or may take: their weights, prefix caches and memory
-    guards, most of which they have not allocated yet); on CUDA no more than
-    the driver's figure for the whole GPU (other processes' use
-    subtracted) plus that cache."""
+    this machine hold or may take: their weights, prefix cache budgets and
+    the most their rows' caches take, most of it not allocated yet); on
+    CUDA no more than the driver's figure for the whole GPU (other
+    processes' use subtracted) plus that cache."""
     unused = device_memory() - int(mx.get_active_memory()) - held_elsewhere
     if mx.default_device() == mx.gpu:
         free = mx.device_info().get("free_memory")
