@@ -252,6 +252,11 @@ class WorkerSlot:
                 self.lines.write(line)
 
     def _on_ready(self, line: bytes) -> None:
+        if self.state == State.STOPPING:
+            # Stopped while it loaded (unloaded, evicted, the pool shutting
+            # down): its ready line crossed the stop, which is no fault.
+            log.info("%s: ready after its stop began; it stops", self.describe())
+            return
         if self.state != State.LOADING:
             log.warning("%s: a second ready line dropped: %r", self.describe(), line[:200])
             return

@@ -5,6 +5,7 @@ slot sends and hands the slot the lines a worker would write."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from pathlib import Path
@@ -213,5 +214,85 @@ def test_a_status_a_worker_never_answers_leaves_no_waiter_behind():
             assert await slot.fresh_stats(timeout=0.01) is None
         assert slot._stats_waiters == []
         await slot.stop("test over")
+
+    asyncio.run(main())
+
+
+class SlowStopChild(MemoryChild):
+    """A worker that takes its time to exit when told to stop."""
+
+    def __init__(self, *callbacks):
+        super().__init__(*callbacks)
+        self.let_go = asyncio.Event()
+
+    async def stop(self) -> None:
+        await self.let_go.wait()
+        self.exit(0)
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_ready_line_that_crosses_a_stop_is_no_warning():
+    """A model unloaded (or the pool shut down) while it loads: the worker's
+    ready line can arrive after the stop began. That is the normal race, so
+    the slot keeps stopping and says so below WARNING; a ready line from a
+    worker already ready is a fault, and warned."""
+
+    async def main():
+        children: list[SlowStopChild] = []
+
+        def started_slot():
+            spec = ModelSpec("m", Path("/nowhere"))
+            slot = WorkerSlot(
+                spec,
+                Told(),
+                Lines(),
+                lambda: (["worker"], {}),
+                RestartPolicy(),
+                random.Random(0),
+                child_factory=lambda *cb: children.append(SlowStopChild(*cb)) or children[-1],
+            )
+            slot.roster.join(spec)
+            return slot
+
+        def warned() -> list[str]:
+            return [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
+
+        records = Records()
+        logger = logging.getLogger("lattice.worker")
+        logger.addHandler(records)
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        try:
+            slot = started_slot()
+            await slot.start("test")
+            stopping = asyncio.get_running_loop().create_task(slot.stop("test over"))
+            await async_wait_for(lambda: slot.state == State.STOPPING, 5, message="the stop begun")
+            children[0].on_lines(encode_event("ready", model="m", load_ms=7))
+            assert slot.state == State.STOPPING and warned() == []
+            assert any("ready after its stop began" in r.getMessage() for r in records.records)
+            children[0].let_go.set()
+            await stopping
+            assert slot.state == State.UNLOADED
+
+            slot = started_slot()
+            await slot.start("test")
+            children[1].on_lines(encode_event("ready", model="m", load_ms=7))
+            assert slot.state == State.READY and warned() == []
+            children[1].on_lines(encode_event("ready", model="m", load_ms=7))
+            assert slot.state == State.READY
+            assert len(warned()) == 1 and "a second ready line dropped" in warned()[0]
+            children[1].let_go.set()
+            await slot.stop("test over")
+        finally:
+            logger.removeHandler(records)
+            logger.setLevel(level)
 
     asyncio.run(main())
