@@ -182,6 +182,35 @@ def first_line_ms(scheduler, written: list[float], msg) -> float:
     return (written[0] - t0) * 1000
 
 
+def decode_rate(scheduler, prompts: list[list[int]], steps: int) -> float:
+    """Tokens per second of `steps` greedy decode steps of a batch of the
+    given prompts (one row each) in a Scheduler of this process, after
+    their prefill and a few steps (on CUDA, after the step's choice)."""
+    import mlx.core as mx
+
+    from ipc.sampling import Sampling
+    from worker.engine.generator import Row
+    from worker.engine.sampling import RowSampling
+
+    greedy = Sampling(temperature=0.0)
+    gen = scheduler._generator(scheduler.prefix_cache)
+    rows = [Row(i, ids, RowSampling(greedy, scheduler.vocab_size, ids)) for i, ids in enumerate(prompts)]
+    gen.start(rows)
+    while gen.prefilling:
+        gen.step()
+    for _ in range(4):
+        gen.step()
+    gen.step_until_chosen(len(rows))
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        gen.step()
+    mx.synchronize()
+    rate = len(rows) * steps / (time.perf_counter() - t0)
+    gen.remove(rows)
+    return rate
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

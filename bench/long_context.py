@@ -212,10 +212,8 @@ BATCH_MEMORY = 1 << 34
 def part_decode(args, path: Path, codec, record) -> None:
     import mlx.core as mx
 
-    from ipc.sampling import Sampling
+    from bench.common import decode_rate
     from worker.engine import kv_quant
-    from worker.engine.generator import Row
-    from worker.engine.sampling import RowSampling
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
     from worker.runtime.memory import bound_buffer_cache, processor
@@ -248,30 +246,11 @@ def part_decode(args, path: Path, codec, record) -> None:
             s.warm_up()
         engines[key] = s
     text = long_text(codec, args.decode_context)
-    greedy = Sampling(temperature=0.0)
 
     def steps_per_s(s, n: int) -> float:
-        gen = s._generator(s.prefix_cache)
-        rows = []
-        for i in range(n):
-            ids = codec.encode(chat(text, QUESTIONS[i % 4] + f" ({i})"))
-            rows.append(Row(i, ids, RowSampling(greedy, s.vocab_size, ids)))
-        gen.start(rows)
-        while gen.prefilling:
-            gen.step()
-        for _ in range(4):
-            gen.step()
         # On CUDA the worker's step tries both ways at each new span of
         # context (worker.engine.step_choice): timed after its choice.
-        gen.step_until_chosen(n)
-        mx.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.decode_steps):
-            gen.step()
-        mx.synchronize()
-        rate = n * args.decode_steps / (time.perf_counter() - t0)
-        gen.remove(rows)
-        return rate
+        return decode_rate(s, [codec.encode(chat(text, QUESTIONS[i % 4] + f" ({i})")) for i in range(n)], args.decode_steps)
 
     rows = [int(n) for n in args.decode_rows.split(",")]
     rounds = []

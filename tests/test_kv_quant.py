@@ -479,13 +479,18 @@ def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(
     routed = [m for m in modules if getattr(m, "scaled_dot_product_attention", None) not in (None, base.scaled_dot_product_attention)]
     assert routed and all(m.scaled_dot_product_attention.__module__ == "worker.engine.quant_attention" for m in routed)
     # The plain model shares those modules: its caches carry no `bits`, so
-    # its logits are mlx-lm's own.
+    # its logits are those of the route a plain model has (mlx-lm's own, or
+    # the CPU's or CUDA's for a few queries).
+    from worker.runtime import cpu_attention, short_attention
+    from worker.runtime.memory import processor
+
+    own = {"cpu": cpu_attention.attention, "cuda": short_attention.attention}.get(processor(), base.scaled_dot_product_attention)
     ids = mx.array([[5, 17, 300, 41, 9, 77, 120, 3, 64, 8, 200, 11]])
     before = plain.model(ids, cache=make_prompt_cache(plain.model))
     routed_fn = {m: m.scaled_dot_product_attention for m in routed}
     try:
         for m in routed:
-            m.scaled_dot_product_attention = base.scaled_dot_product_attention
+            m.scaled_dot_product_attention = own
         reference = plain.model(ids, cache=make_prompt_cache(plain.model))
     finally:
         for m, fn in routed_fn.items():

@@ -49,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from worker.engine import quant_decode_kernel
-from worker.runtime import short_attention
+from worker.runtime import cpu_attention, short_attention
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
@@ -141,12 +141,19 @@ def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int, blocks: i
     return scores.sum(axis=-2).astype(q.dtype)
 
 
-def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, scores_by: str = "kernel") -> mx.array:
+def _precise_softmax(scores: mx.array) -> mx.array:
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def _grouped(
+    queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, scores_by: str = "kernel", softmax=_precise_softmax
+) -> mx.array:
     """mlx-lm's quantized attention with each KV head's queries as the rows
     of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D).
     Keys are scored by mlx's quantized matmul (`scores_by` "kernel"), by
     `_byte_scores` where its blocks stay few ("bytes"), or dequantized
-    ("dequantized")."""
+    ("dequantized"); `softmax` takes the masked scores (on the CPU,
+    worker.runtime.cpu_attention's)."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
@@ -157,19 +164,8 @@ def _grouped(queries, keys: tuple, values: tuple, scale: float, mask, group_size
         scores = q @ mx.dequantize(*keys, group_size=group_size, bits=bits).swapaxes(-1, -2)
     else:
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
-    if mask is not None:
-        S = scores.shape[-1]
-        scores = scores.reshape(B, kv_heads, G, L, S)
-        if isinstance(mask, str):
-            mask = base.create_causal_mask(L, S - L)
-        elif mask.ndim == 4:  # (B, 1, L, S), the same for every head
-            mask = mx.expand_dims(mask, 2)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-        scores = scores.reshape(B, kv_heads, G * L, S)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    scores = cpu_attention.masked(scores, mask, kv_heads, G)
+    weights = softmax(scores)
     out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, heads, L, D)
 
@@ -196,7 +192,7 @@ def _attention(where: str, kernel: bool = False):
     CUDA, decode steps through worker.engine.quant_decode_kernel where it
     takes their shape."""
     cuda, cpu = where == "cuda", where == "cpu"
-    plain = short_attention.attention if cuda else _ORIGINAL
+    plain = short_attention.attention if cuda else cpu_attention.attention if cpu else _ORIGINAL
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
         if not hasattr(cache, "bits"):
@@ -222,7 +218,8 @@ def _attention(where: str, kernel: bool = False):
             scores_by = "dequantized" if keys_dequantized(where, queries.shape[-1], cache.group_size) else "kernel"
             keys = keys if scores_by == "dequantized" else _contiguous(keys)
             values = _contiguous(values)
-        out = _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, scores_by)
+        softmax = cpu_attention.softmax if cpu else _precise_softmax
+        out = _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, scores_by, softmax)
         return out if out.dtype == dtype else out.astype(dtype)
 
     return scaled_dot_product_attention
@@ -234,5 +231,5 @@ def install(model, kernel: bool = False) -> int:
     path (on CUDA, worker.runtime.short_attention's). `kernel`: see
     `_attention`. Returns how many modules were rebound."""
     attention = _attention(processor(), kernel)
-    ours = (__name__, short_attention.__name__)
+    ours = (__name__, short_attention.__name__, cpu_attention.__name__)
     return rebind(model, "scaled_dot_product_attention", attention, lambda current: current is _ORIGINAL or getattr(current, "__module__", None) in ours)

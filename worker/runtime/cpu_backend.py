@@ -78,10 +78,17 @@ def _dist_file(dist: str, pattern: str) -> Path | None:
     return None
 
 
+_loaded: str | None = None
+
+
 def load_openblas() -> str | None:
     """Puts OpenBLAS in the process' global symbol scope; returns its path,
     or None when it is not wanted or not usable here. Must run before
-    `mlx.core` is imported."""
+    `mlx.core` is imported; once it has loaded, a second call returns the
+    same path."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
     if sys.platform != "linux" or os.environ.get(BLAS_ENV, "openblas") == "bundled":
         return None
     if "mlx.core" in sys.modules:
@@ -122,7 +129,8 @@ def load_openblas() -> str | None:
                 log.warning("thin float32 products go through sgemm: %s", exc)
         # Already open: this adds it to the global scope, after the forwarding library.
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    return str(openblas)
+    _loaded = str(openblas)
+    return _loaded
 
 
 def forward_thin_products(openblas: ctypes.CDLL, directory: Path, kernel: bool = True) -> None:
