@@ -100,6 +100,22 @@ class Told:
         return asyncio.get_running_loop().create_task(coro)
 
 
+def joined_slot(children: list, child=MemoryChild) -> WorkerSlot:
+    """A slot of model "m" whose children (of type `child`) go to `children`."""
+    spec = ModelSpec("m", Path("/nowhere"))
+    slot = WorkerSlot(
+        spec,
+        Told(),
+        Lines(),
+        lambda: (["worker"], {}),
+        RestartPolicy(),
+        random.Random(0),
+        child_factory=lambda *cb: children.append(child(*cb)) or children[-1],
+    )
+    slot.roster.join(spec)
+    return slot
+
+
 def test_a_slot_runs_requests_through_an_in_memory_child():
     """ready -> two requests sent in one write -> their token and done lines
     reach their sinks, the slot counts them and goes back to ready; stop
@@ -197,17 +213,7 @@ def test_stats_lines_answer_the_request_they_name():
 def test_a_status_a_worker_never_answers_leaves_no_waiter_behind():
     async def main():
         children: list[MemoryChild] = []
-        spec = ModelSpec("m", Path("/nowhere"))
-        slot = WorkerSlot(
-            spec,
-            Told(),
-            Lines(),
-            lambda: (["worker"], {}),
-            RestartPolicy(),
-            random.Random(0),
-            child_factory=lambda *cb: children.append(MemoryChild(*cb)) or children[-1],
-        )
-        slot.roster.join(spec)
+        slot = joined_slot(children)
         await slot.start("test")
         children[0].on_lines(encode_event("ready", model="m", load_ms=7))
         for _ in range(3):
@@ -248,20 +254,6 @@ def test_a_ready_line_that_crosses_a_stop_is_no_warning():
     async def main():
         children: list[SlowStopChild] = []
 
-        def started_slot():
-            spec = ModelSpec("m", Path("/nowhere"))
-            slot = WorkerSlot(
-                spec,
-                Told(),
-                Lines(),
-                lambda: (["worker"], {}),
-                RestartPolicy(),
-                random.Random(0),
-                child_factory=lambda *cb: children.append(SlowStopChild(*cb)) or children[-1],
-            )
-            slot.roster.join(spec)
-            return slot
-
         def warned() -> list[str]:
             return [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
 
@@ -271,7 +263,7 @@ def test_a_ready_line_that_crosses_a_stop_is_no_warning():
         level = logger.level
         logger.setLevel(logging.INFO)
         try:
-            slot = started_slot()
+            slot = joined_slot(children, SlowStopChild)
             await slot.start("test")
             stopping = asyncio.get_running_loop().create_task(slot.stop("test over"))
             await async_wait_for(lambda: slot.state == State.STOPPING, 5, message="the stop begun")
@@ -282,7 +274,7 @@ def test_a_ready_line_that_crosses_a_stop_is_no_warning():
             await stopping
             assert slot.state == State.UNLOADED
 
-            slot = started_slot()
+            slot = joined_slot(children, SlowStopChild)
             await slot.start("test")
             children[1].on_lines(encode_event("ready", model="m", load_ms=7))
             assert slot.state == State.READY and warned() == []
