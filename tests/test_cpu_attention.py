@@ -60,7 +60,7 @@ def test_composed_attention_is_mlx_s_under_each_kind_of_mask(length):
     for mask in (None, "causal", seen, additive, mx.ones((length, 800), mx.bool_)):
         got = composed(queries, keys, values, 32**-0.5, mask)
         want = _mlx(queries, keys, values, mask)
-        assert mx.abs(got - want).max().item() < 2e-6, mask if isinstance(mask, str) or mask is None else mask.shape
+        assert mx.abs(got - want).max().item() < 1e-5, mask if isinstance(mask, str) or mask is None else mask.shape
 
 
 def test_the_route_takes_few_queries_over_many_keys_and_leaves_the_rest_to_mlx(monkeypatch):
