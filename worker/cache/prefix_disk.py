@@ -65,7 +65,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from worker.cache.disk_files import drop_unused_beside, fd_path, open_regular, read_buffer, warm_read_buffer, writer_runs
+from worker.cache.disk_files import drop_unused_beside, open_regular, read_buffer, warm_read_buffer, writer_runs
 from worker.cache.prefix_file import (
     LENGTH,
     SUFFIX,
@@ -79,7 +79,7 @@ from worker.cache.prefix_file import (
     read_layout,
     read_tokens,
 )
-from worker.cache.prefix_loaded import Beside, DiskEntry, Loaded, identity
+from worker.cache.prefix_loaded import Beside, DiskEntry, Loaded, identity, mlx_read
 
 log = logging.getLogger("worker")
 
@@ -313,12 +313,10 @@ class PrefixDisk:
         opened or its header is bad (the check then says why). The header is
         checked first: mlx makes arrays of the sizes it states."""
         try:
-            # mx.load opens its own reader of the file at once (by the
-            # descriptor's path), so this one closes before the read ends.
             with open_regular(self.dir / entry.name) as f:
                 st = os.fstat(f.fileno())
                 read_layout(f, st.st_size)
-                found = mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
+                found = mlx_read(f)
             mx.async_eval(list(found.values()))
             return Beside(identity(st), found)
         except Exception:  # a bad file is the check's to report and remove

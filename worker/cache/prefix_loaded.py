@@ -6,7 +6,6 @@ started beside its check."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Generator
@@ -33,6 +32,15 @@ class DiskEntry:
 
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def mlx_read(f) -> dict:
+    """mlx's read of the open file `f`, by name, on its CPU stream. mlx
+    reads through the descriptor opened (and checked regular) here: a FIFO
+    put under the file's name since its check would block mx.load on the
+    main thread for ever. mx.load opens its own reader of the file at
+    once, so `f` may close before the arrays are read."""
+    return mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
 
 
 @dataclass
@@ -74,32 +82,29 @@ class Loaded:
         not a whole file (the 8B shape's 3.8 GB took 0.4 s on an H100).
         `beside`: mlx's read of this file started before the check ended,
         taken where it read the file checked."""
-        if beside is not None and beside.identity != self.identity:
-            beside = None
         try:
-            # mlx reads the file opened here, through its descriptor: a FIFO
-            # put under the name since the check would block mx.load (on
-            # the main thread) for ever, and open_regular refuses one.
-            with contextlib.nullcontext() if beside is not None else open_regular(self.path) as f:
-                found = beside.found if beside is not None else mx.load(fd_path(f.fileno()), format="safetensors", stream=mx.cpu)
-                # mlx reads a file on the host, into managed memory on CUDA,
-                # and the GPU pulls it over page by page at its first use.
-                # That is still the fastest way measured: on an H100, 3.8 GB
-                # read in 0.42-0.63 s and first used in 0.36 s, against
-                # 2.1-2.2 s copied to the device array by array as they are
-                # made and 2.4-2.7 s read by mlx on the GPU's stream (a host
-                # buffer, then one copy).
-                tokens = found["tokens"]
-                arrays = [found[f"a{i}"] for i in range(self.arrays)]
-                part, size = [tokens], 0
-                for a in arrays:
-                    part.append(a)
-                    size += a.nbytes
-                    if step_bytes is not None and size >= step_bytes:
-                        mx.eval(part)
-                        part, size = [], 0
-                        yield
-                mx.eval(part)
+            if beside is not None and beside.identity == self.identity:
+                found = beside.found
+            else:
+                with open_regular(self.path) as f:
+                    found = mlx_read(f)
+            # mlx reads a file on the host, into managed memory on CUDA, and
+            # the GPU pulls it over page by page at its first use. That is
+            # still the fastest way measured: on an H100, 3.8 GB read in
+            # 0.42-0.63 s and first used in 0.36 s, against 2.1-2.2 s copied
+            # to the device array by array as they are made and 2.4-2.7 s
+            # read by mlx on the GPU's stream (a host buffer, then one copy).
+            tokens = found["tokens"]
+            arrays = [found[f"a{i}"] for i in range(self.arrays)]
+            part, size = [tokens], 0
+            for a in arrays:
+                part.append(a)
+                size += a.nbytes
+                if step_bytes is not None and size >= step_bytes:
+                    mx.eval(part)
+                    part, size = [], 0
+                    yield
+            mx.eval(part)
             if not np.array_equal(np.array(tokens), self.entry.tokens):
                 raise ValueError("its token ids changed since its check")
             return unflatten(self.tree, arrays), sum(a.nbytes for a in arrays)
