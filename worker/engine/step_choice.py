@@ -64,6 +64,12 @@ def span(tokens: int) -> int:
     return max(tokens, 1).bit_length() // 2
 
 
+def _kept(key: tuple[int, int]) -> tuple[int, int]:
+    """The table's key for a step's (rows, tokens): (rows, span)."""
+    rows, tokens = key
+    return rows, span(tokens)
+
+
 class StepChoice:
     """Keys are (rows, tokens): a decode step's batch size and its caches'
     capacity in tokens."""
@@ -74,8 +80,8 @@ class StepChoice:
 
     def traced(self, key: tuple[int, int]) -> bool:
         """The way the next decode step of `key` runs (True: traced)."""
-        rows, tokens = key
-        key = self._latest[rows] = (rows, span(tokens))
+        key = _kept(key)
+        self._latest[key[0]] = key
         size = self._sizes.get(key)
         if size is None:
             size = self._sizes[key] = _Size()
@@ -98,8 +104,7 @@ class StepChoice:
     def timed(self, key: tuple[int, int], traced: bool, seconds: float) -> None:
         """A step of `key` run that way took `seconds` (see the module's
         docstring for which steps count)."""
-        rows, tokens = key
-        key = (rows, span(tokens))
+        key = _kept(key)
         size = self._sizes.get(key)
         if size is None or size.traced is not None or seconds <= 0:
             return
