@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ipc.sampling import Sampling
-from worker.engine.sampling import BatchSampler, RowSampling
+from worker.engine.sampling import NUCLEUS_AT_MOST, BatchSampler, RowSampling, _logsumexp, _logsumexp_cpu, _nucleus
 
 V = 64
 
@@ -64,6 +64,69 @@ def test_top_p_keeps_the_nucleus():
     row = mx.array(np.log(probs)[None].astype(np.float32))
     s = sampler(params(top_p=0.75, seed=2))
     assert {s(row, mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(300)} == {0, 1}
+
+
+# A vocabulary larger than the candidates a top-p row looks among, as a real
+# model's is.
+WIDE = 3 * NUCLEUS_AT_MOST
+
+
+def nucleus_reference(logits: np.ndarray, top_p: float) -> tuple[set[int], np.ndarray, np.ndarray]:
+    """The nucleus by a full sort in float64, and each ranked token's mass
+    before it."""
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order].astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    return set(order[before < top_p].tolist()), order, before
+
+
+def test_nucleus_matches_a_full_sort():
+    rng = np.random.default_rng(5)
+    # Peaked rows (6 to 130 tokens in the nucleus) and flatter ones (320 to 4,400).
+    scale = np.array([[5.0], [4.0], [4.0], [2.0], [2.0], [2.0]], dtype=np.float32)
+    logits = rng.normal(size=(6, WIDE)).astype(np.float32) * scale
+    top_p = np.array([0.5, 0.9, 0.95, 0.5, 0.9, 0.95], dtype=np.float32)
+    x = mx.array(logits)
+    for lse in (_logsumexp, _logsumexp_cpu):
+        kept = np.isfinite(np.array(_nucleus(x, mx.array(top_p), lse(x))))
+        for row in range(len(top_p)):
+            want, order, before = nucleus_reference(logits[row], float(top_p[row]))
+            got = set(np.flatnonzero(kept[row]).tolist())
+            # Only a token whose mass before it is within float32's rounding
+            # of top_p may fall on either side.
+            near = {int(t) for t, b in zip(order, before) if abs(b - top_p[row]) < 1e-5}
+            assert got ^ want <= near, (row, len(got), len(want))
+            assert len(want) > 1
+
+
+def wide_sampler(p: Sampling) -> BatchSampler:
+    s = BatchSampler(WIDE)
+    s.extend([RowSampling(p, WIDE, [])])
+    return s
+
+
+def test_top_p_over_a_wide_vocabulary_draws_only_the_nucleus():
+    probs = np.full(WIDE, 1e-9)
+    probs[[10, 5000, WIDE - 1, 77]] = [0.45, 0.35, 0.15, 0.05]
+    row = mx.array(np.log(probs / probs.sum())[None].astype(np.float32))
+    s = wide_sampler(params(top_p=0.75, seed=3))
+    drawn = [s(row, mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(300)]
+    assert set(drawn) == {10, 5000}
+    assert 0.5 < drawn.count(10) / len(drawn) < 0.8  # 0.45 / 0.8 of the draws expected
+
+
+def test_a_nucleus_wider_than_the_candidates_draws_among_the_likeliest():
+    """The documented bound: a nearly flat distribution's nucleus is cut to
+    the NUCLEUS_AT_MOST likeliest tokens."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=WIDE).astype(np.float32) * 0.1
+    want, order, _ = nucleus_reference(logits, 0.9)
+    assert len(want) > NUCLEUS_AT_MOST
+    likeliest = set(order[:NUCLEUS_AT_MOST].tolist())
+    s = wide_sampler(params(top_p=0.9, seed=4))
+    drawn = {s(mx.array(logits[None]), mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(200)}
+    assert drawn <= likeliest and len(drawn) > 150
 
 
 def test_repetition_penalty_discourages_seen_tokens():
