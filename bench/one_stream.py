@@ -28,6 +28,10 @@ goes.
   decode step kept in the compiled trace (on CUDA the worker otherwise
   times its steps both ways and keeps the faster; docs/engine.md), in the
   same rounds.
+- with `--top-p P`: both sides sample at temperature 0.7 with top-p P
+  (no top-k; mlx-lm through `make_sampler`, each of the worker's requests
+  seeded by its round) instead of reading the likeliest token, so a step
+  includes each side's sampler over the model's whole vocabulary.
 - with `--profile`: cProfile of one run of each side, of one fresh first
   token and of another new prompt's of the same length right after it, the
   top functions by own time (on a GPU a function's own
@@ -49,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 
+TEMPERATURE = 0.7
+
 
 def _top(profile: cProfile.Profile, lines: int = 25) -> str:
     out = io.StringIO()
@@ -65,6 +71,7 @@ def main() -> int:
     p.add_argument("--fresh", type=int, default=8, help="fresh prompts for the first-token series (0: none)")
     p.add_argument("--traced", action="store_true", help="a third side: a lone row's decode step in the compiled trace")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--top-p", type=float, default=0.0, help="sample at temperature 0.7 with this top-p instead of greedy")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -73,6 +80,7 @@ def main() -> int:
     path, loaded, codec = load_model(args.model or args.size)
     size = path.name if args.model else args.size
     from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from bench.chat import user_messages
@@ -104,7 +112,8 @@ def main() -> int:
         nonlocal rid
         rid += 1
         t0 = clock.start(through)
-        through.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, temperature=0.0, repetition_penalty=1.0), t0)
+        sampled = {"temperature": TEMPERATURE, "top_k": 0, "top_p": args.top_p, "seed": rid} if args.top_p else {"temperature": 0.0}
+        through.submit(Generate(rid=rid, prompt=prompt, max_tokens=n, repetition_penalty=1.0, **sampled), t0)
         while through.has_work:
             through.step()
         return clock.times()
@@ -114,7 +123,10 @@ def main() -> int:
 
     def theirs(prompt: str, n: int) -> list[float]:
         t0 = time.perf_counter()
-        return [time.perf_counter() - t0 for _ in stream_generate(loaded.model, tokenizer, codec.encode(prompt), max_tokens=n)]
+        steps = stream_generate(loaded.model, tokenizer, codec.encode(prompt), max_tokens=n, sampler=sampler)
+        return [time.perf_counter() - t0 for _ in steps]
+
+    sampler = make_sampler(temp=TEMPERATURE, top_p=args.top_p) if args.top_p else None
 
     def rate(times: list[float], tokens: int) -> float:
         """Decode tokens/s over the first `tokens` tokens."""
@@ -130,6 +142,7 @@ def main() -> int:
         "backend": backend(),
         "prompt_tokens": len(codec.encode(base)),
         "max_tokens": args.max_tokens,
+        "sampling": {"temperature": TEMPERATURE, "top_p": args.top_p} if args.top_p else "greedy",
         "machine": machine(),
         "rounds": [],
     }
