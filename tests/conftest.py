@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from harness.engine import engine_for
@@ -12,6 +15,7 @@ from harness.procs import build_demo_model, install_tag, tagged_processes, wait_
 from harness.prompts import ADAPTER_LONG, ADAPTER_PROMPTS, ADAPTER_TOKENS
 from harness.worker import WorkerProc
 from tests.lora_files import deltas, lora_pairs, merge_into, targets_of, write_mlx, write_mlx_lm, write_peft
+from worker.runtime.kernel_cache import ENV as PTX_ENV, gpu_name, kernel_cache_dir
 
 TAG = install_tag()
 _long_lived: set[int] = set()
@@ -174,13 +178,44 @@ def private_control_socket(tmp_path_factory):
 def private_cache_dir(tmp_path_factory):
     """Pools and workers started by tests keep their caches (the prefix
     cache's files, the demo model) in a directory of their own, never in
-    the user's ~/.cache/lattice-pool. Their CPU kernels stay where this
-    process's are (the machine's temp dir): a fresh directory would have
-    each session's workers compile every kernel again."""
+    the user's ~/.cache/lattice-pool. Their compiled kernels stay in the
+    machine's temp dir, shared by every test process and session: a fresh
+    directory would have each session's workers compile every kernel
+    again (on an H100 a worker of the tiny model took over 100 s to be
+    ready with an empty CUDA kernel directory)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         mp.setenv("LATTICE_CPU_KERNELS", tempfile.gettempdir())
+        if mx.cuda.is_available():
+            mp.setenv(PTX_ENV, str(kernel_cache_dir({"XDG_CACHE_HOME": tempfile.gettempdir()}, mx.__version__, gpu_name())))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpu_kernels(private_cache_dir, request):
+    """On a GPU, one worker of the tiny model is started before any test,
+    one test process at a time, so that the kernels every worker needs are
+    compiled once, with time to do it, rather than inside the tests'
+    deadlines."""
+    if not mx.cuda.is_available():
+        yield
+        return
+    lock = Path(os.environ[PTX_ENV]).parent / "warm.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        w = WorkerProc(request.getfixturevalue("tiny_model"))
+        try:
+            w.wait_ready(timeout=900)
+        finally:
+            assert w.close() == 0
+    yield
+
+
+# A GPU computes in bf16, where a greedy choice can tie with the runner-up;
+# tests that compare texts computed two ways need every choice to win by
+# GREEDY_MARGIN, which the CPU's float32 gives.
+float32_margins = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="greedy texts compared by margin: float32 on the CPU; a GPU's bf16 logits tie")
 
 
 @pytest.fixture

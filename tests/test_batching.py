@@ -10,7 +10,7 @@ from harness.prompts import MIXED, PROMPTS, THINK
 from harness.worker import WorkerProc, is_terminal, terminal, text_of
 from ipc.framing import encode_frame
 from ipc.messages import Cancel, Generate, Stats
-from tests.conftest import GREEDY_MARGIN, shared_worker
+from tests.conftest import GREEDY_MARGIN, float32_margins, shared_worker
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,7 @@ def same_as(req: Generate, **kw) -> Generate:
     return request(**fields)
 
 
+@float32_margins
 def test_a_second_request_streams_before_the_first_ends(worker, greedy_margins):
     long, short = request(max_tokens=120), request(prompt=PROMPTS[1], max_tokens=6)
     long_alone, short_alone = text_of(alone(worker, long)), text_of(alone(worker, short))
@@ -62,6 +63,7 @@ def test_a_second_request_streams_before_the_first_ends(worker, greedy_margins):
     assert min(greedy_margins([PROMPTS[0]], 120) + greedy_margins([PROMPTS[1]], 6)) > GREEDY_MARGIN
 
 
+@float32_margins
 def test_eight_greedy_requests_batched_give_their_alone_text(worker, greedy_margins):
     reqs = [request(prompt=p, max_tokens=32) for p in PROMPTS]
     texts = {r.rid: text_of(alone(worker, r)) for r in reqs}
@@ -77,6 +79,7 @@ def test_eight_greedy_requests_batched_give_their_alone_text(worker, greedy_marg
     assert min(greedy_margins(PROMPTS, 32)) > GREEDY_MARGIN
 
 
+@float32_margins
 def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker, greedy_margins):
     first = [request(prompt=PROMPTS[i], max_tokens=40, **kw) for i, kw in enumerate(MIXED)]
     greedy_alone = text_of(alone(worker, same_as(first[0])))
@@ -95,6 +98,7 @@ def test_mixed_settings_in_one_batch_reproduce_and_keep_greedy_exact(worker, gre
     assert changed == [False] + [True] * (len(MIXED) - 1)
 
 
+@float32_margins
 def test_cancel_one_row_while_the_others_go_on(worker, greedy_margins):
     reqs = [request(prompt=p, max_tokens=60) for p in PROMPTS[:3]]
     expected = [text_of(alone(worker, r)) for r in reqs]
@@ -116,6 +120,7 @@ def test_cancel_one_row_while_the_others_go_on(worker, greedy_margins):
     assert min(greedy_margins(PROMPTS[:3], 60)) > GREEDY_MARGIN
 
 
+@float32_margins
 def test_stop_string_and_reasoning_budget_on_rows_of_one_batch(worker, greedy_margins):
     plain = request(prompt=PROMPTS[2], max_tokens=30)
     full = text_of(alone(worker, plain))

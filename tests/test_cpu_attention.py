@@ -12,7 +12,12 @@ import pytest
 from worker.runtime import cpu_attention
 from worker.runtime.cpu_attention import FLOOR, composed, exp_nonpositive, softmax
 
+# The route runs on the CPU only; compared there with mlx's CPU kernels at
+# float32 precision (a GPU's exp and TF32 matmuls are coarser references).
+cpu_only = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's route, at float32 precision")
 
+
+@cpu_only
 def test_the_exponential_is_mlx_s_to_float32_precision_and_zero_below_its_floor():
     x = mx.concatenate([mx.linspace(FLOOR, 0.0, 200_001), mx.array([-0.0, -1e-30, -1e-7, math.log(0.5)])])
     got, want = exp_nonpositive(x), mx.exp(x)
@@ -23,6 +28,7 @@ def test_the_exponential_is_mlx_s_to_float32_precision_and_zero_below_its_floor(
     assert math.isnan(exp_nonpositive(mx.array([float("nan")])).item())
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_the_softmax_is_mlx_s_precise_one(dtype):
     mx.random.seed(3)
@@ -48,6 +54,7 @@ def _mlx(queries, keys, values, mask):
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=32**-0.5, mask=mask)
 
 
+@cpu_only
 @pytest.mark.parametrize("length", [1, 4, cpu_attention.QUERIES_AT_MOST])
 def test_composed_attention_is_mlx_s_under_each_kind_of_mask(length):
     # 3 rows x 4 heads x 800 keys: past SCORES_FROM at one query a row.

@@ -9,6 +9,15 @@ from mlx_lm.models import gated_delta as reference
 
 from worker.runtime.gated_delta import chunked_gated_delta, gated_delta_update, install
 
+# Relative distance from the sequential recurrence. mlx-cuda computes float32
+# matmuls on tensor cores in TF32 by default (MLX_ENABLE_TF32, a 10-bit
+# mantissa), where the chunked
+# form's matmuls moved results by 2e-4 to 6e-4 on an H100; the CPU's float32
+# stays within 1e-5, and within 1e-4 for a float32 state under bf16 inputs
+# and for a whole model's logits.
+F32 = 1e-5 if mx.default_device() == mx.cpu else 2e-3
+LOOSE = 1e-4 if mx.default_device() == mx.cpu else 2e-3
+
 
 def _inputs(seed, B, T, Hk, Hv, Dk, Dv, decay=1.0, dtype=mx.float32):
     rng = np.random.default_rng(seed)
@@ -44,7 +53,7 @@ def test_matches_sequential_across_lengths_and_head_layouts(T, heads):
     y0, s0 = _sequential(q, k, v, log_g, beta, state)
     y1, s1 = chunked_gated_delta(q, k, v, log_g, beta, state)
     assert y1.shape == y0.shape and y1.dtype == y0.dtype and s1.shape == s0.shape
-    assert _rel(y1, y0) < 1e-5 and _rel(s1, s0) < 1e-5
+    assert _rel(y1, y0) < F32 and _rel(s1, s0) < F32
 
 
 @pytest.mark.parametrize("decay", [0.0, 1e-3, 5.0, 200.0], ids=["none", "slow", "fast", "underflow"])
@@ -55,7 +64,7 @@ def test_decay_extremes(decay):
     y0, s0 = _sequential(q, k, v, log_g, beta, state)
     y1, s1 = chunked_gated_delta(q, k, v, log_g, beta, state)
     assert np.isfinite(np.array(y1)).all() and np.isfinite(np.array(s1)).all()
-    assert _rel(y1, y0) < 1e-5 and _rel(s1, s0) < 1e-5
+    assert _rel(y1, y0) < F32 and _rel(s1, s0) < F32
 
 
 def test_padding_mask_leaves_state_untouched():
@@ -68,10 +77,10 @@ def test_padding_mask_leaves_state_untouched():
     mask = mx.array(mask_np)
     y0, s0 = _sequential(q, k, v, log_g, beta, state, mask)
     y1, s1 = chunked_gated_delta(q, k, v, log_g, beta, state, mask)
-    assert _rel(s1, s0) < 1e-5
+    assert _rel(s1, s0) < F32
     # Outputs at padded positions are never read; compare real tokens only.
     keep = mask_np[..., None, None]
-    assert _rel(mx.array(np.where(keep, np.array(y1), 0)), mx.array(np.where(keep, np.array(y0), 0))) < 1e-5
+    assert _rel(mx.array(np.where(keep, np.array(y1), 0)), mx.array(np.where(keep, np.array(y0), 0))) < F32
 
 
 def test_state_carries_across_calls():
@@ -80,11 +89,11 @@ def test_state_carries_across_calls():
     cut = 77
     y_a, s_a = chunked_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], log_g[:, :cut], beta[:, :cut], state)
     y_b, s_b = chunked_gated_delta(q[:, cut:], k[:, cut:], v[:, cut:], log_g[:, cut:], beta[:, cut:], s_a)
-    assert _rel(mx.concatenate([y_a, y_b], axis=1), y_all) < 1e-5
-    assert _rel(s_b, s_all) < 1e-5
+    assert _rel(mx.concatenate([y_a, y_b], axis=1), y_all) < F32
+    assert _rel(s_b, s_all) < F32
     y0, s0 = _sequential(q, k, v, log_g, beta, None)
     y1, s1 = chunked_gated_delta(q, k, v, log_g, beta, None)
-    assert _rel(y1, y0) < 1e-5 and _rel(s1, s0) < 1e-5
+    assert _rel(y1, y0) < F32 and _rel(s1, s0) < F32
 
 
 def test_bf16_inputs_keep_their_dtype():
@@ -92,7 +101,7 @@ def test_bf16_inputs_keep_their_dtype():
     y0, s0 = _sequential(q, k, v, log_g, beta, state)
     y1, s1 = chunked_gated_delta(q, k, v, log_g, beta, state)
     assert y1.dtype == mx.bfloat16 and s1.dtype == mx.float32
-    assert _rel(y1, y0) < 1e-2 and _rel(s1, s0) < 1e-4
+    assert _rel(y1, y0) < 1e-2 and _rel(s1, s0) < LOOSE
 
 
 @pytest.mark.parametrize("variant", [{}, {"lower_bound": -4.0}, {"allow_neg_eigval": True}], ids=["plain", "lower_bound", "neg_eigval"])
@@ -106,7 +115,7 @@ def test_update_wrapper_matches_mlx_lm(variant):
     dt_bias = mx.array(rng.standard_normal(Hv).astype(np.float32))
     y0, s0 = reference.gated_delta_update(q, k, v, a, b, A_log, dt_bias, None, None, **variant)
     y1, s1 = gated_delta_update(q, k, v, a, b, A_log, dt_bias, None, None, **variant)
-    assert _rel(y1, y0) < 1e-5 and _rel(s1, s0) < 1e-5
+    assert _rel(y1, y0) < F32 and _rel(s1, s0) < F32
 
 
 def test_install_routes_the_model_and_keeps_its_logits(tiny_model):
@@ -129,5 +138,5 @@ def test_install_routes_the_model_and_keeps_its_logits(tiny_model):
     finally:
         for m, fn in saved.items():
             m.gated_delta_update = fn
-    assert _rel(after, before) < 1e-4
+    assert _rel(after, before) < LOOSE
     assert (np.array(after.argmax(-1)) == np.array(before.argmax(-1))).mean() > 0.99

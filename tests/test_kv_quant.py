@@ -1,6 +1,7 @@
 """Quantized attention caches (kv_bits) in the batched engine: close to the
 model's dtype, batched like any other, with the prefix cache."""
 
+import mlx.core as mx
 import pytest
 
 from harness.engine import run
@@ -8,6 +9,11 @@ from harness.procs import said
 from harness.prompts import chatml
 from ipc.messages import Generate
 from tests.conftest import LOGIT_TOLERANCE
+
+# Float32 caches and the CPU's float32 tolerances: mlx-cuda has no quantized
+# matmul of float32 queries for these shapes (its models run in bf16), and a
+# GPU's bf16 logits move by more than these tolerances.
+float32_only = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 quantized matmuls and tolerances: the CPU's")
 
 PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k + "<|im_end|>\n<|im_start|>assistant\n" for k in (1, 3, 6, 12)]
 
@@ -85,7 +91,9 @@ def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
     base, q8, q4 = engine(None), engine(8), engine(4)
     # The memory guard counts the smaller rows.
     assert base.row_fixed_bytes == q8.row_fixed_bytes == q4.row_fixed_bytes
-    assert q4.row_token_bytes < q8.row_token_bytes <= 0.55 * base.row_token_bytes
+    # 8 bits and a scale and bias a group of 32: 0.3125x float32's bytes (a
+    # CPU), 0.5625x bf16's (a GPU).
+    assert q4.row_token_bytes < q8.row_token_bytes <= 0.57 * base.row_token_bytes
     assert q8.generator.can_batch and q8.max_batch > 1 and q8.prefix_cache.supported
 
     # A batch of rows of different lengths, joining together: each gives
@@ -141,9 +149,11 @@ def test_a_pool_serves_quantized_and_plain_models_side_by_side(tiny_model, tmp_p
         assert alone["ev"] == "gen_token" and pool.text(f"alone{i}") == texts[f"q8{i}"][1]
     pool.send({"op": "status"})
     rows = {r["model"]: r for r in pool.wait_ev("status")["models"]}
-    # Two workers; the quantized one batches (a worker that cannot reports max_batch 1).
+    # Two workers; the quantized one batches (a worker that cannot reports
+    # max_batch 1), and its smaller rows never get fewer of them (`auto`: 8
+    # on a CPU, up to 64 from a GPU's memory).
     assert rows["q8"]["pid"] != rows["plain"]["pid"]
-    assert rows["q8"]["max_batch"] == rows["plain"]["max_batch"] == 8
+    assert rows["q8"]["max_batch"] >= rows["plain"]["max_batch"] > 1
     # quantized_kv_start = 40: the prompts (30 to 195 tokens) batch on both sides of it.
     assert said(pool.stderr, b"attention caches quantized: 8 bits, groups of 32, from 40 tokens on")
     assert pool.close() == 0
@@ -203,6 +213,7 @@ def test_quantized_kv_start_is_plain_before_it_and_near_8_bits_after(tiny_model,
             assert mx.abs(b - c).max().item() < 0.15
 
 
+@float32_only
 def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(tiny_model):
     """Rows below, across and above START in one batch, rows leaving and
     joining, a right-padded chunk in which one row crosses START: each row's
@@ -322,6 +333,7 @@ def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_mo
     assert speculating.speculator.drafted > 0
 
 
+@float32_only
 @pytest.mark.parametrize("queries", [1, 5, 40])
 @pytest.mark.parametrize("where", ["cpu", "metal", "cuda"])
 @pytest.mark.parametrize("group_size, bits", [(32, 8), (64, 8), (64, 4)])
@@ -390,6 +402,7 @@ def test_on_cuda_steps_quantized_matmuls_take_whole_unbroadcast_operands(monkeyp
         assert x_shape[:-2] == w_shape[:-2] == (1, 2)  # one matmul per KV head, nothing broadcast
 
 
+@float32_only
 @pytest.mark.parametrize("dim, group_size, kernel_scores", [(64, 64, False), (64, 32, True), (128, 64, True)])
 def test_on_cuda_a_cache_of_one_group_a_row_scores_its_keys_dequantized(monkeypatch, dim, group_size, kernel_scores):
     """mlx's CUDA quantized matmul gets `x @ W.T` wrong where each row of W
@@ -435,6 +448,7 @@ def test_on_cuda_a_cache_of_one_group_a_row_scores_its_keys_dequantized(monkeypa
         assert mx.abs(got - want).max().item() < 1e-4
 
 
+@float32_only
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(

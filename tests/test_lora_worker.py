@@ -17,7 +17,7 @@ import pytest
 
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, LoadAdapter, Stats, UnloadAdapter
-from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, margins_of, release
+from tests.conftest import GREEDY_MARGIN, float32_margins, keep_alive_across_tests, margins_of, release
 from tests.lora_files import BAD_KINDS, deltas, lora_pairs, targets_of, use_only, write_bad, write_merged_model, write_mlx, write_mlx_lm, write_peft
 
 CHAT = "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\n"
@@ -180,6 +180,7 @@ def test_bad_adapter_is_refused_with_its_message_and_the_good_one_serves(tmp_pat
     assert greedy(worker, CHAT, lora=adapters["peft"]) == adapted_texts[0]
 
 
+@float32_margins
 def test_a_request_waits_for_its_adapter_while_the_running_one_goes_on(adapters, adapted_texts, worker, tiny_model):
     """A read does not wait for running requests: the request that was
     running finishes beside a request sent after a LoadAdapter, which waits

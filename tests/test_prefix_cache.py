@@ -7,7 +7,7 @@ from harness.engine import engine_for, run
 from harness.prompts import SYSTEM, chatml
 from harness.worker import WorkerProc, terminal, text_of
 from ipc.messages import Generate, Message
-from tests.conftest import GREEDY_MARGIN, keep_alive_across_tests, release
+from tests.conftest import GREEDY_MARGIN, float32_margins, keep_alive_across_tests, release
 from worker.cache.prefix_cache import chunk_ends, message_starts
 
 QUESTIONS = [
@@ -143,6 +143,7 @@ def test_repeated_prompt_still_runs_its_last_token(pair):
     assert 0 < second[1]["cached_tokens"] < second[1]["prompt_tokens"]
 
 
+@float32_margins
 def test_rows_of_one_batch_resume_and_store_their_own_snapshots(pair, tokenizer, greedy_margins):
     cached, plain = pair
     im_start = tokenizer.token_to_id("<|im_start|>")

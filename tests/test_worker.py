@@ -208,8 +208,14 @@ def test_stats_reply_has_measured_memory(worker):
     assert stats["rss_bytes"] > stats["weights_bytes"] > 0
     assert 0 < stats["uss_bytes"] <= stats["rss_bytes"]
     assert stats["mlx_active_bytes"] >= stats["weights_bytes"]
-    # The memory of the device it computes on: on a CPU, the machine's.
-    assert stats["device_memory_bytes"] == psutil.virtual_memory().total
+    # The memory of the device it computes on: on a CPU, the machine's; on a
+    # GPU, the GPU's (mlx's figure, as the worker reads it).
+    import mlx.core as mx
+
+    from worker.runtime.batch_size import gpu_memory
+
+    on_gpu = mx.default_device() == mx.gpu
+    assert stats["device_memory_bytes"] == (gpu_memory(mx.device_info()) if on_gpu else psutil.virtual_memory().total)
 
 
 def test_q4_model_generates(tiny_q4_model):

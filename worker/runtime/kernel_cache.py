@@ -92,6 +92,17 @@ def keep_cpu_kernels(env: MutableMapping[str, str]) -> Path | None:
     return path
 
 
+def gpu_name() -> str:
+    """The GPU's architecture (or name), which a kernel directory is for."""
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:  # a build without it: one directory for any GPU
+        info = {}
+    return str(info.get("architecture") or info.get("device_name") or "gpu")
+
+
 def keep_kernels() -> Path | None:
     """On CUDA, points mlx's kernel cache at kernel_cache_dir; returns it.
     mlx reads the variable when it first compiles a kernel, so this runs
@@ -100,11 +111,7 @@ def keep_kernels() -> Path | None:
 
     if not mx.cuda.is_available():
         return None
-    try:
-        info = mx.device_info()
-    except Exception:  # a build without it: one directory for any GPU
-        info = {}
-    path = kernel_cache_dir(os.environ, mx.__version__, str(info.get("architecture") or info.get("device_name") or "gpu"))
+    path = kernel_cache_dir(os.environ, mx.__version__, gpu_name())
     if path is None:
         return None
     try:
