@@ -7,15 +7,16 @@ took for 8 rows of the demo model's heads (4 query heads of 32 over 2 KV
 heads) at 2,048 cached tokens, on a 2-core Intel Xeon VM.
 
 Here the exponential is a polynomial that mlx's compiler fuses into a few
-loops over the scores: 2^n from the bits of n, and Cephes' `exp2f`
-polynomial on the fraction. Its relative error is within 2e-7 over the
-whole range a softmax feeds it (0 down to -87, where float32 runs out),
-and below -87 it is exactly 0, as masked scores must be. Measured on that
+loops over the scores: 2^n from the bits of n, and Cephes' `expf`
+polynomial on the remainder. Its relative error is within 1.2e-7 of the
+exact value over the whole range a softmax feeds it (0 down to -87, where
+float32 runs out; mlx's own `exp` is within 3.8e-6 there), and below -87
+it is exactly 0, as masked scores must be. Measured on that
 VM (`python -m bench.cpu_attention`, compiled as the worker's step is):
-the softmax took 0.52-0.83x mlx's time and a whole call 0.58-0.94x
+the softmax took 0.45-0.75x mlx's time and a whole call 0.57-0.91x
 (medians of 5 alternated rounds), over
 1 and 8 rows of the demo model's and Qwen3-8B's heads at 2k to 32k cached
-tokens; the demo model decoded 1.21x as fast at 8 rows and 8k tokens.
+tokens; the demo model decoded 1.28x as fast at 8 rows and 8k tokens.
 
 Only calls of at most QUERIES_AT_MOST queries a row are taken (decode
 steps, speculative verification): a prompt piece keeps mlx's attention,
@@ -42,31 +43,37 @@ SCORES_FROM = 1 << 13
 _MLX = base.scaled_dot_product_attention
 
 LOG2E = 1.4426950408889634
+# ln 2 in two parts (Cody and Waite's): the first has few enough bits that
+# n times it is exact in float32 for the n here, so x - n ln 2 keeps its
+# precision where x is large.
+LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4
 # Below this exp(x) is under float32's smallest normal number.
 FLOOR = -87.0
-# Cephes' `exp2f`: 2^g = 1 + g q(g) for |g| <= 1/2, q's coefficients
-# highest degree first.
-EXP2 = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2, 2.402264791363012e-1, 6.931472028550421e-1)
-SQRT2 = 1.4142135623730951
+# Cephes' `expf`: e^r = 1 + r + r^2 p(r) for |r| <= ln(2)/2, p's
+# coefficients highest degree first.
+EXPF = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
 @mx.compile
 def exp_nonpositive(x: mx.array) -> mx.array:
     """exp(x) for float32 x <= 0 (a score less its row's largest);
-    exactly 0 below FLOOR. exp(x) = 2^t with t = x log2(e) = n + f, n an
-    integer and 0 <= f < 1; 2^f = sqrt(2) 2^(f - 1/2) from the polynomial,
-    2^n from the bits of n. The polynomial is evaluated in Estrin's order,
-    which keeps the chain of operations short enough for mlx to fuse it
-    into few loops."""
-    t = mx.maximum(x, FLOOR) * LOG2E
-    n = mx.floor(t)
-    g = t - n - 0.5
-    g2 = g * g
-    c = EXP2
-    q = (c[5] + c[4] * g) + g2 * (c[3] + c[2] * g) + (g2 * g2) * (c[1] + c[0] * g)
+    exactly 0 below FLOOR. exp(x) = 2^n e^r with n the integer nearest
+    x / ln 2 (a cast toward zero of x / ln 2 - 1/2, as x <= 0: mlx's
+    floor took 3x a cast's time over a vocabulary on a 2-core Xeon) and
+    r = x - n ln 2, |r| <= ln(2)/2; e^r from the polynomial, 2^n from the
+    bits of n. The polynomial is evaluated in Estrin's order, which keeps
+    the chain of operations short enough for mlx to fuse it into few
+    loops."""
+    clamped = mx.maximum(x, FLOOR)
+    n = (clamped * LOG2E - 0.5).astype(mx.int32)
+    m = n.astype(mx.float32)
+    r = (clamped - m * LN2_HIGH) - m * LN2_LOW
+    r2 = r * r
+    c = EXPF
+    p = (c[5] + c[4] * r) + r2 * (c[3] + c[2] * r) + (r2 * r2) * (c[1] + c[0] * r)
     # 2^n as a float32's bits: n + 127 in the exponent field (n >= -126 here).
-    two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
-    return mx.where(x < FLOOR, 0.0, ((1.0 + g * q) * SQRT2) * two_n)
+    two_n = ((n + 127) << 23).view(mx.float32)
+    return mx.where(x < FLOOR, 0.0, (1.0 + r + r2 * p) * two_n)
 
 
 def softmax(scores: mx.array) -> mx.array:
