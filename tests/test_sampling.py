@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ipc.sampling import Sampling
-from worker.engine.sampling import NUCLEUS_AT_MOST, BatchSampler, RowSampling, _logsumexp, _logsumexp_cpu, _nucleus
+from worker.engine.sampling import NUCLEUS_AT_MOST, BatchSampler, RowSampling, _cpu_streams, _logsumexp, _logsumexp_cpu, _nucleus
+from worker.runtime.cpu_backend import usable_cores
 
 V = 64
 
@@ -127,6 +128,22 @@ def test_a_nucleus_wider_than_the_candidates_draws_among_the_likeliest():
     s = wide_sampler(params(top_p=0.9, seed=4))
     drawn = {s(mx.array(logits[None]), mx.zeros((1,), dtype=mx.uint32)).item() for _ in range(200)}
     assert drawn <= likeliest and len(drawn) > 150
+
+
+def test_rows_split_over_streams_draw_what_each_draws_alone():
+    """On a CPU with cores to spare a batch's rows are drawn on several
+    streams at once; each row's tokens are still its own."""
+    if mx.default_device() == mx.cpu and usable_cores() > 1:
+        assert len(_cpu_streams()) > 1
+    rows = [params(top_p=0.9, seed=20 + i) for i in range(8)]
+    rng = np.random.default_rng(6)
+    steps = [mx.array((rng.normal(size=(8, WIDE)) * 3).astype(np.float32)) for _ in range(4)]
+    together = BatchSampler(WIDE)
+    together.extend([RowSampling(p, WIDE, []) for p in rows])
+    drawn = [together(x, mx.zeros((8,), dtype=mx.uint32)).tolist() for x in steps]
+    for i, p in enumerate(rows):
+        alone = wide_sampler(p)
+        assert [alone(x[i : i + 1], mx.zeros((1,), dtype=mx.uint32)).item() for x in steps] == [d[i] for d in drawn]
 
 
 def test_repetition_penalty_discourages_seen_tokens():

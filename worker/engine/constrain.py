@@ -20,7 +20,6 @@ docs/structured-output.md has the whole step):
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -35,6 +34,7 @@ from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_pa
 
 from ipc.messages import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 from worker.engine.schema_refs import too_deep, unmatchable_ref
+from worker.runtime.cpu_backend import usable_cores
 
 # Compiled grammars kept per worker, least recently used out. One takes about
 # a millisecond to compile and ~25 KB (the test schema, 151k vocabulary), so
@@ -50,11 +50,7 @@ def default_mask_threads() -> int:
     the cores: 12) decoded 8 rows of a 151k vocabulary no faster than 4
     threads (0.82 vs 0.81x the free speed) and took more CPU, and each
     thread may cost a grammar one more compiled matcher (Constraints.row)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return min(4, max(1, cores // 4))
+    return min(4, max(1, usable_cores() // 4))
 
 
 # Compact JSON: the separators are fixed, so a looping model cannot pad a

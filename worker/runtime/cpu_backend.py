@@ -81,6 +81,14 @@ def _dist_file(dist: str, pattern: str) -> Path | None:
 _loaded: str | None = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def load_openblas() -> str | None:
     """Puts OpenBLAS in the process' global symbol scope; returns its path,
     or None when it is not wanted or not usable here. Must run before
@@ -104,7 +112,7 @@ def load_openblas() -> str | None:
     # busy process (the UI, the supervisor, a second worker) preempts one of
     # them and every GEMM stalls; measured on 2 cores, TTFT jumped 3-10x. One
     # core is left free unless the user says otherwise.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, usable_cores() - 1)))
     with tempfile.TemporaryDirectory(prefix="lattice-blas-") as tmp:
         links = Path(tmp)
         (links / "libopenblas.so.0").symlink_to(openblas)
