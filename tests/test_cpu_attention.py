@@ -72,6 +72,22 @@ def test_composed_attention_is_mlx_s_under_each_kind_of_mask(length):
         assert mx.abs(got - want).max().item() < 1e-5, mask if isinstance(mask, str) or mask is None else mask.shape
 
 
+@cpu_only
+def test_rows_split_over_streams_compute_what_one_call_computes():
+    """The route cuts a batch's rows into spans, one CPU stream each; a
+    batch's mask goes with its rows."""
+    from worker.runtime import cpu_streams
+
+    queries, keys, values = _inputs(3, 1, 4000, seed=4)
+    padding = mx.array([0, 9, 300])
+    seen = (mx.arange(4000)[None, :] >= padding[:, None])[:, None, None, :]
+    for mask in (None, seen, mx.where(seen, 0.0, -float("inf"))):
+        got = cpu_attention.attention(queries, keys, values, None, scale=32**-0.5, mask=mask)
+        assert mx.abs(got - composed(queries, keys, values, 32**-0.5, mask)).max().item() < 1e-6
+    spans = cpu_streams.by_rows(3, lambda r: (r.start, r.stop))
+    assert spans[0][0] == 0 and spans[-1][1] == 3 and len(spans) == min(3, len(cpu_streams.streams()))
+
+
 def test_the_route_takes_few_queries_over_many_keys_and_leaves_the_rest_to_mlx(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_attention, "composed", lambda *a: calls.append("here") or _mlx(*a[:3], a[4]))

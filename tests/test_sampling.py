@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ipc.sampling import Sampling
-from worker.engine.sampling import NUCLEUS_AT_MOST, BatchSampler, RowSampling, _cpu_streams, _logsumexp, _logsumexp_cpu, _nucleus
+from worker.engine.sampling import NUCLEUS_AT_MOST, BatchSampler, RowSampling, _logsumexp, _logsumexp_cpu, _nucleus
+from worker.runtime import cpu_streams
 from worker.runtime.cpu_backend import usable_cores
 
 V = 64
@@ -134,7 +135,7 @@ def test_rows_split_over_streams_draw_what_each_draws_alone():
     """On a CPU with cores to spare a batch's rows are drawn on several
     streams at once; each row's tokens are still its own."""
     if mx.default_device() == mx.cpu and usable_cores() > 1:
-        assert len(_cpu_streams()) > 1
+        assert len(cpu_streams.streams()) > 1
     rows = [params(top_p=0.9, seed=20 + i) for i in range(8)]
     rng = np.random.default_rng(6)
     steps = [mx.array((rng.normal(size=(8, WIDE)) * 3).astype(np.float32)) for _ in range(4)]

@@ -49,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from worker.engine import quant_decode_kernel
-from worker.runtime import cpu_attention, short_attention
+from worker.runtime import cpu_attention, cpu_streams, short_attention
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
@@ -219,7 +219,16 @@ def _attention(where: str, kernel: bool = False):
             keys = keys if scores_by == "dequantized" else _contiguous(keys)
             values = _contiguous(values)
         softmax = cpu_attention.softmax if cpu else _precise_softmax
-        out = _grouped(queries, keys, values, scale, mask, cache.group_size, cache.bits, scores_by, softmax)
+        args = (cache.group_size, cache.bits, scores_by, softmax)
+        if cpu and cpu_attention.takes(queries, keys[0], None):
+            # Rows a core each (worker.runtime.cpu_streams).
+            parts = cpu_streams.by_rows(
+                queries.shape[0],
+                lambda r: _grouped(queries[r], tuple(x[r] for x in keys), tuple(x[r] for x in values), scale, cpu_streams.rows_of(mask, r), *args),
+            )
+            out = cpu_streams.joined(parts)
+        else:
+            out = _grouped(queries, keys, values, scale, mask, *args)
         return out if out.dtype == dtype else out.astype(dtype)
 
     return scaled_dot_product_attention

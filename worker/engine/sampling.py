@@ -16,8 +16,7 @@ import os
 import mlx.core as mx
 
 from ipc.sampling import Sampling
-from worker.runtime import cpu_attention
-from worker.runtime.cpu_backend import usable_cores
+from worker.runtime import cpu_attention, cpu_streams
 
 
 class RowSampling:
@@ -193,41 +192,13 @@ def _draw_kind(kind: tuple, logits, inv_temp, top_p, keys) -> tuple[mx.array, mx
         return mx.argmax(logits, axis=-1), keys
     top_k, use_top_p = kind
     draw = _draw(top_k, use_top_p, logits.shape[-1])
-    streams = _cpu_streams()[: logits.shape[0]]
-    if len(streams) < 2:
-        return draw(logits, inv_temp, top_p, keys)
-    # On the CPU, mlx runs a stream's ops one after another on one thread,
-    # and a draw's pass over the vocabulary (argpartition, logsumexp) is
-    # most of a step's sampling: rows split over one stream per core draw
-    # side by side, each row with its own key as ever. On a 2-core Xeon 8
-    # top-p rows at 151,936 tokens took 12.1 against 29.4 ms.
-    tokens, new_keys = [], []
-    for stream, rows in zip(streams, _spans(logits.shape[0], len(streams))):
-        with mx.stream(stream):
-            t, k = draw(logits[rows], inv_temp[rows], top_p[rows], keys[rows])
-        tokens.append(t)
-        new_keys.append(k)
-    return mx.concatenate(tokens), mx.concatenate(new_keys)
-
-
-# Streams a batch's sampled rows are split over on the CPU.
-MAX_DRAW_STREAMS = 8
-
-
-@functools.cache
-def _cpu_streams() -> tuple:
-    """The default stream and one more per usable core, up to
-    MAX_DRAW_STREAMS; only the default one off the CPU."""
     if mx.default_device() != mx.cpu:
-        return (mx.default_stream(mx.default_device()),)
-    extra = min(MAX_DRAW_STREAMS, usable_cores()) - 1
-    return (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(extra)))
-
-
-def _spans(rows: int, parts: int) -> list[slice]:
-    """rows cut into `parts` contiguous spans of sizes within one of each other."""
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        return draw(logits, inv_temp, top_p, keys)
+    # A draw's passes over the vocabulary (argpartition, logsumexp) are most
+    # of a step's sampling; rows go a core each (worker.runtime.cpu_streams),
+    # each with its own key as ever.
+    parts = cpu_streams.by_rows(logits.shape[0], lambda r: draw(logits[r], inv_temp[r], top_p[r], keys[r]))
+    return cpu_streams.joined([t for t, _ in parts]), cpu_streams.joined([k for _, k in parts])
 
 
 # Compiled once per kind of row (top-k size, top-p on or off); the numbers

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import base
 
+from worker.runtime import cpu_streams
 from worker.runtime.memory import processor
 from worker.runtime.rebind import rebind
 
@@ -125,7 +126,9 @@ def composed(queries: mx.array, keys: mx.array, values: mx.array, scale: float, 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the calls above taken here."""
     if not hasattr(cache, "bits") and takes(queries, keys, sinks):
-        return composed(queries, keys, values, scale, mask)
+        # Rows a core each (worker.runtime.cpu_streams).
+        parts = cpu_streams.by_rows(queries.shape[0], lambda r: composed(queries[r], keys[r], values[r], scale, cpu_streams.rows_of(mask, r)))
+        return cpu_streams.joined(parts)
     return _MLX(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

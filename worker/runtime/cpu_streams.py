@@ -1,0 +1,67 @@
+"""CPU streams, so that rows that do not read each other run on several
+cores at once.
+
+mlx runs the ops of one stream one after another on one thread, and on the
+CPU a decode step's graph runs on the one stream, its products included
+(the worker gives OpenBLAS one thread fewer than the cores, and a thin
+product runs on the calling thread). So on a 2-core machine a step kept
+one core busy. A batch's attention and its sampled tokens are computed
+row by row with no row reading another: cut into spans of rows, one
+stream a core, they run side by side. Measured on a 2-core Xeon VM
+(development runs, the two ways alternated in one process): the attention
+of 8 rows of the demo model's heads over 8,192 cached tokens, compiled,
+2.6 against 4.6 ms; 8 top-p draws at 151,936 tokens 12.1 against 29.4 ms.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from worker.runtime.cpu_backend import usable_cores
+
+MAX_STREAMS = 8
+
+
+_local = threading.local()
+
+
+def streams() -> tuple:
+    """The CPU's default stream and one more per usable core, up to
+    MAX_STREAMS in all: this thread's (mlx's streams belong to the thread
+    that made them)."""
+    made = getattr(_local, "streams", None)
+    if made is None:
+        extra = min(MAX_STREAMS, usable_cores()) - 1
+        made = _local.streams = (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(extra)))
+    return made
+
+
+def by_rows(rows: int, run: Callable[[slice], object]) -> list:
+    """run(span) for contiguous spans of `rows`, each span's ops on a
+    stream of its own; the results in row order. One span, on the current
+    stream, where there is one core or one row."""
+    parts = min(rows, len(streams()))
+    if parts < 2:
+        return [run(slice(0, rows))]
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    out = []
+    for stream, start, stop in zip(streams(), bounds, bounds[1:]):
+        with mx.stream(stream):
+            out.append(run(slice(start, stop)))
+    return out
+
+
+def joined(parts: list) -> mx.array:
+    """by_rows' arrays as one, along the rows."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def rows_of(mask, span: slice):
+    """An mlx-lm attention mask for a span of the rows: a batch's (rows,
+    1, L, S) array cut to them; any other mask holds for every row."""
+    if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] > 1:
+        return mask[span]
+    return mask
