@@ -140,3 +140,25 @@ def test_install_routes_the_model_and_keeps_its_logits(tiny_model):
             m.gated_delta_update = fn
     assert _rel(after, before) < LOOSE
     assert (np.array(after.argmax(-1)) == np.array(before.argmax(-1))).mean() > 0.99
+
+
+def test_decode_steps_of_many_rows_go_in_spans_and_match_mlx_lm():
+    """On the CPU a step whose state passes SPAN_STATE is cut into spans of
+    rows (worker.runtime.cpu_streams); each row's output and state are
+    mlx-lm's, with a row masked out and with no state yet."""
+    from worker.runtime import gated_delta as ours
+
+    rng = np.random.default_rng(31)
+    B, H, D = 5, 8, 128
+    assert B * H * D * D > ours.SPAN_STATE
+    q, k, v, *_ = _inputs(32, B, 1, H, H, D, D)
+    a = mx.array(rng.standard_normal((B, 1, H)).astype(np.float32))
+    b = mx.array(rng.standard_normal((B, 1, H)).astype(np.float32))
+    A_log = mx.array(np.log(rng.uniform(1, 16, H)).astype(np.float32))
+    dt_bias = mx.array(rng.standard_normal(H).astype(np.float32))
+    state = mx.array(0.3 * rng.standard_normal((B, H, D, D)).astype(np.float32))
+    mask = mx.array([[True], [False], [True], [True], [True]])
+    for s, m in ((state, mask), (None, None)):
+        y0, s0 = reference.gated_delta_update(q, k, v, a, b, A_log, dt_bias, s, m)
+        y1, s1 = gated_delta_update(q, k, v, a, b, A_log, dt_bias, s, m)
+        assert _rel(y1, y0) < F32 and _rel(s1, s0) < F32
