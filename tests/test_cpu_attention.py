@@ -84,8 +84,8 @@ def test_rows_split_over_streams_compute_what_one_call_computes():
     for mask in (None, seen, mx.where(seen, 0.0, -float("inf"))):
         got = cpu_attention.attention(queries, keys, values, None, scale=32**-0.5, mask=mask)
         assert mx.abs(got - composed(queries, keys, values, 32**-0.5, mask)).max().item() < 1e-6
-    spans = cpu_streams.by_rows(3, lambda r: (r.start, r.stop))
-    assert spans[0][0] == 0 and spans[-1][1] == 3 and len(spans) == min(3, len(cpu_streams.streams()))
+    spans = cpu_streams.cuts(3)
+    assert spans[0].start == 0 and spans[-1].stop == 3 and len(spans) == min(3, len(cpu_streams.streams()))
 
 
 def test_the_route_takes_few_queries_over_many_keys_and_leaves_the_rest_to_mlx(monkeypatch):

@@ -222,11 +222,10 @@ def _attention(where: str, kernel: bool = False):
         args = (cache.group_size, cache.bits, scores_by, softmax)
         if cpu and cpu_attention.takes(queries, keys[0], None):
             # Rows a core each (worker.runtime.cpu_streams).
-            parts = cpu_streams.by_rows(
+            out = cpu_streams.apart(
                 queries.shape[0],
                 lambda r: _grouped(queries[r], tuple(x[r] for x in keys), tuple(x[r] for x in values), scale, cpu_streams.rows_of(mask, r), *args),
             )
-            out = cpu_streams.joined(parts)
         else:
             out = _grouped(queries, keys, values, scale, mask, *args)
         return out if out.dtype == dtype else out.astype(dtype)

@@ -197,8 +197,7 @@ def _draw_kind(kind: tuple, logits, inv_temp, top_p, keys) -> tuple[mx.array, mx
     # A draw's passes over the vocabulary (argpartition, logsumexp) are most
     # of a step's sampling; rows go a core each (worker.runtime.cpu_streams),
     # each with its own key as ever.
-    parts = cpu_streams.by_rows(logits.shape[0], lambda r: draw(logits[r], inv_temp[r], top_p[r], keys[r]))
-    return cpu_streams.joined([t for t, _ in parts]), cpu_streams.joined([k for _, k in parts])
+    return cpu_streams.apart(logits.shape[0], lambda r: draw(logits[r], inv_temp[r], top_p[r], keys[r]))
 
 
 # Compiled once per kind of row (top-k size, top-p on or off); the numbers

@@ -127,8 +127,7 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the calls above taken here."""
     if not hasattr(cache, "bits") and takes(queries, keys, sinks):
         # Rows a core each (worker.runtime.cpu_streams).
-        parts = cpu_streams.by_rows(queries.shape[0], lambda r: composed(queries[r], keys[r], values[r], scale, cpu_streams.rows_of(mask, r)))
-        return cpu_streams.joined(parts)
+        return cpu_streams.apart(queries.shape[0], lambda r: composed(queries[r], keys[r], values[r], scale, cpu_streams.rows_of(mask, r)))
     return _MLX(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -78,15 +78,15 @@ def _dist_file(dist: str, pattern: str) -> Path | None:
     return None
 
 
-_loaded: str | None = None
-
-
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, where the OS says)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+_loaded: str | None = None
 
 
 def load_openblas() -> str | None:

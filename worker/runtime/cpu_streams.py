@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -41,25 +42,30 @@ def streams() -> tuple:
     return made
 
 
-def by_rows(rows: int, run: Callable[[slice], object], spans: int = 1) -> list:
-    """run(span) for contiguous spans of `rows` (at least `spans` of them,
-    one a stream at least, at most one a row), the spans dealt over the
-    streams in turn; the results in row order. One span, on the current
-    stream, where there is one core or one row and one span is asked."""
-    parts = min(rows, max(spans, len(streams())))
-    if parts < 2:
-        return [run(slice(0, rows))]
+def cuts(rows: int, spans: int = 1) -> list[slice]:
+    """Contiguous spans of `rows`: at least `spans` of them, one a stream
+    at least, at most one a row; one span where there is one core or one
+    row and one span is asked."""
+    parts = max(1, min(rows, max(spans, len(streams()))))
     bounds = [rows * i // parts for i in range(parts + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+def apart(rows: int, run: Callable[[slice], Any], spans: int = 1) -> Any:
+    """run(span) for each of cuts(rows, spans), the spans dealt over the
+    streams in turn (one span runs on the current stream), joined along the
+    rows: an array, or a tuple of arrays joined element by element."""
+    parts = cuts(rows, spans)
+    if len(parts) == 1:
+        return run(parts[0])
+    made = streams()
     out = []
-    for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        with mx.stream(streams()[i % len(streams())]):
-            out.append(run(slice(start, stop)))
-    return out
-
-
-def joined(parts: list) -> mx.array:
-    """by_rows' arrays as one, along the rows."""
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    for i, span in enumerate(parts):
+        with mx.stream(made[i % len(made)]):
+            out.append(run(span))
+    if isinstance(out[0], tuple):
+        return tuple(mx.concatenate(column) for column in zip(*out))
+    return mx.concatenate(out)
 
 
 def rows_of(mask, span: slice):

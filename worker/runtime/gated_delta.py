@@ -175,8 +175,9 @@ def gated_delta_update(
     """
     if q.shape[1] < 2 or a.ndim != 3 or not use_kernel:
         kw = dict(use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-        rows, heads, dim_v, dim_k = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
-        if mx.default_device() != mx.cpu or rows * heads * dim_v * dim_k < SPAN_STATE:
+        rows = q.shape[0]
+        state_size = rows * v.shape[2] * v.shape[3] * q.shape[3]  # rows x value heads x Dv x Dk
+        if mx.default_device() != mx.cpu or state_size < SPAN_STATE:
             return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
         # mlx-lm's step makes several arrays the size of the state; past a
         # few MB each they fall out of the CPU's caches and the step slows
@@ -184,12 +185,11 @@ def gated_delta_update(
         # of 128 x 128 on a 2-core Xeon: 1.2 ms for 2 rows, 8.0 for 4, 21
         # for 8). So rows go in spans of about SPAN_STATE state values, over
         # the CPU's streams (worker.runtime.cpu_streams).
-        parts = cpu_streams.by_rows(
+        return cpu_streams.apart(
             rows,
             lambda r: _ORIGINAL(q[r], k[r], v[r], a[r], b[r], A_log, dt_bias, None if state is None else state[r], None if mask is None else mask[r], **kw),
-            spans=-(-rows * heads * dim_v * dim_k // SPAN_STATE),
+            spans=-(-state_size // SPAN_STATE),
         )
-        return cpu_streams.joined([y for y, _ in parts]), cpu_streams.joined([st for _, st in parts])
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
