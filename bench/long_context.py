@@ -91,8 +91,10 @@ def part_restart(args, path: Path, system: str, record) -> None:
                 "cached_tokens": done.get("cached_tokens", 0),
             }
 
+        t0 = time.monotonic()
         pool = PoolProc("--config", str(config), env=env)
         pool.wait_ev("ready", model="m", timeout=300)
+        first_ready_s = time.monotonic() - t0
         cold = ask(pool, 0)
         warm = ask(pool, 1)
         deadline = time.monotonic() + 120
@@ -100,15 +102,27 @@ def part_restart(args, path: Path, system: str, record) -> None:
             time.sleep(0.1)
         disk_bytes = sum(p.stat().st_size for p in root.rglob("*.lpx"))
         pool.close()
+        t0 = time.monotonic()
         pool = PoolProc("--config", str(config), env=env)
         pool.wait_ev("ready", model="m", timeout=300)
+        restart_ready_s = time.monotonic() - t0
         time.sleep(args.restart_wait)
         restart = ask(pool, 2)
         pool.close()
         for line in pool.stderr.decode(errors="replace").splitlines():
-            if "read from disk" in line or "rehearsed" in line or "not read:" in line or "prefix cache file(s) on disk" in line or " ready: " in line:
+            if (
+                "read from disk" in line
+                or "rehearsed" in line
+                or "not read:" in line
+                or "prefix cache file(s) on disk" in line
+                or "before ready" in line
+                or " ready: " in line
+            ):
                 print(f"  restarted worker: {line.strip()}", file=sys.stderr)
-        rounds.append({"cold": cold, "warm": warm, "restart": restart, "disk_bytes": disk_bytes})
+        # From starting the pool to the model's `ready`: with files to read
+        # back, a restarted worker reads some of them first.
+        ready_s = {"first_start": round(first_ready_s, 3), "restart": round(restart_ready_s, 3)}
+        rounds.append({"cold": cold, "warm": warm, "restart": restart, "disk_bytes": disk_bytes, "ready_s": ready_s})
         record(
             "restart",
             rounds,
@@ -118,10 +132,12 @@ def part_restart(args, path: Path, system: str, record) -> None:
                 "cold_ttft_ms": [x["cold"]["ttft_ms"] for x in rounds],
                 "warm_ttft_ms": [x["warm"]["ttft_ms"] for x in rounds],
                 "restart_ttft_ms": [x["restart"]["ttft_ms"] for x in rounds],
+                "first_start_ready_s": [x["ready_s"]["first_start"] for x in rounds],
+                "restart_ready_s": [x["ready_s"]["restart"] for x in rounds],
             },
         )
         print(
-            f"restart round {r}: cold {cold['ttft_ms']:.0f} ms, warm {warm['ttft_ms']:.0f} ms, after restart {restart['ttft_ms']:.0f} ms "
+            f"restart round {r}: cold {cold['ttft_ms']:.0f} ms, warm {warm['ttft_ms']:.0f} ms, after restart {restart['ttft_ms']:.0f} ms; ready in {first_ready_s:.2f} s, {restart_ready_s:.2f} s after the restart "
             f"(cached {restart['cached_tokens']}/{restart['prompt_tokens']})",
             file=sys.stderr,
         )
@@ -365,7 +381,7 @@ def main() -> int:
         "--restart-wait",
         type=float,
         default=0.0,
-        help="seconds between the restarted pool's ready and its question (default 0: at once; with a wait, the worker has read its most recent files back first)",
+        help="seconds between the restarted pool's ready and its question (default 0: at once; a restarted worker reads its most recent files back before ready, within a share of its start, and the rest after it)",
     )
     p.add_argument("--parts", default="restart,kv,decode,quality")
     p.add_argument("--kv-tokens", type=int, default=32768)

@@ -54,7 +54,7 @@ def test_a_prefix_on_disk_is_used_after_a_pool_restart(tiny_model, tmp_path, spa
     assert done["cached_tokens"] > 0.8 * done["prompt_tokens"]
     assert pool.text("b") == plain_answers[SECOND]
     assert said(pool.stderr, b"prefix cache on disk: 2 entries")
-    assert said(pool.stderr, b"reading the 2 most recently used files back into memory")
+    assert said(pool.stderr, b"the 2 most recently used files ")
     assert said(pool.stderr, b"piece cache: the text of 2 stored prefix(es) tokenized")
     assert pool.close() == 0
 
@@ -368,6 +368,35 @@ def test_a_read_back_makes_its_arrays_a_part_a_step(tiny_model, tmp_path, monkey
     assert rehearsed == [1]  # once, with the file in the memory tier
     _, done = run(reader, prompt=SECOND)
     assert done["cached_tokens"] > 0
+
+
+def test_read_backs_before_ready_end_in_memory_rehearsed_within_their_time(tiny_model, tmp_path, monkeypatch):
+    """A starting worker reads its files back before `ready` (no quiet wait:
+    no request can come yet): each in the memory tier and a hit rehearsed,
+    so a question asked at once finds its prefix in memory. With no time
+    left the rest goes on after `ready`, as before."""
+    disk = disk_after_first(tiny_model, tmp_path)
+    reader = engine_for(tiny_model, prefix_disk=disk)
+    rehearsed = []
+    rehearse = reader.prefix_cache.rehearse
+    monkeypatch.setattr(reader.prefix_cache, "rehearse", lambda: rehearsed.append(len(reader.prefix_cache)) or rehearse())
+    entries = list(disk._index.values())
+    for entry in entries:
+        assert disk.read(entry, read_back=True)
+    assert reader.read_back(time.monotonic() + 60)
+    assert len(reader.prefix_cache) == len(entries) and rehearsed == [len(entries)]
+    assert not disk.reading and not reader.has_work
+    _, done = run(reader, prompt=SECOND)
+    assert done["cached_tokens"] > 0
+
+    late = engine_for(tiny_model, prefix_disk=disk)
+    for entry in entries:
+        assert disk.read(entry, read_back=True)
+    assert not late.read_back(time.monotonic())  # no time: nothing waited for
+    deadline = time.monotonic() + 60
+    while disk.reading or late.has_work or len(late.prefix_cache) < len(entries):
+        assert time.monotonic() < deadline, "the read-backs after ready"
+        late.step()
 
 
 def test_a_hit_is_rehearsed_only_once_no_request_runs(tiny_model, tmp_path, monkeypatch):

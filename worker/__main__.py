@@ -257,6 +257,16 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--gil-switch-ms must be from 0.01 to 1000, not {args.gil_switch_ms}")
 
 
+# A restarted worker reads its prefix cache's most recent files back before
+# `ready` for at most this share of the time its start took until then, and
+# at most READ_BACK_AT_MOST_S: a request that comes as soon as it is ready
+# then finds its prefix in memory. Read back after `ready` instead, that
+# request waited for its own file's check and read: on a 2-core Xeon, a
+# 26k-token prefix's first token took 44 ms against a warm pool's 21.
+READ_BACK_SHARE = 0.25
+READ_BACK_AT_MOST_S = 5.0
+
+
 class StartError(Exception):
     """A start-up failure a restart cannot fix (or, with EX_TEMPFAIL, may)."""
 
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         from worker.runtime.memory import bound_buffer_cache
 
         bound_buffer_cache(scheduler.batch_memory)
-        warm(args, scheduler, prefix_disk)
+        warm(args, t0, scheduler, prefix_disk)
         start_embedder(args, loaded, codec, server, group, scheduler)
     except StartError as exc:
         return fatal(str(exc), exc.code)
@@ -481,18 +491,26 @@ def learn(codec, prefixes: list) -> None:
         log.info("piece cache: the text of %d stored prefix(es) tokenized in %.0f ms", len(prefixes), (time.monotonic() - t0) * 1000)
 
 
-def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
+def warm(args: argparse.Namespace, t0: float, scheduler, prefix_disk) -> None:
     """Kernels compiled, warm prompts prefilled, and the prefix cache's most
-    recent files on their way back into memory, before `ready`."""
+    recent files read back into memory before `ready`, as far as
+    READ_BACK_SHARE of the start so far allows (`t0`: its time.perf_counter())."""
     from worker.runtime.memory import release_free_memory
 
     recent = prefix_disk.recent(args.prefix_cache_bytes // 2) if prefix_disk is not None else []
+    learning = None
     if recent:
         # The prefixes most likely to come again, tokenized beside the
         # warm-up: a restarted worker's first request otherwise tokenizes
         # its whole long prefix (26k tokens: 30 ms of the tiny model's
         # 58 ms first hit on a 2-core EPYC, against 0.4 ms from the cache).
-        threading.Thread(target=learn, args=(scheduler.codec, [e.tokens for e in recent]), name="piece-cache", daemon=True).start()
+        learning = threading.Thread(target=learn, args=(scheduler.codec, [e.tokens for e in recent]), name="piece-cache", daemon=True)
+        learning.start()
+        # Checked on the disk thread beside the warm-up; the oldest first,
+        # so that the newest ends up the most recently used in memory.
+        for entry in reversed(recent):
+            prefix_disk.read(entry, read_back=True)
+        prefix_disk.read_backs_now()
     scheduler.warm_up()
     if args.warm_prompt or args.warm_prompt_file:
         from worker.engine.warm import read_warm_file, warm_prompts
@@ -502,14 +520,23 @@ def warm(args: argparse.Namespace, scheduler, prefix_disk) -> None:
         except ValueError as exc:
             raise StartError(str(exc)) from exc
         warm_prompts(scheduler, texts)
-    if recent:
-        # On the disk thread, while the worker goes on (they enter memory
-        # from its first step); the oldest first, so that the newest ends up
-        # the most recently used in memory.
-        for entry in reversed(recent):
-            prefix_disk.read(entry, read_back=True)
-        log.info("prefix cache: reading the %d most recently used files back into memory", len(recent))
+    # Before the read-backs: the hit they rehearse leaves its buffers in
+    # mlx's cache for the first request's copy of its prefix.
     release_free_memory()
+    if recent:
+        budget = min(READ_BACK_AT_MOST_S, READ_BACK_SHARE * (time.perf_counter() - t0))
+        t1 = time.monotonic()
+        done = scheduler.read_back(t1 + budget)
+        # A first request tokenizing beside the piece cache's learning would
+        # share the cores with it.
+        learning.join(max(0.0, t1 + budget - time.monotonic()))
+        log.info(
+            "prefix cache: the %d most recently used files %s in %.0f ms before ready (at most %.0f ms)",
+            len(recent),
+            "read back into memory" if done else "partly read back; the rest follows after ready",
+            (time.monotonic() - t1) * 1000,
+            budget * 1000,
+        )
 
 
 def start_embedder(args: argparse.Namespace, loaded, codec, server, group, scheduler) -> None:

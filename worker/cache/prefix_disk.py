@@ -35,9 +35,10 @@ main thread.
 
 A worker that starts reads the most recently used files back into memory
 the same way, up to half its memory budget, so that after a restart the
-prefixes in use are in memory again by the time their requests come.
-Read-backs start READ_BACK_QUIET_S after they are queued and after any
-request's read; a request's read goes before them, even one half checked
+prefixes in use are in memory again by the time their requests come: before
+`ready`, for as long as the worker allows them (worker.__main__.warm,
+`read_backs_now`), then after it. There, read-backs start READ_BACK_QUIET_S
+after they are queued and after any request's read; a request's read goes before them, even one half checked
 (it stops between chunks and starts again later), and takes the place of
 one of them it needs; and the scheduler makes read-backs' arrays only once
 no request waits for a file, a part a step (`Loaded.parts`). Read back
@@ -290,6 +291,13 @@ class PrefixDisk:
             (self._read_backs if read_back else self._reads).append(entry)
         self._work.set()
         return True
+
+    def read_backs_now(self) -> None:
+        """Read-backs queued start without waiting for quiet: a worker reading
+        them before `ready`, when no request can come."""
+        with self._lock:
+            self._quiet_since = self._clock() - READ_BACK_QUIET_S
+        self._work.set()
 
     def _next_read(self) -> tuple[DiskEntry | None, bool]:
         """The next entry to read, and whether it is a read-back (None while
