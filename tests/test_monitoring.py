@@ -73,7 +73,11 @@ def near(measured: int, reference: int) -> bool:
 
 def test_status_and_stats_figures_are_measured(tiny_model, small_model, tmp_path, spawn_pool):
     dirs = {"tiny": tiny_model, "small": small_model}
-    pool = spawn_pool("--config", write_config(tmp_path, {n: (d, None) for n, d in dirs.items()}), "--stats-interval", "0.3s")
+    # A cache dir of its own: prefix files that earlier tests left for the
+    # tiny model would be read back into its memory before `ready`, and the
+    # two models' memory compared below would not be the models' alone.
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    pool = spawn_pool("--config", write_config(tmp_path, {n: (d, None) for n, d in dirs.items()}), "--stats-interval", "0.3s", env=env)
     ready = {n: pool.wait_ev("ready", model=n) for n in dirs}
 
     # Load progress: the worker's loading events climb to the weights it loaded.

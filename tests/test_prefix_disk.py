@@ -375,6 +375,8 @@ def test_read_backs_before_ready_end_in_memory_rehearsed_within_their_time(tiny_
     no request can come yet): each in the memory tier and a hit rehearsed,
     so a question asked at once finds its prefix in memory. With no time
     left the rest goes on after `ready`, as before."""
+    from worker.__main__ import read_back
+
     disk = disk_after_first(tiny_model, tmp_path)
     reader = engine_for(tiny_model, prefix_disk=disk)
     rehearsed = []
@@ -383,7 +385,7 @@ def test_read_backs_before_ready_end_in_memory_rehearsed_within_their_time(tiny_
     entries = list(disk._index.values())
     for entry in entries:
         assert disk.read(entry, read_back=True)
-    assert reader.read_back(time.monotonic() + 60)
+    assert read_back(reader, disk, time.monotonic() + 60)
     assert len(reader.prefix_cache) == len(entries) and rehearsed == [len(entries)]
     assert not disk.reading and not reader.has_work
     _, done = run(reader, prompt=SECOND)
@@ -392,7 +394,7 @@ def test_read_backs_before_ready_end_in_memory_rehearsed_within_their_time(tiny_
     late = engine_for(tiny_model, prefix_disk=disk)
     for entry in entries:
         assert disk.read(entry, read_back=True)
-    assert not late.read_back(time.monotonic())  # no time: nothing waited for
+    assert not read_back(late, disk, time.monotonic())  # no time: nothing waited for
     deadline = time.monotonic() + 60
     while disk.reading or late.has_work or len(late.prefix_cache) < len(entries):
         assert time.monotonic() < deadline, "the read-backs after ready"

@@ -526,7 +526,7 @@ def warm(args: argparse.Namespace, t0: float, scheduler, prefix_disk) -> None:
     if recent:
         budget = min(READ_BACK_AT_MOST_S, READ_BACK_SHARE * (time.perf_counter() - t0))
         t1 = time.monotonic()
-        done = scheduler.read_back(t1 + budget)
+        done = read_back(scheduler, prefix_disk, t1 + budget)
         # A first request tokenizing beside the piece cache's learning would
         # share the cores with it.
         learning.join(max(0.0, t1 + budget - time.monotonic()))
@@ -537,6 +537,23 @@ def warm(args: argparse.Namespace, t0: float, scheduler, prefix_disk) -> None:
             (time.monotonic() - t1) * 1000,
             budget * 1000,
         )
+
+
+def read_back(scheduler, prefix_disk, until: float) -> bool:
+    """Before `ready`: the files queued to be read back are checked, made
+    into arrays and a hit on the longest rehearsed, by the scheduler's own
+    steps (no request is in it yet), until `until` (time.monotonic()). True
+    when all of it is done; what is left goes on after `ready`, beside
+    requests, as it would have."""
+    prefix_disk.read_backs_now()
+    while prefix_disk.reading or scheduler.has_work:
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        if not scheduler.has_work:
+            prefix_disk.wait(left)
+        scheduler.step()
+    return True
 
 
 def start_embedder(args: argparse.Namespace, loaded, codec, server, group, scheduler) -> None:

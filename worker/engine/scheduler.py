@@ -347,25 +347,6 @@ class Scheduler:
             except Exception:  # only a head start for the first hit: the worker goes on without it
                 log.exception("prefix cache: rehearsing a hit failed")
 
-    def read_back(self, until: float) -> bool:
-        """Before `ready`: the files queued to be read back are checked, made
-        into arrays and a hit on the longest rehearsed, until `until`
-        (time.monotonic()). True when all of it is done; what is left goes
-        on after `ready`, beside requests, as it would have."""
-        disk = self.prefix_cache.disk
-        if disk is None:
-            return True
-        disk.read_backs_now()
-        while True:
-            self._disk_results()
-            if not (disk.reading or self._restoring or self._rehearse_due):
-                return True
-            left = until - time.monotonic()
-            if left <= 0:
-                return False
-            if disk.reading and not self._restoring:
-                disk.wait(left)
-
     def _restore(self, restoring: _Restoring) -> bool:
         """Makes the next part of a file's arrays; at the last, puts its
         snapshot in the memory tier. True when it has ended."""
