@@ -156,7 +156,11 @@ class LastMessage:
     """The last message a worker wrote on stderr, with all its lines (a
     multi-line error, a traceback down to its exception), for the reason of
     a crash. Only the last few KiB are kept, so a flood costs no Python per
-    line; the message is cut to its last `limit` characters."""
+    line. Lines repeated one after another are said once with their count,
+    and a message over `limit` characters keeps its head (what the worker
+    said) and its end (where a traceback's exception is): mlx's ring
+    backend writes a line per failed send after a rank's exit was logged,
+    which pushed the log line itself out of the message."""
 
     KEEP = 8192
 
@@ -170,5 +174,14 @@ class LastMessage:
     def text(self) -> str:
         lines = [line for line in self._tail.decode("utf-8", "replace").splitlines() if line.strip()]
         start = max((i for i, line in enumerate(lines) if _MESSAGE_START.match(line)), default=0)
-        message = " ".join(line.strip() for line in lines[start:])
-        return message if len(message) <= self.limit else "..." + message[-self.limit :]
+        said: list[list] = []
+        for line in (line.strip() for line in lines[start:]):
+            if said and said[-1][0] == line:
+                said[-1][1] += 1
+            else:
+                said.append([line, 1])
+        message = " ".join(line if n == 1 else f"{line} (x{n})" for line, n in said)
+        if len(message) <= self.limit:
+            return message
+        head = self.limit // 3
+        return message[:head] + " ... " + message[-(self.limit - head) :]

@@ -288,3 +288,28 @@ def test_a_ready_line_that_crosses_a_stop_is_no_warning():
             logger.setLevel(level)
 
     asyncio.run(main())
+
+
+def test_a_crash_s_last_message_keeps_its_head_under_a_flood_of_one_line():
+    """A rank's exit was logged, then mlx's ring backend wrote a line per
+    failed send: the crash reason kept only those lines. Repeats are said
+    once with their count, and a long message keeps its head and its end."""
+    from supervisor.stderr import LastMessage
+
+    last = LastMessage(limit=300)
+    last.feed(b"2026-12-07 12:00:00,000 ERROR worker model=two pid=7: rank 1 on 127.0.0.1, port 57945 exited (killed by signal 9)\n")
+    last.feed(b"[ring] Sending to socket 10 failed with errno 32\n" * 50)
+    text = last.text()
+    assert text.startswith("2026-12-07 12:00:00,000 ERROR worker model=two pid=7: rank 1 on 127.0.0.1, port 57945")
+    assert text.endswith("[ring] Sending to socket 10 failed with errno 32 (x50)") and len(text) <= 305
+
+    last = LastMessage(limit=300)
+    frames = "".join(f'  File "m{i}.py", line {i}, in f{i}\n' for i in range(40))
+    last.feed(f"Traceback (most recent call last):\n{frames}ValueError: the cause\n".encode())
+    text = last.text()
+    assert text.startswith("Traceback (most recent call last):") and " ... " in text
+    assert text.endswith("ValueError: the cause") and len(text) <= 305
+
+    last = LastMessage()
+    last.feed(b"lattice-pool worker: bad model dir\nValueError: shapes differ\n")
+    assert last.text() == "lattice-pool worker: bad model dir ValueError: shapes differ"

@@ -526,7 +526,11 @@ def warm(args: argparse.Namespace, t0: float, scheduler, prefix_disk) -> None:
     if recent:
         budget = min(READ_BACK_AT_MOST_S, READ_BACK_SHARE * (time.perf_counter() - t0))
         t1 = time.monotonic()
-        done = read_back(scheduler, prefix_disk, t1 + budget)
+        try:
+            done = read_back(scheduler, prefix_disk, t1 + budget)
+        except Exception:  # files on disk are a head start, never a reason not to start
+            log.exception("prefix cache: reading files back before ready failed; what is left follows after ready")
+            done = False
         # A first request tokenizing beside the piece cache's learning would
         # share the cores with it.
         learning.join(max(0.0, t1 + budget - time.monotonic()))
