@@ -262,7 +262,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 # at most READ_BACK_AT_MOST_S: a request that comes as soon as it is ready
 # then finds its prefix in memory. Read back after `ready` instead, that
 # request waited for its own file's check and read: on a 2-core Xeon, a
-# 26k-token prefix's first token took 44 ms against a warm pool's 21.
+# 26k-token prefix's first token took 43 ms against a warm pool's 23.
 READ_BACK_SHARE = 0.25
 READ_BACK_AT_MOST_S = 5.0
 

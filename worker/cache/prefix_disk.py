@@ -38,7 +38,8 @@ the same way, up to half its memory budget, so that after a restart the
 prefixes in use are in memory again by the time their requests come: before
 `ready`, for as long as the worker allows them (worker.__main__.warm,
 `read_backs_now`), then after it. There, read-backs start READ_BACK_QUIET_S
-after they are queued and after any request's read; a request's read goes before them, even one half checked
+after they are queued and after any request's read; a request's read goes
+before them, even one half checked
 (it stops between chunks and starts again later), and takes the place of
 one of them it needs; and the scheduler makes read-backs' arrays only once
 no request waits for a file, a part a step (`Loaded.parts`). Read back
