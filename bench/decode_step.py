@@ -11,6 +11,10 @@ op (`compile_decode` off), and through mlx-lm (stream_generate for N = 1,
 batch_generate's engine above), alternated `--runs` times: the engines'
 speeds without pipes or a client.
 
+With `--head-runs R` (CPU), the argmax loop also runs R times with the LM
+head cut over the CPU streams (worker.runtime.cpu_head, as the loader
+leaves it) and R times with the same head whole, alternated.
+
 mlx-lm's repetition penalty looks at the prompt only here (its window would
 need the generated ids, read back with a sync every step).
 """
@@ -29,6 +33,12 @@ def main() -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--batches", help="comma-separated N: the batched engines compared in this process")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument(
+        "--head-runs",
+        type=int,
+        default=0,
+        help="also time the argmax loop with the LM head cut over the CPU streams and whole, alternated, this many runs each (CPU)",
+    )
     args = p.parse_args()
 
     from bench.common import load_average, load_model, machine, tagged, write_result
@@ -92,6 +102,9 @@ def main() -> int:
     for _ in range(2):
         ms = {name: round(fn(), 3) for name, fn in variants.items()}
     result = {"size": args.size, "tokens": n, "ms_per_token": ms, "sampler_ratio": round(ms["mlx_lm_sampler"] / ms["worker_sampler"], 3)}
+    if args.head_runs:
+        result["head"] = head_ab(model, lambda: loop(lambda logits, _: mx.argmax(logits, axis=-1)), args.head_runs)
+        print(f"argmax loop, LM head cut / whole (time): {result['head']['cut_over_whole']}")
     if args.batches:
         eager = Scheduler(loaded, codec, lambda line: None, batch_memory=1 << 30, prefix_cache_bytes=0, max_batch=max(sizes), compile_decode=False)
         result["batched"] = batched_engines(loaded, codec, scheduler, eager, sizes, n, args.runs)
@@ -107,6 +120,33 @@ def main() -> int:
             f"  ratio {row['ratio']} (eager {row['eager_ratio']})"
         )
     return 0
+
+
+def head_ab(model, run, runs: int) -> dict:
+    """The argmax loop with the LM head cut over the CPU streams
+    (worker.runtime.cpu_head, as the loader leaves it) and with the same
+    head whole, alternated `runs` times each: ms per token, their medians
+    and the per-run ratio (below 1: the cut head is faster)."""
+    import mlx.nn as nn
+
+    from bench.common import median, summary
+    from worker.runtime import cpu_head
+    from worker.runtime.parts import model_parts
+
+    text, body, _ = model_parts(model)
+    head = text.lm_head if "lm_head" in text else body.embed_tokens
+    cut = type(head)
+    if cut not in (cpu_head._CutLinear, cpu_head._CutEmbedding):
+        return {"note": f"the head is not cut here ({cut.__name__})"}
+    whole = nn.Linear if cut is cpu_head._CutLinear else nn.Embedding
+    ms: dict[str, list[float]] = {"cut": [], "whole": []}
+    for r in range(runs):
+        for side in ("cut", "whole") if r % 2 == 0 else ("whole", "cut"):
+            head.__class__ = cut if side == "cut" else whole
+            ms[side].append(round(run(), 2))
+    head.__class__ = cut
+    ratios = [c / w for c, w in zip(ms["cut"], ms["whole"])]
+    return {"ms_per_token": ms, "cut_ms": median(ms["cut"]), "whole_ms": median(ms["whole"]), "cut_over_whole": summary(ratios)}
 
 
 def batched_engines(loaded, codec, scheduler, eager, sizes: list[int], tokens: int, runs: int) -> list[dict]:

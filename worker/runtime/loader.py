@@ -179,7 +179,7 @@ def materialise(lazy: LazyModel, progress: Progress | None = None, cpu_float32: 
     """Reads the weights in slices, so that `progress(bytes_loaded,
     bytes_total)` can report as the file is read. On CPU the weights become
     float32 (worker.runtime.cpu_backend says why)."""
-    from worker.runtime import cpu_attention, depthwise_conv, dequantized_rows, gated_delta, short_attention
+    from worker.runtime import cpu_attention, cpu_head, depthwise_conv, dequantized_rows, gated_delta, short_attention
     from worker.runtime.cpu_backend import use_float32
 
     model = lazy.model
@@ -194,6 +194,7 @@ def materialise(lazy: LazyModel, progress: Progress | None = None, cpu_float32: 
     depthwise_conv.install(model)
     short_attention.install(model)
     cpu_attention.install(model)
+    cpu_head.install(model)
     total = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     return LoadedModel(model=model, config=lazy.config, path=lazy.path, format=lazy.format, weights_bytes=total)
 
