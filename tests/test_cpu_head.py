@@ -30,6 +30,8 @@ def test_a_load_cuts_a_float_head_and_the_model_computes_the_same(tiny_model, mo
         text, body, _ = model_parts(model)
         return text.lm_head if "lm_head" in text else body.embed_tokens
 
+    assert not cpu_head.install(loader.load(tiny_model).model)  # a small head stays whole
+    monkeypatch.setattr(cpu_head, "CUT_FROM", 0)
     cut = loader.load(tiny_model).model
     monkeypatch.setattr(cpu_head, "install", lambda model, where=None: False)
     whole = loader.load(tiny_model).model
@@ -41,10 +43,11 @@ def test_a_load_cuts_a_float_head_and_the_model_computes_the_same(tiny_model, mo
 
 
 @cpu_only
-def test_only_a_float_head_on_the_cpu_is_cut(tiny_model, tiny_q4_model):
+def test_only_a_float_head_on_the_cpu_is_cut(tiny_model, tiny_q4_model, monkeypatch):
     from worker.runtime import loader
     from worker.runtime.parts import text_model
 
+    monkeypatch.setattr(cpu_head, "CUT_FROM", 0)
     two_streams = len(cpu_streams.streams()) >= 2
     text = text_model(loader.load(tiny_model).model)
     assert not cpu_head.install(text, where="cuda") and not cpu_head.install(text, where="metal")
