@@ -131,10 +131,9 @@ def head_ab(model, run, runs: int) -> dict:
 
     from bench.common import median, summary
     from worker.runtime import cpu_head
-    from worker.runtime.parts import model_parts
+    from worker.runtime.parts import head_module
 
-    text, body, _ = model_parts(model)
-    head = text.lm_head if "lm_head" in text else body.embed_tokens
+    head = head_module(model)
     cut = type(head)
     if cut not in (cpu_head._CutLinear, cpu_head._CutEmbedding):
         return {"note": f"the head is not cut here ({cut.__name__})"}

@@ -24,11 +24,7 @@ def test_the_cut_product_is_the_whole_one_bit_for_bit(rows):
 @cpu_only
 def test_a_load_cuts_a_float_head_and_the_model_computes_the_same(tiny_model, monkeypatch):
     from worker.runtime import loader
-    from worker.runtime.parts import model_parts
-
-    def head_module(model):
-        text, body, _ = model_parts(model)
-        return text.lm_head if "lm_head" in text else body.embed_tokens
+    from worker.runtime.parts import head_module
 
     assert not cpu_head.install(loader.load(tiny_model).model)  # a small head stays whole
     monkeypatch.setattr(cpu_head, "CUT_FROM", 0)
@@ -45,15 +41,14 @@ def test_a_load_cuts_a_float_head_and_the_model_computes_the_same(tiny_model, mo
 @cpu_only
 def test_only_a_float_head_on_the_cpu_is_cut(tiny_model, tiny_q4_model, monkeypatch):
     from worker.runtime import loader
-    from worker.runtime.parts import text_model
+    from worker.runtime.parts import head_module, text_model
 
     monkeypatch.setattr(cpu_head, "CUT_FROM", 0)
     two_streams = len(cpu_streams.streams()) >= 2
     text = text_model(loader.load(tiny_model).model)
     assert not cpu_head.install(text, where="cuda") and not cpu_head.install(text, where="metal")
     quantized = text_model(loader.load(tiny_q4_model).model)
-    heads = [quantized.lm_head if "lm_head" in quantized else quantized.model.embed_tokens]
-    assert not isinstance(heads[0], (cpu_head._CutLinear, cpu_head._CutEmbedding))
+    assert not isinstance(head_module(quantized), (cpu_head._CutLinear, cpu_head._CutEmbedding))
     assert not cpu_head.install(quantized, where="cpu")
     # A float head of its own (untied), and a tied float embedding.
     text.lm_head = nn.Linear(64, 1001, bias=False)

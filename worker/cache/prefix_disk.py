@@ -39,9 +39,8 @@ prefixes in use are in memory again by the time their requests come: before
 `ready`, for as long as the worker allows them (worker.__main__.warm,
 `read_backs_now`), then after it. There, read-backs start READ_BACK_QUIET_S
 after they are queued and after any request's read; a request's read goes
-before them, even one half checked
-(it stops between chunks and starts again later), and takes the place of
-one of them it needs; and the scheduler makes read-backs' arrays only once
+before them, even one half checked (it stops between chunks and starts
+again later), and takes the place of one of them it needs; and the scheduler makes read-backs' arrays only once
 no request waits for a file, a part a step (`Loaded.parts`). Read back
 oldest first (so the newest ends most recently used in memory), a GPU's
 budget of several GB would otherwise hold a request that comes right after

@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from worker.runtime import cpu_streams
 from worker.runtime.memory import processor
-from worker.runtime.parts import text_model
+from worker.runtime.parts import head_module
 
 CUT_FROM = 1 << 20
 
@@ -34,16 +34,7 @@ CUT_FROM = 1 << 20
 def logits(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T with weight's rows (the vocabulary) cut over the CPU
     streams, one span a stream, joined along the last axis."""
-    spans = cpu_streams.streams()
-    if len(spans) == 1:
-        return x @ weight.T
-    vocab = weight.shape[0]
-    bounds = [vocab * i // len(spans) for i in range(len(spans) + 1)]
-    parts = []
-    for stream, start, stop in zip(spans, bounds, bounds[1:]):
-        with mx.stream(stream):
-            parts.append(x @ weight[start:stop].T)
-    return mx.concatenate(parts, axis=-1)
+    return cpu_streams.apart(weight.shape[0], lambda span: x @ weight[span].T, axis=-1)
 
 
 class _CutLinear(nn.Linear):
@@ -64,15 +55,9 @@ def install(model, where: str | None = None) -> bool:
     only its class changes, to a subclass whose product is cut."""
     if (where or processor()) != "cpu" or len(cpu_streams.streams()) < 2:
         return False
-    text = text_model(model)
-    if "lm_head" in text:
-        head = text.lm_head
-        if type(head) is nn.Linear and "bias" not in head and head.weight.size >= CUT_FROM:
-            head.__class__ = _CutLinear
-            return True
+    head = head_module(model)
+    cut = {nn.Linear: _CutLinear, nn.Embedding: _CutEmbedding}.get(type(head))
+    if cut is None or "bias" in head or head.weight.size < CUT_FROM:
         return False
-    table = getattr(text.model, "embed_tokens", None)
-    if type(table) is nn.Embedding and table.weight.size >= CUT_FROM:
-        table.__class__ = _CutEmbedding
-        return True
-    return False
+    head.__class__ = cut
+    return True

@@ -51,10 +51,11 @@ def cuts(rows: int, spans: int = 1) -> list[slice]:
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
-def apart(rows: int, run: Callable[[slice], Any], spans: int = 1) -> Any:
+def apart(rows: int, run: Callable[[slice], Any], spans: int = 1, axis: int = 0) -> Any:
     """run(span) for each of cuts(rows, spans), the spans dealt over the
-    streams in turn (one span runs on the current stream), joined along the
-    rows: an array, or a tuple of arrays joined element by element."""
+    streams in turn (one span runs on the current stream), joined along
+    `axis` (the rows): an array, or a tuple of arrays joined element by
+    element."""
     parts = cuts(rows, spans)
     if len(parts) == 1:
         return run(parts[0])
@@ -64,8 +65,8 @@ def apart(rows: int, run: Callable[[slice], Any], spans: int = 1) -> Any:
         with mx.stream(made[i % len(made)]):
             out.append(run(span))
     if isinstance(out[0], tuple):
-        return tuple(mx.concatenate(column) for column in zip(*out))
-    return mx.concatenate(out)
+        return tuple(mx.concatenate(column, axis=axis) for column in zip(*out))
+    return mx.concatenate(out, axis=axis)
 
 
 def rows_of(mask, span: slice):

@@ -14,12 +14,18 @@ def text_model(model) -> nn.Module:
     return getattr(model, "language_model", model)
 
 
+def head_module(model) -> nn.Module:
+    """The module that holds the LM head's weights: `lm_head`, or the
+    embedding it is tied to."""
+    text = text_model(model)
+    return text.lm_head if "lm_head" in text else text.model.embed_tokens
+
+
 def model_parts(model) -> tuple[nn.Module, object, object]:
     """(text model, body, LM head as a function of the body's output)."""
     text = text_model(model)
-    body = text.model
-    head = text.lm_head if "lm_head" in text else body.embed_tokens.as_linear
-    return text, body, head
+    head = head_module(text)
+    return text, text.model, head if "lm_head" in text else head.as_linear
 
 
 class _LastPositionOnly:
