@@ -64,6 +64,24 @@ def _dims(q: tuple, bits: int) -> int:
     return q[0].shape[-1] * 32 // bits
 
 
+class _Flushed:
+    """A QuantKV's `keys` or `values`: read with the tail flushed in first;
+    set wholesale, which leaves nothing in the tail."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.held = "_" + name
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        cache.flush()
+        return getattr(cache, self.held)
+
+    def __set__(self, cache, value) -> None:
+        setattr(cache, self.held, value)
+        cache.pending = 0
+
+
 class QuantKV(QuantizedKVCache):
     """One row's quantized cache; merges into a BatchQuantKV.
 
@@ -86,26 +104,8 @@ class QuantKV(QuantizedKVCache):
     _tail_keys = None
     _tail_values = None
     pending = 0  # tokens in the tail, counted in `offset`
-
-    @property
-    def keys(self):
-        self.flush()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-        self.pending = 0
-
-    @property
-    def values(self):
-        self.flush()
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
-        self.pending = 0
+    keys = _Flushed()
+    values = _Flushed()
 
     @property
     def held_keys(self):
