@@ -131,3 +131,20 @@ def test_a_group_entry_becomes_the_workers_flags(tmp_path):
     ]  # fmt: skip
     single = load_config(write(tmp_path, MODEL))
     assert "--ranks" not in worker_command(Resolver(single).resolve("big"), single, None)[0]
+
+
+def test_a_ranks_stderr_is_relayed_line_by_line_and_its_cause_is_what_it_said(capfd):
+    """Rank 0 relays another rank's stderr: a line the rank's death cut off
+    still ends there (rank 0's own last message, which the pool quotes,
+    starts a line of its own), and the cause it names for that rank is the
+    rank's last line that is not a log record."""
+    import io
+    from types import SimpleNamespace
+
+    from worker.group.launch import Launcher, Rank
+
+    said = b"Traceback (most recent call last):\nValueError: no such layer\n2026-12-07 15:42:58,867 INFO worker model=two ready\n2026-12-07 15:42:59,001 INFO worker cut"
+    r = Rank(rank=1, host=Host("127.0.0.1", "127.0.0.1", True), proc=SimpleNamespace(stderr=io.BytesIO(said)))
+    Launcher(plan(2, None, "ring", None, None), [], 5.0)._read_stderr(r)
+    assert r.stderr_done.is_set() and r.tail == "ValueError: no such layer"
+    assert capfd.readouterr().err.endswith("INFO worker cut\n")

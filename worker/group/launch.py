@@ -22,6 +22,7 @@ way.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -54,6 +55,10 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAl
 LOST_GRACE = 3.0
 
 _figures = msgspec.json.Decoder(RankFigures)
+# A rank's log records (logging's asctime first): progress, never the cause
+# of its death, which is what it says otherwise (its fatal message, a
+# traceback's exception).
+_LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 
 def describe_exit(code: int) -> str:
@@ -69,7 +74,7 @@ class Rank:
     proc: subprocess.Popen
     last_heard: float = field(default_factory=time.monotonic)
     figures: RankFigures | None = None
-    tail: str = ""  # its last stderr line
+    tail: str = ""  # its last stderr line that is not a log record
     stderr_done: threading.Event = field(default_factory=threading.Event)
     joining: threading.Event = field(default_factory=threading.Event)
 
@@ -148,11 +153,14 @@ class Launcher:
     def _read_stderr(self, r: Rank) -> None:
         for line in r.proc.stderr:
             try:
-                os.write(2, line)
+                # A line cut off by the rank's death still ends here: this
+                # process's own last message must start a line of its own,
+                # where the pool looks for it.
+                os.write(2, line if line.endswith(b"\n") else line + b"\n")
             except OSError:
                 pass
             text = line.decode("utf-8", "replace").strip()
-            if text:
+            if text and not _LOG_RECORD.match(text):
                 r.tail = text
         r.stderr_done.set()
 
