@@ -51,8 +51,6 @@ ROWS_AT_MOST = 32  # query rows a KV head (queries a head x heads a KV head)
 # 2.76, 2.87 and 3.05 ms for 36 layers on an H100.
 BLOCKS_AIMED = 512
 TILES_AT_MOST = 64
-# A block's shared memory: what a kernel gets without asking for more.
-SHARED_AT_MOST = 48 * 1024
 # The worker's steps take the kernel over caches of this many tokens or
 # more; below, mlx's quantized matmuls keep them. On an H100, 36 layers of
 # Qwen3-8B's heads at 8k tokens took 4.6 ms a step this way against 8.4
@@ -392,7 +390,7 @@ def supported(queries_shape: tuple, keys: tuple, group_size: int, bits: int, mas
     words = D * bits // 32
     if words % 4 or THREADS % words:
         return False
-    if heads // kv_heads * L > ROWS_AT_MOST or _shared(heads // kv_heads * L, D, group_size, bits) > SHARED_AT_MOST:
+    if heads // kv_heads * L > ROWS_AT_MOST:
         return False
     return mask is None or isinstance(mask, str) or (mask.ndim >= 2 and (mask.ndim < 3 or mask.shape[-3] == 1))
 
