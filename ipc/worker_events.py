@@ -15,6 +15,8 @@ that field (`line_id`).
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import psutil
 
@@ -24,6 +26,12 @@ from ipc.events import FINAL, ID_TAIL, LINE_END, NOT_FINAL, PREFIX, TOKEN_HEAD
 # resource limit (sysexits.h's EX_CONFIG).
 # Its one-line cause is the last line it wrote on stderr.
 EX_CONFIG = 78
+
+# A worker's stderr: its log records start with logging's asctime; its
+# fatal message, the one-line cause it writes last before it exits, with
+# FATAL_PREFIX.
+FATAL_PREFIX = "lattice-pool worker: "
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 # Events a worker writes for the supervisor alone; never relayed to clients.
 HEARTBEAT = "heartbeat"

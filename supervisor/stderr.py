@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ipc.worker_events import FATAL_PREFIX, LOG_RECORD
+
 _MAX_QUEUED = 10_000
 # Worker stderr arrives in chunks of up to 256 KiB, so the count alone would
 # let a flood pin gigabytes; bytes are bounded too.
@@ -149,7 +151,7 @@ def relay_worker_stderr(data: bytes) -> None:
 
 # Lines that begin a message on a worker's stderr: a log record, a traceback,
 # the worker's one-line cause of exit 78. Other lines continue the one before.
-_MESSAGE_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|Traceback |lattice-pool worker: ")
+_MESSAGE_START = re.compile(f"{LOG_RECORD.pattern}|Traceback |{re.escape(FATAL_PREFIX)}")
 
 
 class LastMessage:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ipc.worker_events import LIFECYCLE, parse_event
+from ipc.worker_events import FATAL_PREFIX, LIFECYCLE, parse_event
 from supervisor import stderr
 from supervisor.config import Config
 from supervisor.httpapi.reasoning import ThinkSplitter
@@ -144,7 +144,7 @@ def stats_line(done: dict) -> str:
 
 # How the pool quotes the one-line cause a worker gave for exit code 78
 # (worker/__main__.py `fatal`, quoted as "last stderr" by supervisor.slot).
-_WORKER_CAUSE = re.compile(r"\blast stderr: lattice-pool worker: (.*)\)$")
+_WORKER_CAUSE = re.compile(rf"\blast stderr: {re.escape(FATAL_PREFIX)}(.*)\)$")
 
 
 def cause(reason: str) -> str:

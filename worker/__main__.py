@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ipc.messages import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_PROMPT_BYTES
-from ipc.worker_events import EX_CONFIG
+from ipc.worker_events import EX_CONFIG, FATAL_PREFIX
 from worker.runtime import defaults
 
 log = logging.getLogger("worker")
@@ -37,7 +37,7 @@ MLX_LM_NOFILE = 4096
 def fatal(cause: str, code: int = EX_CONFIG) -> int:
     """A start-up failure a restart cannot fix: its cause as one line on
     stderr (the pool quotes the last one), and exit code 78 (or `code`)."""
-    print("lattice-pool worker: " + re.sub(r"\s*\n\s*", " ", cause.strip()), file=sys.stderr, flush=True)
+    print(FATAL_PREFIX + re.sub(r"\s*\n\s*", " ", cause.strip()), file=sys.stderr, flush=True)
     return code
 
 

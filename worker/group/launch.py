@@ -22,7 +22,6 @@ way.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from ipc.events import PREFIX
-from ipc.worker_events import EX_CONFIG, RankFigures, event_body, event_name
+from ipc.worker_events import EX_CONFIG, FATAL_PREFIX, LOG_RECORD, RankFigures, event_body, event_name
 from worker.group.model import abort
 from worker.group.plan import EX_TEMPFAIL, GroupPlan, Host
 
@@ -55,10 +54,6 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAl
 LOST_GRACE = 3.0
 
 _figures = msgspec.json.Decoder(RankFigures)
-# A rank's log records (logging's asctime first): progress, never the cause
-# of its death, which is what it says otherwise (its fatal message, a
-# traceback's exception).
-_LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 
 def describe_exit(code: int) -> str:
@@ -160,7 +155,10 @@ class Launcher:
             except OSError:
                 pass
             text = line.decode("utf-8", "replace").strip()
-            if text and not _LOG_RECORD.match(text):
+            # A log record is progress, never the cause of a rank's death,
+            # which is what it says otherwise (its fatal message, a
+            # traceback's exception).
+            if text and not LOG_RECORD.match(text):
                 r.tail = text
         r.stderr_done.set()
 
@@ -172,7 +170,7 @@ class Launcher:
             r.proc.kill()
             code = r.proc.wait()
         r.stderr_done.wait(2)
-        cause = r.tail.removeprefix("lattice-pool worker: ")
+        cause = r.tail.removeprefix(FATAL_PREFIX)
         what = self.describe(r.rank)
         if not self.ready and code == EX_CONFIG:
             # A rank's own group errors already say which rank it is.

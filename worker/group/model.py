@@ -34,6 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import gather_last_axis
 
+from ipc.worker_events import FATAL_PREFIX
 from worker.cache.prefix_cache import PrefixCache
 from worker.engine.scheduler import Scheduler
 from worker.group.plan import CONTENT_PREFIX, EX_TEMPFAIL, GroupError, GroupPlan, write_content_files
@@ -44,7 +45,7 @@ log = logging.getLogger("worker")
 def abort(cause: str, code: int = EX_TEMPFAIL) -> None:
     """Ends this rank at once, from any thread, its cause the last line on
     stderr (the pool quotes it); the other ranks follow (worker.group.launch)."""
-    print("lattice-pool worker: " + " ".join(cause.split()), file=sys.stderr, flush=True)
+    print(FATAL_PREFIX + " ".join(cause.split()), file=sys.stderr, flush=True)
     os._exit(code)
 
 
