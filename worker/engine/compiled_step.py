@@ -173,7 +173,7 @@ def _held_keys(c):
 
 def _steppable(c) -> bool:
     if _attention(c):
-        return _held_keys(c) is not None
+        return not c.empty()
     if type(c) is ArraysCache:
         return c.left_padding is None and c.lengths is None and all(s is not None for s in c.cache)
     return False
