@@ -407,13 +407,6 @@ def _mask(mask, B: int, L: int, S: int):
     return (1 if mask.dtype == mx.bool_ else 2), mx.broadcast_to(mask, (B, L, S))
 
 
-def _shared(R: int, D: int, group_size: int, bits: int) -> int:
-    """Bytes of shared memory a block takes (the kernel's layout: the
-    queries, their groups' sums, a tile's scores, the output and the
-    softmax's running figures)."""
-    return 4 * (2 * R * D + R * (D // group_size) + R * THREADS + 3 * R)
-
-
 def _tiles(rows_of_heads: int, S: int) -> int:
     want = S * rows_of_heads / (THREADS * BLOCKS_AIMED)
     return min(TILES_AT_MOST, 1 << max(0, math.ceil(math.log2(want)))) if want > 1 else 1
@@ -481,7 +474,7 @@ def attention(queries, keys: tuple, values: tuple, scale: float, mask, group_siz
     kind, m = _mask(mask, B, L, S)
     tiles = _tiles(B * kv_heads, S)
     blocks = -(-S // (THREADS * tiles)) + (tail is not None)
-    shared = _shared(R, D, group_size, bits)
+    shared = 4 * (2 * R * D + R * (D // group_size) + R * THREADS + 3 * R)
     scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
     template = [
         ("T", THREADS),
