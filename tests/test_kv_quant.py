@@ -18,17 +18,6 @@ float32_only = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32
 PROMPTS = ["<|im_start|>user\n" + "Tell me about the river and the mill. " * k + "<|im_end|>\n<|im_start|>assistant\n" for k in (1, 3, 6, 12)]
 
 
-@pytest.fixture
-def no_tail(monkeypatch):
-    """Lone rows quantize every token, as a batch's rows do. On CUDA a lone
-    row keeps its latest tokens unquantized (kv_quant.QuantKV's tail), so
-    alone it reads them at the model's precision where in a batch it reads
-    them quantized: tests of "alone as in a batch" turn the tail off."""
-    from worker.engine import kv_quant
-
-    monkeypatch.setattr(kv_quant, "TAIL_TOKENS", 0)
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model):
     from worker.runtime.loader import load
@@ -86,7 +75,7 @@ def test_quantized_logits_stay_near_the_models_dtype(tiny_model, plain, bits, to
         assert checked > 20
 
 
-def test_quantized_rows_batch_resume_and_are_smaller(no_tail, tiny_model):
+def test_quantized_rows_batch_resume_and_are_smaller(tiny_model):
     from worker.engine.kv_quant import BatchQuantKV
     from worker.engine.scheduler import Scheduler
     from worker.runtime.loader import load
@@ -225,7 +214,7 @@ def test_quantized_kv_start_is_plain_before_it_and_near_8_bits_after(tiny_model,
 
 
 @float32_only
-def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(no_tail, tiny_model):
+def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(tiny_model):
     """Rows below, across and above START in one batch, rows leaving and
     joining, a right-padded chunk in which one row crosses START: each row's
     logits are those it gets alone."""
@@ -290,7 +279,7 @@ def test_a_batch_holds_rows_on_both_sides_of_quantized_kv_start(no_tail, tiny_mo
     assert layer.lens == layer.offset.tolist() == held
 
 
-def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(no_tail, tiny_model, plain):
+def test_quantized_kv_start_in_the_engine_batches_resumes_and_speculates(tiny_model, plain):
     """Through the scheduler: rows on both sides of START decode together and
     each gives its text alone; the memory guard counts a row as quantized
     tokens plus START tokens' difference; a prefix resumed from a snapshot
@@ -559,113 +548,3 @@ def test_a_cache_of_one_group_a_row_on_cuda_is_named_at_load():
     assert one_group_note("cuda", {128}, 64) is None
     assert one_group_note("cpu", {64}, 64) is None
     assert one_group_note("metal", {64}, 64) is None
-
-
-def _fed(tail: int, steps: int, prompt: int = 250):
-    """A lone QuantKV (heads of 64, groups of 32, 8 bits) given a prompt and
-    then `steps` tokens one at a time, with a tail of `tail` tokens; returns
-    it and what each step's update gave back."""
-    from worker.engine.kv_quant import QuantKV
-
-    c = QuantKV(32, 8)
-    c.tail = tail
-    kv = mx.random.normal((2, 1, 2, prompt + steps, 64), key=mx.random.key(7))
-    c.update_and_fetch(kv[0][..., :prompt, :], kv[1][..., :prompt, :])
-    returned = [c.update_and_fetch(kv[0][..., t : t + 1, :], kv[1][..., t : t + 1, :]) for t in range(prompt, prompt + steps)]
-    return c, returned, kv
-
-
-def test_a_lone_rows_tail_holds_its_latest_tokens_and_flushes_them_as_quantized_at_once():
-    plain, _, _ = _fed(0, 11, prompt=100)
-    c, returned, kv = _fed(4, 11, prompt=100)
-    assert c.offset == plain.offset == 111 and c.pending == 3  # 4 + 4 flushed, 3 held
-    # Each step gives back the packed tokens only; the tail holds the rest as they came.
-    assert [r[0][0].shape[2] for r in returned] == [100] * 4 + [104] * 4 + [108] * 3
-    tail_keys, tail_values = c.tail_kv()
-    assert mx.array_equal(tail_keys, kv[0][..., 108:111, :]).item() and mx.array_equal(tail_values, kv[1][..., 108:111, :]).item()
-    before = c.nbytes
-    assert c.pending == 3  # counting bytes flushes nothing
-    # Reading the cache flushes the tail: the same packed tokens as quantized one at a time.
-    for mine, theirs in ((c.keys, plain.keys), (c.values, plain.values)):
-        for a, b in zip(mine, theirs):
-            assert mx.array_equal(a[..., :111, :], b[..., :111, :]).item()
-    assert c.pending == 0 and c.nbytes == before
-    assert c.state[2] == plain.state[2] == 111
-
-
-def test_a_tail_crosses_the_packed_buffers_growth_trims_and_merges_as_flushed():
-    from worker.engine.kv_quant import BatchQuantKV
-
-    plain, _, _ = _fed(0, 9)
-    c, _, _ = _fed(4, 9)  # 250 + 9 tokens: the 257th grows the buffer, the tail flushed first
-    assert c.pending == 2 and c._keys[0].shape[2] == 512
-    assert c.trim(3) == 3 and c.pending == 0 and c.offset == 256
-    plain.trim(3)
-    for a, b in zip(c.keys_and_values()[0], plain.keys_and_values()[0]):
-        assert a.shape[2] == 256 and mx.array_equal(a, b).item()
-    again, _, _ = _fed(8, 6)
-    assert again.pending == 6
-    merged, want = BatchQuantKV.merge([again]), BatchQuantKV.merge([_fed(0, 6)[0]])
-    assert merged.tail == 8 and merged.extract(0).tail == 8 and again.pending == 0
-    for a, b in zip(merged.keys, want.keys):
-        assert mx.array_equal(a, b).item()
-
-
-@float32_only
-def test_a_quantized_model_with_a_tail_decodes_as_without_one(tiny_model):
-    from worker.text.tokenizer import TextCodec
-
-    q = quantized(tiny_model, 8)
-    ids = TextCodec(tiny_model, q.config).encode(PROMPTS[2])
-    want, path = forced_logits(q.model, ids, None, 12)
-    made = q.model.make_cache
-    q.model.make_cache = lambda: [setattr(c, "tail", 5) or c if hasattr(c, "tail") else c for c in made()]
-    got, _ = forced_logits(q.model, ids, path, 12)
-    # On the CPU the attention flushes the tail before it reads the cache: the same logits, bit for bit.
-    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
-
-
-def test_a_decode_steps_checks_leave_a_lone_rows_tail_where_it_is():
-    from worker.engine.compiled_step import CompiledDecode, _steppable
-
-    c, _, _ = _fed(4, 3, prompt=100)
-    assert c.pending == 3
-    assert _steppable(c) and CompiledDecode.key([c], 1) == (1, 256)
-    assert c.pending == 3  # the way and its key are chosen without a flush
-    assert c.keys[0].shape[2] == 256 and c.pending == 0
-
-
-@float32_only
-def test_a_lone_row_decodes_through_its_tail_in_the_engine(tiny_model, monkeypatch):
-    """The CUDA route of a lone row's decode steps, run here with the
-    kernel's reference (what it computes) in its place: each step writes its
-    token into the tail, which is flushed into the packed cache only when
-    it is full or something reads the cache."""
-    from worker.engine import kv_quant, quant_attention, quant_decode_kernel as kernel
-    from worker.engine.kv_quant import QuantKV
-    from worker.engine.scheduler import Scheduler
-    from worker.runtime.loader import load
-    from worker.text.tokenizer import TextCodec
-
-    monkeypatch.setattr(kernel, "check", lambda *args, **kwargs: None)
-    monkeypatch.setattr(kernel, "attention", kernel.reference)
-    monkeypatch.setattr(kv_quant, "processor", lambda: "cuda")
-    monkeypatch.setattr(quant_attention, "processor", lambda: "cuda")
-    flushed = []
-    flush = QuantKV.flush
-
-    def counted(self):
-        if self.pending:
-            flushed.append(self.pending)
-        flush(self)
-
-    monkeypatch.setattr(QuantKV, "flush", counted)
-    loaded = load(tiny_model)
-    kv_quant.install(loaded.model, 8, 32)
-    lines: list[bytes] = []
-    s = Scheduler(loaded, TextCodec(tiny_model, loaded.config), lines.append, batch_memory=1 << 30, compile_decode=False)
-    s.lines = lines
-    ids, done = run(s, prompt=PROMPTS[1], max_tokens=150)
-    assert len(ids) == 150 and done["finish_reason"] == "length"
-    # The one attention layer's tail: full twice in 149 steps; the engine read it once besides.
-    assert flushed.count(kv_quant.TAIL_TOKENS) == 2 and len(flushed) <= 3

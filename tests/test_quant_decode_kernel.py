@@ -103,7 +103,6 @@ def test_the_kernel_runs_inside_a_compiled_step_over_a_whole_buffer_under_a_mask
 def test_the_check_passes_on_this_gpu():
     assert kernel.check({64, 128, 256}, 64, 8) is None
     assert kernel.check({128}, 32, 4) is None
-    assert kernel.check({64, 128, 256}, 64, 8, tail=True) is None
 
 
 def test_shapes_the_kernel_does_not_take_are_left_to_the_caller():
@@ -139,49 +138,3 @@ def test_a_cuda_step_takes_the_kernel_from_its_length_on(monkeypatch):
     assert taken == [256, 300]
     assert quant_attention._attention("cuda")(queries + 0, keys, values, cache, scale=128**-0.5, mask=None) is not None
     assert taken == [256, 300]  # kernel off: mlx's way
-
-
-@cuda_only
-@pytest.mark.parametrize("S, pending", [(1, 1), (300, 7), (5000, 64)])
-def test_the_kernel_reads_a_tail_of_unquantized_tokens_after_the_cache(S, pending):
-    keys, values = _cache(1, 8, S, 128, 64, 8, seed=S)
-    tail = tuple(mx.random.normal((1, 8, pending, 128), key=mx.random.key(S + i)).astype(mx.bfloat16) for i in range(2))
-    queries = mx.random.normal((1, 32, 1, 128), key=mx.random.key(1)).astype(mx.bfloat16)
-    got = kernel.attention(queries, keys, values, 128**-0.5, None, 64, 8, tail).astype(mx.float32)
-    want = kernel.reference(queries, keys, values, 128**-0.5, None, 64, 8, tail).astype(mx.float32)
-    assert mx.allclose(got, want, rtol=2e-2, atol=2e-2).item(), mx.abs(got - want).max().item()
-
-
-def test_a_lone_rows_tail_goes_to_the_kernel_and_is_flushed_where_the_kernel_is_off(monkeypatch):
-    """The routing of a QuantKV's tail in worker.engine.quant_attention, run
-    on any backend with the kernel's reference in its place."""
-    from worker.engine import quant_attention
-    from worker.engine.kv_quant import QuantKV
-
-    tails = []
-
-    def counted(*args):
-        tails.append(args[-1][0].shape[2])
-        return kernel.reference(*args)
-
-    monkeypatch.setattr(kernel, "attention", counted)
-    kv = mx.random.normal((2, 1, 2, 40, 128), key=mx.random.key(3)).astype(mx.float32)
-    queries = mx.random.normal((1, 8, 1, 128), key=mx.random.key(4)).astype(mx.float32)
-    for on in (True, False):
-        c = QuantKV(64, 8)
-        c.tail = 16
-        c.update_and_fetch(kv[0][..., :30, :], kv[1][..., :30, :])
-        for t in range(30, 40):
-            keys, values = c.update_and_fetch(kv[0][..., t : t + 1, :], kv[1][..., t : t + 1, :])
-        assert keys[0].shape[2] == 30 and c.pending == 10
-        tail = c.tail_kv()
-        got = quant_attention._attention("cuda", kernel=on)(queries, keys, values, c, scale=128**-0.5, mask=None)
-        assert c.pending == (10 if on else 0)
-        # With the kernel, the tail's tokens as they came; without, quantized into the cache.
-        want = (
-            kernel.reference(queries, keys, values, 128**-0.5, None, 64, 8, tail)
-            if on
-            else kernel.reference(queries, *c.keys_and_values(), 128**-0.5, None, 64, 8)
-        )
-        assert mx.allclose(got, want, rtol=1e-3, atol=1e-3).item()
-    assert tails == [10]

@@ -164,16 +164,9 @@ def _inner(c):
     return c.pure if type(c) is BatchLazyKV else c
 
 
-def _held_keys(c):
-    """An attention cache's keys as it holds them: a QuantKV's without its
-    tail's tokens flushed in (reading `keys` flushes them, which every
-    step's checks would otherwise do)."""
-    return c.held_keys if isinstance(c, QuantKV) else c.keys
-
-
 def _steppable(c) -> bool:
     if _attention(c):
-        return not c.empty()
+        return c.keys is not None
     if type(c) is ArraysCache:
         return c.left_padding is None and c.lengths is None and all(s is not None for s in c.cache)
     return False
@@ -275,9 +268,8 @@ class CompiledDecode:
         tokens = 0
         for c in layers:
             c = _inner(c)
-            keys = _held_keys(c) if _attention(c) else None
-            if keys is not None:
-                tokens = max(tokens, (keys[0] if isinstance(keys, tuple) else keys).shape[2])
+            if _attention(c) and c.keys is not None:
+                tokens = max(tokens, (c.keys[0] if isinstance(c.keys, tuple) else c.keys).shape[2])
         return rows, tokens
 
     def _traced(self, states: list) -> list:

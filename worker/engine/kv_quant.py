@@ -41,11 +41,6 @@ from worker.runtime.memory import processor
 
 log = logging.getLogger("worker")
 
-# A lone row's latest tokens kept unquantized (QuantKV's tail), at most this
-# many; a full tail goes into the packed cache in one quantize and write of
-# each array. At most the kernel's THREADS.
-TAIL_TOKENS = 64
-
 
 def _map(f, *trees):
     return tuple(f(*xs) for xs in zip(*trees))
@@ -64,107 +59,11 @@ def _dims(q: tuple, bits: int) -> int:
     return q[0].shape[-1] * 32 // bits
 
 
-class _Flushed:
-    """A QuantKV's `keys` or `values`: read with the tail flushed in first;
-    set wholesale, which leaves nothing in the tail."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.held = "_" + name
-
-    def __get__(self, cache, owner=None):
-        if cache is None:
-            return self
-        cache.flush()
-        return getattr(cache, self.held)
-
-    def __set__(self, cache, value) -> None:
-        setattr(cache, self.held, value)
-        cache.pending = 0
-
-
 class QuantKV(QuantizedKVCache):
-    """One row's quantized cache; merges into a BatchQuantKV.
-
-    With `tail` set (on CUDA, where worker.engine.quant_decode_kernel takes
-    a lone row's decode step), a decode step writes its token's key and
-    value unquantized into a tail of at most `tail` tokens and attends over
-    the packed cache and the tail in one kernel; the tail is quantized into
-    the packed cache when it is full, and before anything else reads the
-    cache: `keys` and `values` are the packed cache with the tail flushed
-    into it. On a GPU each op of a step costs the host about the same
-    whatever its size, and a quantized token takes eight (two quantizes
-    and six writes: packed values, scales and biases of keys and values)
-    where a plain one takes two: on an H100, 36 layers of Qwen3-8B's KV
-    heads spent 1.75-2.96 ms a step writing 8-bit tokens against
-    0.44-0.76 ms for bf16 ones, at 2k and at 32k tokens alike."""
-
-    tail = 0
-    _keys = None
-    _values = None
-    _tail_keys = None
-    _tail_values = None
-    pending = 0  # tokens in the tail, counted in `offset`
-    keys = _Flushed()
-    values = _Flushed()
-
-    @property
-    def held_keys(self):
-        """The packed keys as held, the tail's tokens not flushed in."""
-        return self._keys
-
-    def flush(self) -> None:
-        """Quantizes the tail's tokens into the packed cache."""
-        if not self.pending:
-            return
-        n, self.pending = self.pending, 0
-        start = self.offset - n
-        for packed, tail in ((self._keys, self._tail_keys), (self._values, self._tail_values)):
-            q = mx.quantize(tail[..., :n, :], group_size=self.group_size, bits=self.bits)
-            for i in range(3):
-                packed[i][..., start : self.offset, :] = q[i]
-
-    def tail_kv(self) -> tuple:
-        """The tail's keys and values, (1, KV heads, pending, D) each."""
-        n = self.pending
-        return self._tail_keys[..., :n, :], self._tail_values[..., :n, :]
-
-    def update_and_fetch(self, keys, values):
-        if not (self.tail and keys.shape[0] == 1 and keys.shape[2] == 1 and self._keys is not None):
-            self.flush()
-            return super().update_and_fetch(keys, values)
-        if self.pending == self.tail:
-            self.flush()
-        room = self._keys[0].shape[2]
-        if self.offset + 1 > room:
-            # The packed buffers grow as mlx-lm's do, so the tail's tokens
-            # have their places there when it is flushed.
-            self.flush()
-            return super().update_and_fetch(keys, values)
-        if self._tail_keys is None or self._tail_keys.dtype != keys.dtype or self._tail_keys.shape[1] != keys.shape[1]:
-            self._tail_keys = mx.zeros((1, keys.shape[1], self.tail, keys.shape[3]), dtype=keys.dtype)
-            self._tail_values = mx.zeros((1, values.shape[1], self.tail, values.shape[3]), dtype=values.dtype)
-        at = self.pending
-        self._tail_keys[..., at : at + 1, :] = keys
-        self._tail_values[..., at : at + 1, :] = values
-        self.pending += 1
-        self.offset += 1
-        start = self.offset - self.pending
-        return _map(lambda x: x[..., :start, :], self._keys), _map(lambda x: x[..., :start, :], self._values)
-
-    def trim(self, n: int) -> int:
-        self.flush()
-        return super().trim(n)
-
-    def empty(self) -> bool:
-        return self._keys is None
+    """One row's quantized cache; merges into a BatchQuantKV."""
 
     def size(self) -> int:
         return self.offset
-
-    @property
-    def nbytes(self) -> int:
-        held = (self._keys, self._values, self._tail_keys, self._tail_values)
-        return sum(x.nbytes for part in held if part is not None for x in (part if isinstance(part, tuple) else (part,)))
 
     @classmethod
     def of(cls, plain: KVCache, group_size: int, bits: int) -> QuantKV:
@@ -183,8 +82,6 @@ class QuantKV(QuantizedKVCache):
 
 
 class BatchQuantKV(BatchKVCache):
-    tail = 0  # its rows' QuantKV.tail, for the lone caches taken out of it
-
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
         super().__init__(left_padding)
         self.group_size = group_size
@@ -280,7 +177,6 @@ class BatchQuantKV(BatchKVCache):
 
     def extract(self, idx):
         cache = QuantKV(self.group_size, self.bits)
-        cache.tail = self.tail
         padding = self.left_padding.tolist()[idx]
         cache.keys = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx]), self.keys)
         cache.values = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx]), self.values)
@@ -294,7 +190,6 @@ class BatchQuantKV(BatchKVCache):
         longest = max(lengths)
         padding = [longest - n for n in lengths]
         cache = cls(padding, first.group_size, first.bits)
-        cache.tail = first.tail
         if longest == 0:
             return cache
         like = next(c for c in caches if c.keys is not None and c.offset)
@@ -343,7 +238,7 @@ class LazyKV(QuantKV):
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self._keys, tuple)
+        return isinstance(self.keys, tuple)
 
     def quantize(self) -> None:
         q = QuantKV.of(self, self.group_size, self._bits)
@@ -664,22 +559,13 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     if kernel and (failed := quant_decode_kernel.check(dims, group_size, bits)):
         log.warning("the CUDA kernel for quantized decode attention is off (%s): decode steps use mlx's quantized matmuls", failed)
         kernel = False
-    tail = kernel
-    if tail and (failed := quant_decode_kernel.check(dims, group_size, bits, tail=True)):
-        log.warning("a lone row's unquantized tail is off (%s): each decode step quantizes its token", failed)
-        tail = False
     if note := one_group_note(where, dims, group_size):
         log.warning("%s", note)
     made = model.make_cache if hasattr(model, "make_cache") else None
 
-    def quantized():
-        q = LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)
-        q.tail = TAIL_TOKENS if tail else 0
-        return q
-
     def make_cache():
         caches = made() if made is not None else [KVCache() for _ in model.layers]
-        return [quantized() if type(c) is KVCache else c for c in caches]
+        return [(LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)) if type(c) is KVCache else c for c in caches]
 
     model.make_cache = make_cache
     quant_attention.install(model, kernel)

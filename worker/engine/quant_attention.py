@@ -40,10 +40,7 @@ kernel for the values' product walks every cached token on one thread
 block a KV head, and at 32k tokens an 8B row decoded at 0.27x bf16. The
 worker's own kernel (worker.engine.quant_decode_kernel) splits the tokens
 over thread blocks instead; kv_quant.install checks it against a float32
-reference once at load and keeps mlx's way if it fails there. A lone
-row's tokens not yet quantized (worker.engine.kv_quant.QuantKV's tail)
-go to that kernel with the packed cache whatever its length; where the
-kernel cannot take the step, the tail is flushed into the cache first.
+reference once at load and keeps mlx's way if it fails there.
 """
 
 from __future__ import annotations
@@ -200,12 +197,6 @@ def _attention(where: str, kernel: bool = False):
     def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
         if not hasattr(cache, "bits"):
             return plain(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        if getattr(cache, "pending", 0):
-            # A lone row's tokens not yet quantized (kv_quant.QuantKV's tail).
-            if kernel and mask is None and sinks is None and quant_decode_kernel.supported(queries.shape, keys, cache.group_size, cache.bits, None):
-                return quant_decode_kernel.attention(queries, keys, values, scale, None, cache.group_size, cache.bits, cache.tail_kv())
-            cache.flush()
-            keys, values = cache.keys_and_values()
         if queries.shape[2] > DEQUANTIZED_ABOVE:
             keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
             values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)

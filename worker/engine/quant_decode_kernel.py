@@ -25,13 +25,6 @@ groups' scales and biases; U tokens' packed values at a time) before any
 arithmetic on them, so that they wait for the memory together: 36 layers
 of Qwen3-8B's heads over 32k tokens took 2.76 ms against 2.95 with a
 load waited for before the next was issued (an H100, the kernels alone).
-
-With `tail`, one more block a KV head reads a lone row's latest tokens,
-kept unquantized (worker.engine.kv_quant.QuantKV's tail): a warp a token
-for the scores, a thread an output value for the values, and its part
-merged with the others'. So a decode step writes its token as a bf16 one
-does (two writes, where quantizing it takes two quantizes and six
-writes), and the cache is quantized a tail at a time.
 """
 
 from __future__ import annotations
@@ -125,81 +118,6 @@ _SOURCE = r"""
     const int tgroup = tid / WORDS;
     const int vgroup = word * PER_WORD / GS;
 
-    // The running softmax over a tile's scores in `sc`: a warp a row.
-    auto softmax_step = [&]() {
-        for (int r = warp; r < R; r += T / 32) {
-            float m = NEG_INF;
-            for (int i = lane; i < T; i += 32) m = fmaxf(m, sc[r * T + i]);
-            for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
-            const float old = run_max[r];
-            const float top = fmaxf(old, m);
-            float sum = 0.f;
-            for (int i = lane; i < T; i += 32) {
-                const float p = top == NEG_INF ? 0.f : __expf(sc[r * T + i] - top);
-                sc[r * T + i] = p;
-                sum += p;
-            }
-            for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-            if (lane == 0) {
-                const float a = old == NEG_INF ? 0.f : __expf(old - top);
-                alpha[r] = a;
-                run_sum[r] = run_sum[r] * a + sum;
-                run_max[r] = top;
-            }
-        }
-    };
-    const size_t at = (size_t)bh * gridDim.x + chunk;
-    auto write_out = [&]() {
-        for (int i = tid; i < R * D; i += T) o[at * R * D + i] = outs[i];
-        if (tid < R) {
-            stats[(at * R + tid) * 2] = run_max[tid];
-            stats[(at * R + tid) * 2 + 1] = run_sum[tid];
-        }
-    };
-
-    // The last block of a KV head, with TAIL, reads the tokens not yet
-    // quantized (tk, tv: at most T, in the queries' dtype, never masked).
-    if (TAIL != 0 && chunk == gridDim.x - 1) {
-        const int P = tk_shape[2];
-        const auto* tkp = tk + b * tk_strides[0] + h * tk_strides[1];
-        const auto* tvp = tv + b * tv_strides[0] + h * tv_strides[1];
-        // Scores: a warp a token, its lanes along the head dimension.
-        for (int i = tid; i < R * T; i += T) sc[i] = NEG_INF;
-        __syncthreads();
-        for (int t = warp; t < P; t += T / 32) {
-            float part[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) part[r] = 0.f;
-#pragma unroll
-            for (int d = lane; d < D; d += 32) {
-                const float x = float(tkp[(size_t)t * tk_strides[2] + d * tk_strides[3]]);
-#pragma unroll
-                for (int r = 0; r < R; ++r) part[r] += qs[r * D + d] * x;
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                for (int off = 16; off > 0; off /= 2) part[r] += __shfl_xor_sync(0xffffffff, part[r], off);
-            if (lane == 0) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) sc[r * T + t] = part[r];
-            }
-        }
-        __syncthreads();
-        softmax_step();
-        __syncthreads();
-        for (int i = tid; i < R * D; i += T) {
-            const int r = i / D;
-            const int d = i % D;
-            float acc = 0.f;
-#pragma unroll 8
-            for (int t = 0; t < P; ++t) acc += sc[r * T + t] * float(tvp[(size_t)t * tv_strides[2] + d * tv_strides[3]]);
-            outs[i] = acc;
-        }
-        __syncthreads();
-        write_out();
-        return;
-    }
-
     for (int tile = 0; tile < TILES; ++tile) {
         const int t0 = (chunk * TILES + tile) * T;
         if (t0 >= S) break;
@@ -265,7 +183,27 @@ _SOURCE = r"""
         for (int r = 0; r < R; ++r) sc[r * T + tid] = s[r];
         __syncthreads();
 
-        softmax_step();
+        // The running softmax: a warp a row.
+        for (int r = warp; r < R; r += T / 32) {
+            float m = NEG_INF;
+            for (int i = lane; i < T; i += 32) m = fmaxf(m, sc[r * T + i]);
+            for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+            const float old = run_max[r];
+            const float top = fmaxf(old, m);
+            float sum = 0.f;
+            for (int i = lane; i < T; i += 32) {
+                const float p = top == NEG_INF ? 0.f : __expf(sc[r * T + i] - top);
+                sc[r * T + i] = p;
+                sum += p;
+            }
+            for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+            if (lane == 0) {
+                const float a = old == NEG_INF ? 0.f : __expf(old - top);
+                alpha[r] = a;
+                run_sum[r] = run_sum[r] * a + sum;
+                run_max[r] = top;
+            }
+        }
         __syncthreads();
         for (int i = tid; i < R * D; i += T) outs[i] *= alpha[i / D];
         __syncthreads();
@@ -320,7 +258,12 @@ _SOURCE = r"""
         __syncthreads();
     }
 
-    write_out();
+    const size_t at = (size_t)bh * gridDim.x + chunk;
+    for (int i = tid; i < R * D; i += T) o[at * R * D + i] = outs[i];
+    if (tid < R) {
+        stats[(at * R + tid) * 2] = run_max[tid];
+        stats[(at * R + tid) * 2 + 1] = run_sum[tid];
+    }
 """
 
 # The blocks' outputs merged: a thread an output value, each block's part
@@ -361,7 +304,7 @@ def _kernel(shared: int):
     """The kernel with this many bytes of shared memory (fixed per object)."""
     return mx.fast.cuda_kernel(
         name="lattice_quant_decode",
-        input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask", "tk", "tv"],
+        input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask"],
         output_names=["o", "stats"],
         source=_SOURCE,
         ensure_row_contiguous=False,
@@ -372,12 +315,6 @@ def _kernel(shared: int):
 @functools.cache
 def _merge_kernel():
     return mx.fast.cuda_kernel(name="lattice_quant_decode_merge", input_names=["o", "stats"], output_names=["out"], source=_MERGE)
-
-
-@functools.cache
-def _no_tail(dtype) -> mx.array:
-    """What the kernel's tail inputs get when there is no tail (never read)."""
-    return mx.zeros((1, 1, 1, 1), dtype=dtype)
 
 
 def supported(queries_shape: tuple, keys: tuple, group_size: int, bits: int, mask) -> bool:
@@ -412,34 +349,28 @@ def _tiles(rows_of_heads: int, S: int) -> int:
     return min(TILES_AT_MOST, 1 << max(0, math.ceil(math.log2(want)))) if want > 1 else 1
 
 
-def reference(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, tail: tuple | None = None):
+def reference(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int):
     """What `attention` computes, from the dequantized cache in float32 with
     mlx's own ops (slow: for checks)."""
     # Scales and biases in float32 first: mlx dequantizes in their dtype.
     k, v = (mx.dequantize(t[0], *(x.astype(mx.float32) for x in t[1:]), group_size=group_size, bits=bits) for t in (keys, values))
     B, heads, L, D = queries.shape
     kv_heads, S = k.shape[1], k.shape[2]
-    if tail is not None:
-        k, v = (mx.concatenate([x, t.astype(mx.float32)], axis=2) for x, t in zip((k, v), tail))
     q = queries.astype(mx.float32).reshape(B, kv_heads, heads // kv_heads, L, D) * scale
-    scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # (B, KV heads, G, L, S + tail)
+    scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # (B, KV heads, G, L, S)
     kind, m = _mask(mask, B, L, S)
     if kind:
         m = m[:, None, None]
-        if tail is not None:
-            visible = mx.full((*m.shape[:-1], tail[0].shape[2]), True if kind == 1 else 0.0, dtype=m.dtype)
-            m = mx.concatenate([m, visible], axis=-1)
         scores = mx.where(m, scores, -math.inf) if kind == 1 else scores + m.astype(mx.float32)
     weights = mx.softmax(scores, axis=-1)
     return (weights @ mx.expand_dims(v, 2)).reshape(B, heads, L, D).astype(queries.dtype)
 
 
-def check(dims: set[int], group_size: int, bits: int, tail: bool = False) -> str | None:
+def check(dims: set[int], group_size: int, bits: int) -> str | None:
     """None if the kernel gives `reference`'s attention for a small cache of
     each head dimension on this GPU (a masked batch of two rows, one query
-    each of four heads a KV head; with `tail`, unmasked, seven tokens in a
-    tail after it), else why not (mlx's JIT compiler may refuse it, or a
-    GPU compute it otherwise)."""
+    each of four heads a KV head), else why not (mlx's JIT compiler may
+    refuse it, or a GPU compute it otherwise)."""
     try:
         for D in sorted(dims):
             kv_heads, S = 2, 300
@@ -450,47 +381,30 @@ def check(dims: set[int], group_size: int, bits: int, tail: bool = False) -> str
             mask = (mx.arange(S)[None, :] >= mx.array([0, 37])[:, None]).reshape(2, 1, 1, S)
             if not supported(queries.shape, keys, group_size, bits, mask):
                 continue
-            t = tuple(mx.random.normal((2, kv_heads, 7, D), key=mx.random.key(D + 2 + i)).astype(mx.bfloat16) for i in range(2)) if tail else None
-            m = None if tail else mask
-            got = attention(queries, keys, values, D**-0.5, m, group_size, bits, t).astype(mx.float32)
-            want = reference(queries, keys, values, D**-0.5, m, group_size, bits, t).astype(mx.float32)
+            got = attention(queries, keys, values, D**-0.5, mask, group_size, bits).astype(mx.float32)
+            want = reference(queries, keys, values, D**-0.5, mask, group_size, bits).astype(mx.float32)
             if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
-                return f"head dimension {D}{' with a tail' if tail else ''}: off by up to {mx.abs(got - want).max().item():.3g}"
+                return f"head dimension {D}: off by up to {mx.abs(got - want).max().item():.3g}"
     except Exception as e:  # a kernel that fails to build is reported: the caller keeps mlx's way
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def attention(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int, tail: tuple | None = None):
+def attention(queries, keys: tuple, values: tuple, scale: float, mask, group_size: int, bits: int):
     """softmax(q K^T * scale + mask) V over packed keys and values (each
     (B, KV heads, tokens, words), a buffer or a slice of one along its
-    tokens), in the queries' dtype, and after them `tail`'s keys and values
-    if given: (B, KV heads, at most THREADS tokens, D) in the queries'
-    dtype, tokens not yet quantized, none of them masked. The caller checks
-    `supported` first."""
+    tokens), in the queries' dtype. The caller checks `supported` first."""
     B, heads, L, D = queries.shape
     kv_heads, S = keys[0].shape[1], keys[0].shape[2]
     R = heads // kv_heads * L
     kind, m = _mask(mask, B, L, S)
     tiles = _tiles(B * kv_heads, S)
-    blocks = -(-S // (THREADS * tiles)) + (tail is not None)
+    blocks = -(-S // (THREADS * tiles))
     shared = 4 * (2 * R * D + R * (D // group_size) + R * THREADS + 3 * R)
     scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
-    template = [
-        ("T", THREADS),
-        ("D", D),
-        ("GS", group_size),
-        ("BITS", bits),
-        ("R", R),
-        ("L", L),
-        ("TILES", tiles),
-        ("MASK", kind),
-        ("SCALE", scale_bits),
-        ("TAIL", int(tail is not None)),
-    ]
-    tail = tail if tail is not None else (_no_tail(queries.dtype),) * 2
+    template = [("T", THREADS), ("D", D), ("GS", group_size), ("BITS", bits), ("R", R), ("L", L), ("TILES", tiles), ("MASK", kind), ("SCALE", scale_bits)]
     o, stats = _kernel(shared)(
-        inputs=[queries, *keys, *values, m, *tail],
+        inputs=[queries, *keys, *values, m],
         template=template,
         grid=(blocks * THREADS, B * kv_heads, 1),
         threadgroup=(THREADS, 1, 1),
