@@ -24,9 +24,19 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
+- `split` (not in the default parts): one row decoding op by op as
+  mlx-lm's loop does (the model and its caches, argmax, each step handed to
+  mlx before the token of the step before is read), the model's dtype and
+  8 bits at `--decode-context` tokens, alternated: each step's time split
+  into the host's (building the step and handing it to mlx) and the wait
+  for the step before. On a GPU a wait near zero means the host bounds the
+  step; otherwise the device does, and the wait is what the host cannot
+  hide. (mlx's CPU backend computes inside `async_eval`, on the calling
+  thread, so on the CPU the wait is near zero whatever bounds the step.)
 
     python -m bench.long_context [--size tiny] [--tokens 26000] [--rounds 5] [--parts restart,kv,decode,quality]
     python -m bench.long_context --size 8b --rounds 3 --kv-rounds 3   # a GPU: Qwen3-8B's shape (or --model DIR)
+    python -m bench.long_context --size 8b --parts split --decode-context 32768 --rounds 5
 """
 
 from __future__ import annotations
@@ -294,6 +304,69 @@ def part_decode(args, path: Path, codec, record) -> None:
         print(f"decode round {r}: {row}", file=sys.stderr)
 
 
+def part_split(args, path: Path, codec, record) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.common import median
+    from worker.engine import kv_quant
+    from worker.runtime.loader import load
+    from worker.runtime.memory import bound_buffer_cache
+
+    bound_buffer_cache(BATCH_MEMORY)
+    ids = codec.encode(chat(long_text(codec, args.decode_context), QUESTIONS[0]))
+    prompt = mx.array(ids)
+    step = prefill_step()
+    sides = {}
+    for key in ("0", "8"):
+        loaded = load(path)
+        if key == "8":
+            kv_quant.install(loaded.model, 8, args_group(loaded))
+        cache = make_prompt_cache(loaded.model)
+        for at in range(0, len(ids) - 1, step):
+            loaded.model(prompt[None, at : min(at + step, len(ids) - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        y = mx.argmax(loaded.model(prompt[None, -1:], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(y)
+        sides[key] = {"model": loaded.model, "cache": cache, "y": y}
+
+    def steps(side: dict, n: int) -> dict:
+        model, cache, y = side["model"], side["cache"], side["y"]
+        host, wait = [], []
+        for i in range(n + 4):  # the first few steps unmeasured
+            t0 = time.perf_counter()
+            nxt = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(nxt)
+            t1 = time.perf_counter()
+            y.item()
+            t2 = time.perf_counter()
+            y = nxt
+            if i >= 4:
+                host.append((t1 - t0) * 1000)
+                wait.append((t2 - t1) * 1000)
+        side["y"] = y
+        total = [h + w for h, w in zip(host, wait)]
+        return {"step_ms": round(median(total), 3), "host_ms": round(median(host), 3), "wait_ms": round(median(wait), 3)}
+
+    rounds = []
+    for r in range(args.rounds):
+        row = {key: steps(sides[key], args.decode_steps) for key in (("0", "8") if r % 2 == 0 else ("8", "0"))}
+        rounds.append(row)
+        record(
+            "split",
+            rounds,
+            {
+                "step_8bit_over_dtype": [x["8"]["step_ms"] / x["0"]["step_ms"] for x in rounds],
+                "host_8bit_over_dtype": [x["8"]["host_ms"] / x["0"]["host_ms"] for x in rounds],
+                "dtype_step_ms": [x["0"]["step_ms"] for x in rounds],
+                "dtype_wait_ms": [x["0"]["wait_ms"] for x in rounds],
+                "8bit_step_ms": [x["8"]["step_ms"] for x in rounds],
+                "8bit_wait_ms": [x["8"]["wait_ms"] for x in rounds],
+            },
+        )
+        print(f"split round {r}: {row}", file=sys.stderr)
+
+
 @contextmanager
 def scores_by(key: str):
     """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
@@ -427,6 +500,8 @@ def main() -> int:
         part_decode(args, path, codec, record)
     if "quality" in parts:
         part_quality(args, path, codec, record)
+    if "split" in parts:
+        part_split(args, path, codec, record)
     return 0
 
 
