@@ -548,3 +548,28 @@ def test_a_cache_of_one_group_a_row_on_cuda_is_named_at_load():
     assert one_group_note("cuda", {128}, 64) is None
     assert one_group_note("cpu", {64}, 64) is None
     assert one_group_note("metal", {64}, 64) is None
+
+
+def test_a_gpu_that_cannot_attend_over_a_quantized_cache_refuses_kv_bits_at_load(tiny_model, monkeypatch):
+    """On a GPU, install runs a prompt piece and a decode step over fresh
+    quantized caches, and a kernel that mlx lacks there (mlx-cuda has no
+    quantized matmul of float32 queries for some shapes) fails the load
+    with mlx's message and what to do, not every request after it. Run
+    here with the GPU's route taken and mlx's failure injected."""
+    from worker.engine import kv_quant, quant_attention, quant_decode_kernel
+    from worker.runtime.loader import load
+
+    monkeypatch.setattr(kv_quant, "processor", lambda: "cuda")
+    monkeypatch.setattr(quant_decode_kernel, "check", lambda *args, **kwargs: "not on this machine")
+
+    def lacking(*args, **kwargs):
+        raise ValueError("[quantized_matmul] No implementation for problem shape")
+
+    loaded = load(tiny_model)
+    kv_quant.install(loaded.model, 8, 32)  # mlx has the kernel: the load goes on
+    monkeypatch.setattr(quant_attention, "_grouped", lacking)
+    with pytest.raises(ValueError) as caught:
+        kv_quant.install(load(tiny_model).model, 8, 32)
+    message = str(caught.value)
+    assert "kv_bits 8: this cuda GPU cannot attend over a quantized cache of this model (float32)" in message
+    assert "No implementation for problem shape" in message and "convert its weights to bf16 or run it without kv_bits" in message

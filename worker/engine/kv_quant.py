@@ -542,7 +542,8 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
     """Makes the model's caches quantized: every plain attention cache that
     `make_prompt_cache(model)` hands out becomes a QuantKV, or with `start`
     a LazyKV quantized from `start` tokens on (ValueError when the model's
-    head dimension is not a multiple of group_size)."""
+    head dimension is not a multiple of group_size, or when a GPU cannot
+    run a step over a quantized cache of this model: `_decode_fails`)."""
     if bits not in (4, 8):
         raise ValueError(f"kv_bits must be 8 or 4, not {bits}")
     from mlx_lm.models.cache import make_prompt_cache
@@ -569,6 +570,10 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
 
     model.make_cache = make_cache
     quant_attention.install(model, kernel)
+    if where != "cpu" and (failed := _decode_fails(model, made, group_size, bits)):
+        dtypes = {str(c.keys.dtype).removeprefix("mlx.core.") for c in plain if type(c) is KVCache}
+        hint = "convert its weights to bf16 or run it without kv_bits" if dtypes == {"float32"} else "run it without kv_bits"
+        raise ValueError(f"kv_bits {bits}: this {where} GPU cannot attend over a quantized cache of this model ({'/'.join(sorted(dtypes))}): {failed}; {hint}")
     # Where a prompt's prefill chunks end, so that a row converts at exactly
     # this many tokens (worker.engine.generator).
     model.quantized_kv_start = start
@@ -584,6 +589,22 @@ def one_group_note(where: str, dims: set[int], group_size: int) -> str | None:
         f"kv_group_size {group_size} equals the head dimension: on CUDA each decode step reads its keys dequantized "
         f"(mlx's quantized matmul gets one group a row wrong); kv_group_size {group_size // 2} keeps them packed"
     )
+
+
+def _decode_fails(model, made, group_size: int, bits: int) -> str | None:
+    """None if a two-token prompt piece and a decode step run over fresh
+    quantized caches, else mlx's message. mlx's GPU kernels for quantized
+    attention do not take every dtype and shape (mlx-cuda 0.32 has no
+    quantized matmul of float32 queries for some), and a worker that cannot
+    run them says so at load instead of failing every request."""
+    caches = made() if made is not None else [KVCache() for _ in model.layers]
+    caches = [QuantKV(group_size, bits) if type(c) is KVCache else c for c in caches]
+    try:
+        mx.eval(model(mx.zeros((1, 2), dtype=mx.uint32), cache=caches))
+        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache=caches))
+    except Exception as exc:  # whatever mlx raises for a kernel it lacks
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _probe(model, caches: list) -> list:
