@@ -352,18 +352,9 @@ def part_split(args, path: Path, codec, record) -> None:
     for r in range(args.rounds):
         row = {key: steps(sides[key], args.decode_steps) for key in (("0", "8") if r % 2 == 0 else ("8", "0"))}
         rounds.append(row)
-        record(
-            "split",
-            rounds,
-            {
-                "step_8bit_over_dtype": [x["8"]["step_ms"] / x["0"]["step_ms"] for x in rounds],
-                "host_8bit_over_dtype": [x["8"]["host_ms"] / x["0"]["host_ms"] for x in rounds],
-                "dtype_step_ms": [x["0"]["step_ms"] for x in rounds],
-                "dtype_wait_ms": [x["0"]["wait_ms"] for x in rounds],
-                "8bit_step_ms": [x["8"]["step_ms"] for x in rounds],
-                "8bit_wait_ms": [x["8"]["wait_ms"] for x in rounds],
-            },
-        )
+        ratios = {f"{t}_8bit_over_dtype": [x["8"][f"{t}_ms"] / x["0"][f"{t}_ms"] for x in rounds] for t in ("step", "host")}
+        ratios |= {f"{name}_{t}_ms": [x[key][f"{t}_ms"] for x in rounds] for key, name in (("0", "dtype"), ("8", "8bit")) for t in ("step", "wait")}
+        record("split", rounds, ratios)
         print(f"split round {r}: {row}", file=sys.stderr)
 
 
