@@ -564,13 +564,16 @@ def install(model, bits: int, group_size: int, start: int = 0) -> None:
         log.warning("%s", note)
     made = model.make_cache if hasattr(model, "make_cache") else None
 
-    def make_cache():
+    def caches_of(quantized) -> list:
         caches = made() if made is not None else [KVCache() for _ in model.layers]
-        return [(LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits)) if type(c) is KVCache else c for c in caches]
+        return [quantized() if type(c) is KVCache else c for c in caches]
+
+    def make_cache() -> list:
+        return caches_of(lambda: LazyKV(group_size, bits, start) if start else QuantKV(group_size, bits))
 
     model.make_cache = make_cache
     quant_attention.install(model, kernel)
-    if where != "cpu" and (failed := _decode_fails(model, made, group_size, bits)):
+    if where != "cpu" and (failed := _decode_fails(model, caches_of(lambda: QuantKV(group_size, bits)))):
         dtypes = {str(c.keys.dtype).removeprefix("mlx.core.") for c in plain if type(c) is KVCache}
         hint = "convert its weights to bf16 or run it without kv_bits" if dtypes == {"float32"} else "run it without kv_bits"
         raise ValueError(f"kv_bits {bits}: this {where} GPU cannot attend over a quantized cache of this model ({'/'.join(sorted(dtypes))}): {failed}; {hint}")
@@ -591,14 +594,12 @@ def one_group_note(where: str, dims: set[int], group_size: int) -> str | None:
     )
 
 
-def _decode_fails(model, made, group_size: int, bits: int) -> str | None:
-    """None if a two-token prompt piece and a decode step run over fresh
-    quantized caches, else mlx's message. mlx's GPU kernels for quantized
-    attention do not take every dtype and shape (mlx-cuda 0.32 has no
-    quantized matmul of float32 queries for some), and a worker that cannot
-    run them says so at load instead of failing every request."""
-    caches = made() if made is not None else [KVCache() for _ in model.layers]
-    caches = [QuantKV(group_size, bits) if type(c) is KVCache else c for c in caches]
+def _decode_fails(model, caches: list) -> str | None:
+    """None if a two-token prompt piece and a decode step run over these
+    fresh quantized caches, else mlx's message. mlx's GPU kernels for
+    quantized attention do not take every dtype and shape (mlx-cuda 0.32
+    has no quantized matmul of float32 queries for some), and a worker that
+    cannot run them says so at load instead of failing every request."""
     try:
         mx.eval(model(mx.zeros((1, 2), dtype=mx.uint32), cache=caches))
         mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache=caches))
