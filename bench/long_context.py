@@ -169,13 +169,8 @@ def kv_child(path: Path, bits: int, tokens: int, dtype: str) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-    from worker.engine import kv_quant
-    from worker.runtime.loader import load
-
     step = prefill_step()
-    loaded = load(path, cpu_float32=dtype == "float32")
-    if bits:
-        kv_quant.install(loaded.model, bits, args_group(loaded))
+    loaded = load_with_kv(path, bits, cpu_float32=dtype == "float32")
     ids = mx.random.randint(3, 600, (tokens,), key=mx.random.key(0)).astype(mx.uint32)
     cache = make_prompt_cache(loaded.model)
     mx.synchronize()
@@ -203,6 +198,27 @@ def args_group(loaded) -> int:
     """The largest group size (64 or 32) that divides the model's head dimension."""
     head = (loaded.config.get("text_config") or loaded.config).get("head_dim", 64)
     return 64 if head % 64 == 0 else 32
+
+
+def load_with_kv(path: Path, bits: int, cpu_float32: bool = True):
+    """The model loaded as a worker loads it, its attention caches quantized
+    to `bits` (0: the model's dtype)."""
+    from worker.engine import kv_quant
+    from worker.runtime.loader import load
+
+    loaded = load(path, cpu_float32=cpu_float32)
+    if bits:
+        kv_quant.install(loaded.model, bits, args_group(loaded))
+    return loaded
+
+
+def prefill_but_last(model, ids: list[int], cache: list, step: int) -> None:
+    """All of `ids` but the last token into `cache`, in chunks of `step`."""
+    import mlx.core as mx
+
+    for at in range(0, len(ids) - 1, step):
+        model(mx.array(ids[at : min(at + step, len(ids) - 1)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 def part_kv(args, path: Path, record) -> None:
@@ -239,9 +255,7 @@ def part_decode(args, path: Path, codec, record) -> None:
     import mlx.core as mx
 
     from bench.common import decode_rate
-    from worker.engine import kv_quant
     from worker.engine.scheduler import Scheduler
-    from worker.runtime.loader import load
     from worker.runtime.memory import bound_buffer_cache, processor
 
     # "0": the model's dtype, the worker's decode step (the default: on the
@@ -263,9 +277,7 @@ def part_decode(args, path: Path, codec, record) -> None:
     for key in keys:
         quantized = key.startswith("8")
         if quantized not in models:
-            models[quantized] = load(path)
-            if quantized:
-                kv_quant.install(models[quantized].model, 8, args_group(models[quantized]))
+            models[quantized] = load_with_kv(path, 8 if quantized else 0)
         loaded = models[quantized]
         s = Scheduler(loaded, codec, lambda d: None, batch_memory=BATCH_MEMORY, prefix_cache_bytes=0, compile_decode=not key.endswith("e"))
         with scores_by(key):
@@ -309,24 +321,16 @@ def part_split(args, path: Path, codec, record) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from bench.common import median
-    from worker.engine import kv_quant
-    from worker.runtime.loader import load
     from worker.runtime.memory import bound_buffer_cache
 
     bound_buffer_cache(BATCH_MEMORY)
     ids = codec.encode(chat(long_text(codec, args.decode_context), QUESTIONS[0]))
-    prompt = mx.array(ids)
-    step = prefill_step()
     sides = {}
     for key in ("0", "8"):
-        loaded = load(path)
-        if key == "8":
-            kv_quant.install(loaded.model, 8, args_group(loaded))
+        loaded = load_with_kv(path, int(key))
         cache = make_prompt_cache(loaded.model)
-        for at in range(0, len(ids) - 1, step):
-            loaded.model(prompt[None, at : min(at + step, len(ids) - 1)], cache=cache)
-            mx.eval([c.state for c in cache])
-        y = mx.argmax(loaded.model(prompt[None, -1:], cache=cache)[:, -1, :], axis=-1)
+        prefill_but_last(loaded.model, ids, cache, prefill_step())
+        y = mx.argmax(loaded.model(mx.array(ids[-1:])[None], cache=cache)[:, -1, :], axis=-1)
         mx.async_eval(y)
         sides[key] = {"model": loaded.model, "cache": cache, "y": y}
 
@@ -380,16 +384,8 @@ def part_quality(args, path: Path, codec, record) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker.engine import kv_quant
-    from worker.runtime.loader import load
-
     step = prefill_step()
-    models = {}
-    for bits in (0, 8, 4):
-        loaded = load(path)
-        if bits:
-            kv_quant.install(loaded.model, bits, args_group(loaded))
-        models[bits] = loaded.model
+    models = {bits: load_with_kv(path, bits).model for bits in (0, 8, 4)}
     ids = codec.encode(long_text(codec, args.quality_tokens))
 
     def mean_logprob(model) -> float:
@@ -405,8 +401,7 @@ def part_quality(args, path: Path, codec, record) -> None:
 
     def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
         cache = make_prompt_cache(model)
-        for at in range(0, len(prompt_ids) - 1, step):
-            model(mx.array(prompt_ids[at : min(at + step, len(prompt_ids) - 1)])[None], cache=cache)
+        prefill_but_last(model, prompt_ids, cache, step)
         token = prompt_ids[-1]
         out = []
         for _ in range(n):
