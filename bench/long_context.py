@@ -24,19 +24,9 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
   prompts at that length give the same first 64 greedy tokens.
-- `split` (not in the default parts): one row decoding op by op as
-  mlx-lm's loop does (the model and its caches, argmax, each step handed to
-  mlx before the token of the step before is read), the model's dtype and
-  8 bits at `--decode-context` tokens, alternated: each step's time split
-  into the host's (building the step and handing it to mlx) and the wait
-  for the step before. On a GPU a wait near zero means the host bounds the
-  step; otherwise the device does, and the wait is what the host cannot
-  hide. (mlx's CPU backend computes inside `async_eval`, on the calling
-  thread, so on the CPU the wait is near zero whatever bounds the step.)
 
     python -m bench.long_context [--size tiny] [--tokens 26000] [--rounds 5] [--parts restart,kv,decode,quality]
     python -m bench.long_context --size 8b --rounds 3 --kv-rounds 3   # a GPU: Qwen3-8B's shape (or --model DIR)
-    python -m bench.long_context --size 8b --parts split --decode-context 32768 --rounds 5
 """
 
 from __future__ import annotations
@@ -316,52 +306,6 @@ def part_decode(args, path: Path, codec, record) -> None:
         print(f"decode round {r}: {row}", file=sys.stderr)
 
 
-def part_split(args, path: Path, codec, record) -> None:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from bench.common import median
-    from worker.runtime.memory import bound_buffer_cache
-
-    bound_buffer_cache(BATCH_MEMORY)
-    ids = codec.encode(chat(long_text(codec, args.decode_context), QUESTIONS[0]))
-    sides = {}
-    for key in ("0", "8"):
-        loaded = load_with_kv(path, int(key))
-        cache = make_prompt_cache(loaded.model)
-        prefill_but_last(loaded.model, ids, cache, prefill_step())
-        y = mx.argmax(loaded.model(mx.array(ids[-1:])[None], cache=cache)[:, -1, :], axis=-1)
-        mx.async_eval(y)
-        sides[key] = {"model": loaded.model, "cache": cache, "y": y}
-
-    def steps(side: dict, n: int) -> dict:
-        model, cache, y = side["model"], side["cache"], side["y"]
-        host, wait = [], []
-        for i in range(n + 4):  # the first few steps unmeasured
-            t0 = time.perf_counter()
-            nxt = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
-            mx.async_eval(nxt)
-            t1 = time.perf_counter()
-            y.item()
-            t2 = time.perf_counter()
-            y = nxt
-            if i >= 4:
-                host.append((t1 - t0) * 1000)
-                wait.append((t2 - t1) * 1000)
-        side["y"] = y
-        total = [h + w for h, w in zip(host, wait)]
-        return {"step_ms": round(median(total), 3), "host_ms": round(median(host), 3), "wait_ms": round(median(wait), 3)}
-
-    rounds = []
-    for r in range(args.rounds):
-        row = {key: steps(sides[key], args.decode_steps) for key in (("0", "8") if r % 2 == 0 else ("8", "0"))}
-        rounds.append(row)
-        ratios = {f"{t}_8bit_over_dtype": [x["8"][f"{t}_ms"] / x["0"][f"{t}_ms"] for x in rounds] for t in ("step", "host")}
-        ratios |= {f"{name}_{t}_ms": [x[key][f"{t}_ms"] for x in rounds] for key, name in (("0", "dtype"), ("8", "8bit")) for t in ("step", "wait")}
-        record("split", rounds, ratios)
-        print(f"split round {r}: {row}", file=sys.stderr)
-
-
 @contextmanager
 def scores_by(key: str):
     """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
@@ -486,8 +430,6 @@ def main() -> int:
         part_decode(args, path, codec, record)
     if "quality" in parts:
         part_quality(args, path, codec, record)
-    if "split" in parts:
-        part_split(args, path, codec, record)
     return 0
 
 
