@@ -44,7 +44,7 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from bench.long_context import QUESTIONS, chat, long_text
+    from bench.long_context import QUESTIONS, chat, long_text, prefill_but_last
     from ipc.messages import Generate
     from worker.cache.prefix_disk import PrefixDisk
     from worker.engine.scheduler import Scheduler
@@ -87,10 +87,7 @@ def main() -> int:
     tokenizer = load_tokenizer(loaded.path)
     prefix = codec.encode(chat(system, "")[: -len("<|im_end|>\n<|im_start|>assistant\n")])
     held = make_prompt_cache(loaded.model)
-    step = 2048
-    for at in range(0, len(prefix) - 1, step):
-        loaded.model(mx.array(prefix[at : min(at + step, len(prefix) - 1)])[None], cache=held)
-        mx.eval([c.state for c in held])
+    prefill_but_last(loaded.model, prefix, held, 2048)
 
     def theirs(question: str) -> float:
         ids = codec.encode(chat(system, question))
