@@ -3,15 +3,14 @@
     python -m bench.kv_layouts [--context 2048] [--rows 1,8] [--bits 8] [--runs 7]
 
 A decode step with `kv_bits` reads the cache through mlx's quantized
-matmul. On mlx's CPU backend that kernel is fast one way and slow the
-other: `x @ W` with W quantized along its last axis (`transpose=False`,
-as the values are read) runs closer to a float matmul than `x @ W.T`
-(`transpose=True`, as the keys are read: scores = q @ K.T), which runs
-several times slower. So the 8-bit cache's decode at 8 rows stays under
-the float cache's however the queries are laid out, as long as the keys
-go through that kernel.
+matmul. On mlx's CPU backend that kernel is fast one way and slow the other:
+`x @ W` with W quantized along its last axis (`transpose=False`, as the
+values are read) runs near a float matmul, while `x @ W.T` (`transpose=True`,
+as the keys are read: scores = q @ K.T) runs several times slower. So the
+8-bit cache's decode at 8 rows stays under the float cache's however the
+queries are laid out, as long as the keys go through that kernel.
 
-Five layouts, each timed as the
+Four layouts, each timed as the
 attention of one layer for one decode step (scores, softmax, values) on the
 same random cache, alternated, `--runs` rounds of `--reps` calls each after
 a warm-up:
@@ -25,23 +24,15 @@ a warm-up:
   as KIVI quantizes keys), so that the scores take the fast direction too.
   Only the complete groups would be quantized in a cache that grows a token
   at a time; here the whole context is.
-- `keys-bytes`: the `mlx-lm` layout with the scores from the keys' bytes
-  (worker.engine.quant_attention's `_byte_scores`): the packed keys read as
-  bytes and converted to float32, at once or a KV head and a block of
-  tokens at a time, one float matmul against the queries spread over the
-  groups, then each group's scale and bias; the values through mlx's
-  kernel.
-- `bytes`: as the worker's CPU path reads the cache: `keys-bytes`, and
-  8-bit values of one group a token (a head dimension equal to the group
-  size) from their bytes too (`_byte_values`: the weights times each
-  token's scale, one float matmul over the bytes, plus the weights times
-  the biases), where they are few enough to convert at once.
+- `bytes`: the `mlx-lm` layout with the scores as the worker's
+  CPU path computes them (worker.engine.quant_attention): the packed keys
+  read as bytes and converted to float32, at once or a KV head and a block
+  of tokens at a time, one float matmul against the queries spread over
+  the groups, then each group's scale and bias.
 
 Shapes: `tiny` (the demo model: 2 KV heads of 32, 2 queries each, groups of
-32), `dense` (bench.dense's model: 4 KV heads of 64, 3 queries each,
-groups of 64), `8b` (Qwen3-8B: 8 KV heads of 128, 4 queries each, groups
-of 64) and `8b-g128` (the same heads, `kv_group_size = 128`: a group per
-head).
+32), `8b` (Qwen3-8B: 8 KV heads of 128, 4 queries each, groups of 64) and
+`8b-g128` (the same heads, `kv_group_size = 128`: a group per head).
 Reported: milliseconds per call and each layout's time over `float`'s per
 round (median, min, max), and each layout's largest difference from the
 float scores. Results go to bench/results/kv-layouts-<backend>[-tag].json
@@ -57,7 +48,6 @@ import time
 SHAPES = {
     # (KV heads, queries per KV head, head dim, group size)
     "tiny": (2, 2, 32, 32),
-    "dense": (4, 3, 64, 64),
     "8b": (8, 4, 128, 64),
     "8b-g128": (8, 4, 128, 128),
 }
@@ -68,7 +58,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
     largest score difference from float."""
     import mlx.core as mx
 
-    from worker.engine.quant_attention import _byte_blocks, _byte_scores, _byte_values, _values_from_bytes
+    from worker.engine.quant_attention import _byte_blocks, _byte_scores
 
     kv_heads, group, dim, group_size = shape
     mx.random.seed(seed)
@@ -86,7 +76,7 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
             return queries @ keys.swapaxes(-1, -2)
         if kind == "mlx-lm":
             return mx.quantized_matmul(queries, *qk, transpose=True, **q)
-        if kind in ("keys-bytes", "bytes"):
+        if kind == "bytes":
             return _byte_scores(queries, qk, group_size, bits, _byte_blocks(qk, dim))
         return mx.quantized_matmul(queries, *qk_t, transpose=False, **q)
 
@@ -95,13 +85,11 @@ def layouts(rows: int, context: int, shape: tuple, bits: int, seed: int = 0) -> 
             weights = mx.softmax(scores(kind), axis=-1, precise=True)
             if kind == "float":
                 return weights @ values
-            if kind == "bytes" and _values_from_bytes(qv, group_size, bits):
-                return _byte_values(weights, qv)
             return mx.quantized_matmul(weights, *qv, transpose=False, **q)
 
         return run
 
-    kinds = ["float", "mlx-lm", "keys-per-channel", "keys-bytes", "bytes"]
+    kinds = ["float", "mlx-lm", "keys-per-channel", "bytes"]
     reference = scores("float")
     errors = {kind: mx.abs(scores(kind) - reference).max().item() for kind in kinds[1:]}
     return {kind: attention(kind) for kind in kinds}, errors

@@ -19,8 +19,7 @@ bench/results/long-context-<backend>-<size>[-tag].json after every round:
   both with the worker's decode step (the default) and op by op (on
   CUDA; on the CPU the model's dtype only), alternated in one process; on the CPU also
   8-bit KV with the keys read by mlx's quantized matmul rather than scored
-  from their bytes (`8k`), and with the values read by mlx's quantized
-  matmul where the worker reads them from their bytes (`8v`). The worker's step is timed once it has chosen
+  from their bytes (`8k`). The worker's step is timed once it has chosen
   its way for that many rows at that context (on CUDA it times both first).
 - `quality`: the mean log-probability of a fixed text (`--quality-tokens`
   long) with 8 and 4 bits against the model's dtype, and how many of 8
@@ -253,13 +252,12 @@ def part_decode(args, path: Path, codec, record) -> None:
     # CPU compiled; on CUDA traced or op by op, whichever its timing of
     # both chose); "0e": the same, op by op; "8" and "8e": 8 bits, the same
     # two; "8k" (CPU): 8 bits, compiled, with the scores from mlx's
-    # quantized matmul; "8v" (CPU): the same with the values' product from
-    # mlx's quantized matmul. The attention is rebound on the model's
-    # module, shared by every engine here, so how `8k` and `8v` read the
-    # cache is a module setting switched around each run (a trace keeps the setting it was
+    # quantized matmul. The attention is rebound on the model's module,
+    # shared by every engine here, so how `8k` scores its keys is a module
+    # setting switched around each run (a trace keeps the setting it was
     # made with, and each engine traces its own). Engines of the same cache share one loaded model (a 16 GB load
     # apiece on the 8B shape).
-    keys = ("0", "0e", "8", "8k", "8v") if processor() == "cpu" else ("0", "0e", "8", "8e")
+    keys = ("0", "0e", "8", "8k") if processor() == "cpu" else ("0", "0e", "8", "8e")
     # MLX's cache of freed buffers bounded as a worker bounds it: unbounded,
     # it may grow to the GPU's 95 % while four engines and two models share
     # this process.
@@ -301,7 +299,6 @@ def part_decode(args, path: Path, codec, record) -> None:
         }
         if "8k" in keys:
             ratios |= {f"n{n}_8bit_kernel_over_dtype": [x[f"n{n}_8k"] / x[f"n{n}_0"] for x in rounds] for n in rows}
-            ratios |= {f"n{n}_8bit_over_values_kernel": [x[f"n{n}_8"] / x[f"n{n}_8v"] for x in rounds] for n in rows}
         if "8e" in keys:
             # 8 bits by the faster of its two steps, against the model's dtype's faster.
             ratios |= {f"n{n}_8bit_best_over_dtype_best": [max(x[f"n{n}_8"], x[f"n{n}_8e"]) / max(x[f"n{n}_0"], x[f"n{n}_0e"]) for x in rounds] for n in rows}
@@ -312,19 +309,16 @@ def part_decode(args, path: Path, codec, record) -> None:
 @contextmanager
 def scores_by(key: str):
     """For engine `8k`, 8-bit keys read by mlx's quantized matmul instead
-    of scored from their bytes (worker.engine.quant_attention); for `8v`,
-    the values."""
+    of scored from their bytes (worker.engine.quant_attention)."""
     from worker.engine import quant_attention
 
-    kept = quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention._values_from_bytes
+    kept = quant_attention.BYTES_BLOCKS_AT_MOST
     if key == "8k":
         quant_attention.BYTES_BLOCKS_AT_MOST = -1
-    if key == "8v":
-        quant_attention._values_from_bytes = lambda values, group_size, bits: False
     try:
         yield
     finally:
-        quant_attention.BYTES_BLOCKS_AT_MOST, quant_attention._values_from_bytes = kept
+        quant_attention.BYTES_BLOCKS_AT_MOST = kept
 
 
 # -- quality --------------------------------------------------------------------------

@@ -481,42 +481,6 @@ def test_cpu_steps_score_keys_from_their_bytes_at_once_or_in_blocks(monkeypatch,
     assert len(read) == blocks
 
 
-@float32_only
-@pytest.mark.parametrize(
-    "dim, group_size, bits, limits, from_bytes",
-    [
-        (64, 64, 8, {"VALUES_FROM_BYTES": 0}, True),  # one group a token, 8 bits: from the bytes
-        (32, 32, 8, {"VALUES_FROM_BYTES": 0}, True),
-        (128, 64, 8, {"VALUES_FROM_BYTES": 0}, False),  # two groups a token: mlx's kernel
-        (64, 64, 4, {"VALUES_FROM_BYTES": 0}, False),  # 4 bits: mlx's kernel
-        # A row holds 2 x 100 x 64 values, a call one row or both (by the CPU's cores):
-        (64, 64, 8, {"VALUES_FROM_BYTES": 0, "BYTES_AT_ONCE": 2 * 100 * 64 - 1}, False),  # more than at once: mlx's kernel
-        (64, 64, 8, {"VALUES_FROM_BYTES": 2 * 2 * 100 * 64 + 1}, False),  # fewer than VALUES_FROM_BYTES: mlx's kernel
-    ],
-)
-def test_cpu_steps_read_8_bit_values_of_one_group_a_token_from_their_bytes(monkeypatch, dim, group_size, bits, limits, from_bytes):
-    import mlx.core as mx
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
-
-    from worker.engine import quant_attention
-    from worker.engine.kv_quant import QuantKV
-
-    for name, value in limits.items():
-        monkeypatch.setattr(quant_attention, name, value)
-    read = []
-    original = quant_attention._byte_values
-    monkeypatch.setattr(quant_attention, "_byte_values", lambda w, values: read.append(values[0].shape) or original(w, values))
-    mx.random.seed(5)
-    cache = QuantKV(group_size, bits)
-    keys, values = cache.update_and_fetch(mx.random.normal((2, 2, 100, dim)), mx.random.normal((2, 2, 100, dim)))
-    for queries, mask in ((1, None), (3, "causal")):
-        q = mx.random.normal((2, 6, queries, dim))
-        got = quant_attention._attention("cpu")(q + 0, keys, values, cache, scale=dim**-0.5, mask=mask)
-        want = quantized_scaled_dot_product_attention(q + 0, keys, values, scale=dim**-0.5, mask=mask, group_size=group_size, bits=bits)
-        assert mx.abs(got - want).max().item() < 1e-4
-    assert bool(read) == from_bytes
-
-
 def test_a_quantized_model_routes_its_attention_and_a_plain_cache_keeps_mlx_lms(tiny_model, plain):
     import sys
 

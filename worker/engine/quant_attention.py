@@ -24,13 +24,6 @@ broadcast cache is not (mlx-lm's own path fails at the first decode step,
 slice of its buffer, which are copied to one block first there. mlx's CPU
 kernel for the scores (`x @ W.T`) runs at 2-3x a float matmul; keys are
 scored from their bytes with a float matmul instead (`_byte_scores`).
-Its kernel for the values (`x @ W`) takes longer the more rows x has
-(the queries of a KV head); 8-bit values of one group a token are read
-from their bytes the same way (`_byte_values`): one layer's values over
-2,304 tokens of 4 KV heads of 64, 3 queries each, 0.58-0.89x the
-kernel's time for 1 and 4 rows, and 0.90x with one query a KV head
-(development runs of 7 alternated rounds on a 2-core EPYC). With 4 bits,
-or two groups a token, the kernel stayed the faster.
 That kernel also adds up a bf16 product in bf16, and slowly: the values'
 side of a step, which sums over every cached token, drifted 5 % from
 float32 at 1k tokens and 12 % at 4k (heads of 128, 8 bits) and ran 7.6x
@@ -73,29 +66,25 @@ DEQUANTIZED_ABOVE = 8
 # `_byte_scores` converts the packed keys to float32 before its matmul; that
 # copy pays while it stays in cache. Up to BYTES_AT_ONCE key values (rows x
 # KV heads x tokens x head dimension; 16 MB of float32, half the L3 of the
-# machine it was measured on) it converts them at once; beyond, one row's
+# machines it was measured on) it converts them at once; beyond, one row's
 # KV head at a time, in blocks of at most BYTES_BLOCK values (1 MB of
-# float32, the L2 of a core there), each multiplied as soon as it is made;
-# beyond BYTES_BLOCKS_AT_MOST blocks (a few ops each, in every attention
-# layer's part of a step's graph; 256 is 8 rows of Qwen3-8B's KV heads at
-# 8k tokens, the largest measured) mlx's kernel reads the keys. Measured on
-# a 2-core CPU with 1 MB of L2 a core and 32 MB of L3 (bench.kv_layouts):
-# one layer's attention on Qwen3-8B's heads 1.6-1.9x float32's time
-# against the kernel's 2.9-3.8x; without blocks, 8 rows of those heads at
-# 2k tokens took as long as the kernel. The bound was 2M values then; on a
-# 2-core EPYC with 2 MB of L2 a core and 32 MB of L3, the scores of 2.4M
-# to 4.2M key values (1 to 4 rows of Qwen3-8B's heads or of 4 KV heads of
-# 64, 2k to 8k tokens) took 1.2-2.4x float32's time at once against
-# 2.0-3.5x in blocks, at once the faster in 5 of 6 development runs of 7
-# alternated rounds.
+# float32, the L2 of a core of the first), each multiplied as soon as it
+# is made; beyond BYTES_BLOCKS_AT_MOST blocks (a few ops each, in every
+# attention layer's part of a step's graph; 256 is 8 rows of Qwen3-8B's KV
+# heads at 8k tokens, the largest measured) mlx's kernel reads the keys.
+# Measured on a 2-core CPU with 1 MB of L2 a core and 32 MB of L3
+# (bench.kv_layouts): one layer's attention on Qwen3-8B's heads 1.6-1.9x
+# float32's time against the kernel's 2.9-3.8x; without blocks, 8 rows of
+# those heads at 2k tokens took as long as the kernel. The bound was 2M
+# values then; on a 2-core EPYC with 2 MB of L2 a core and 32 MB of L3,
+# the scores of 2.4M to 4.2M key values (1 to 4 rows of Qwen3-8B's heads
+# or of 4 KV heads of 64, 2k to 8k tokens) took 1.2-2.4x float32's time
+# at once against 2.0-3.5x in blocks (at once the faster in 5 of 6
+# development runs of 7 alternated rounds), and bench.dense's model
+# decoded 8 rows at 2k tokens (a CPU stream's 4 rows: 2.4M key values) at
+# 130 tokens a second against 94 with the 2M bound (bench.long_context,
+# medians of 5 rounds, two runs back to back).
 BYTES_AT_ONCE = 1 << 22
-# Fewer values than this in a call keep mlx's kernel for the values'
-# product (`_values_from_bytes`). Whole decode steps at 2k tokens on a
-# 2-core EPYC (bench.long_context, the values read each way alternated in
-# one process): bench.dense's model, 590k values a row, decoded 1.06x
-# (one row) and 1.05x (8 rows) as fast from the bytes; the demo model's
-# lone row, 147k values, 0.89x.
-VALUES_FROM_BYTES = 1 << 18
 BYTES_BLOCK = 1 << 18
 BYTES_BLOCKS_AT_MOST = 256
 
@@ -161,23 +150,6 @@ def _byte_scores(q: mx.array, keys: tuple, group_size: int, bits: int, blocks: i
     return scores.sum(axis=-2).astype(q.dtype)
 
 
-def _values_from_bytes(values: tuple, group_size: int, bits: int) -> bool:
-    """Whether `_byte_values` takes these values: 8 bits, one group a token
-    (a head dimension equal to the group size), and from VALUES_FROM_BYTES
-    to BYTES_AT_ONCE values."""
-    scales = values[1]
-    return bits == 8 and scales.shape[-1] == 1 and VALUES_FROM_BYTES <= scales.size * group_size <= BYTES_AT_ONCE
-
-
-def _byte_values(w: mx.array, values: tuple) -> mx.array:
-    """w @ V for 8-bit values of one group a token without mlx's CPU kernel
-    for it (`x @ W`): with token t's values s_t v_t + b_t,
-    w @ V = (w s) @ v + w @ b, the first a float matmul over the values'
-    bytes. In float32."""
-    packed, scales, biases = values
-    return (w * scales.swapaxes(-1, -2)) @ _unpacked(packed, 8) + w @ biases
-
-
 def _precise_softmax(scores: mx.array) -> mx.array:
     return mx.softmax(scores, axis=-1, precise=True)
 
@@ -189,9 +161,8 @@ def _grouped(
     of one matmul: (B, Hk, G * L, D) against the cache's (B, Hk, S, D).
     Keys are scored by mlx's quantized matmul (`scores_by` "kernel"), by
     `_byte_scores` where its blocks stay few ("bytes"), or dequantized
-    ("dequantized"); with "bytes" the values too are read from their bytes
-    where `_values_from_bytes` takes them. `softmax` takes the masked
-    scores (on the CPU, worker.runtime.cpu_attention's)."""
+    ("dequantized"); `softmax` takes the masked scores (on the CPU,
+    worker.runtime.cpu_attention's)."""
     B, heads, L, D = queries.shape
     kv_heads = keys[0].shape[1]
     G = heads // kv_heads
@@ -204,10 +175,7 @@ def _grouped(
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     scores = cpu_attention.masked(scores, mask, kv_heads, G)
     weights = softmax(scores)
-    if scores_by == "bytes" and _values_from_bytes(values, group_size, bits):
-        out = _byte_values(weights, values)
-    else:
-        out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, heads, L, D)
 
 
