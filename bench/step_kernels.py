@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import re
 import sys
 from pathlib import Path
@@ -67,9 +66,10 @@ def profile(args) -> None:
     from worker.text.tokenizer import TextCodec
 
     path = args.model or demo_model(args.size)
-    codec = TextCodec(path, json.loads((path / "config.json").read_text()))
+    loaded = load_with_kv(path, args.kv_bits)
+    model = loaded.model
+    codec = TextCodec(path, loaded.config)
     ids = codec.encode(chat(long_text(codec, args.context), QUESTIONS[0]))
-    model = load_with_kv(path, args.kv_bits).model
     cache = make_prompt_cache(model)
     prefill_but_last(model, ids, cache, prefill_step())
 
