@@ -4,8 +4,10 @@ On Linux mlx compiles the fused kernels of compiled graphs with the system's
 C++ compiler the first time it meets them, and keeps them on disk; workers
 keep them in the user's cache dir (`LATTICE_CPU_KERNELS` overrides), where
 mlx's default, the temp dir, is often emptied at boot. Each round starts a
-worker of the demo model twice, in alternating order: with an empty kernel
-directory (a machine's first start, or the first after /tmp was emptied)
+worker of the demo model three times, the order rotating: with an empty
+kernel directory (a machine's first start, or the first after /tmp was
+emptied), the same without the precompiled header workers build for those
+kernels (worker/runtime/kernel_header.py; LATTICE_CPU_KERNEL_HEADER=off),
 and with the directory an earlier start filled. Reported per side: seconds
 from the process' start to `ready` (the load and warm-up, which traces the
 decode step for every batch size) and to its first request's last token
@@ -28,11 +30,16 @@ from pathlib import Path
 PROMPT = "<|im_start|>user\nTell me about the river and the mill.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def start(model: Path, kernels: Path) -> dict:
+SIDES = ("empty", "empty_no_header", "filled")
+
+
+def start(model: Path, kernels: Path, header: bool = True) -> dict:
     from harness.worker import WorkerProc
     from worker.runtime.kernel_cache import CPU_ENV
+    from worker.runtime.kernel_header import OFF_ENV
 
     os.environ[CPU_ENV] = str(kernels)  # the worker's environment is this process'
+    os.environ[OFF_ENV] = "on" if header else "off"
     t0 = time.monotonic()
     w = WorkerProc.started(model)
     try:
@@ -62,15 +69,16 @@ def main() -> int:
         filled = Path(root) / "filled"
         start(model, filled)  # fills it
         for r in range(args.rounds):
-            empty = Path(root) / f"empty-{r}"
             row = {}
-            for side in ("empty", "filled") if r % 2 == 0 else ("filled", "empty"):
-                row[side] = start(model, empty if side == "empty" else filled)
-            shutil.rmtree(empty)
+            for side in SIDES[r % 3 :] + SIDES[: r % 3]:
+                directory = filled if side == "filled" else Path(root) / f"{side}-{r}"
+                row[side] = start(model, directory, header=side != "empty_no_header")
+                if directory != filled:
+                    shutil.rmtree(directory)
             row["load_average"] = load_average()
             result["rounds"].append(row)
             for key in ("ready_s", "first_request_s"):
-                result[key] = {side: summary([x[side][key] for x in result["rounds"]]) for side in ("empty", "filled")}
+                result[key] = {side: summary([x[side][key] for x in result["rounds"]]) for side in SIDES}
             write_result(name, result)
             print(f"round {r}: {row}", flush=True)
     return 0

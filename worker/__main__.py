@@ -334,6 +334,14 @@ def set_up_process(args: argparse.Namespace):
     kernels = keep_kernels()
     if kernels:
         log.info("CUDA kernels compiled at run time are kept in %s", kernels)
+    if cpu_kernels:
+        import mlx.core as mx
+
+        from worker.runtime.kernel_header import build_header
+
+        if mx.default_device() == mx.cpu:
+            header = build_header(cpu_kernels, mx.__version__, Path(mx.__file__).parent / "include", os.environ)
+            log.info("CPU kernels' precompiled header: %s", header)
 
     from worker.shell.channel import EventChannel
     from worker.shell.lifeline import bind_to_parent

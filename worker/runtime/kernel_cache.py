@@ -14,7 +14,8 @@ On Linux mlx compiles the fused kernels of compiled graphs for the CPU
 with the system's C++ compiler, into `$TMPDIR/mlx/<version>/cpu` (it has no
 setting of its own for that directory). With an empty one a worker of the
 default demo model was ready after 35.5 s on a 2-core machine, against
-0.48 s with its kernels there (bench/kernel_cache.py). Workers on Linux run with `$TMPDIR` in the
+0.48 s with its kernels there (bench/kernel_cache.py), and after 10.8 s
+with the precompiled header worker.runtime.kernel_header builds for them. Workers on Linux run with `$TMPDIR` in the
 user's cache dir, one directory per CPU model (mlx's file names do not say
 which instructions a kernel uses), or in `LATTICE_CPU_KERNELS` where that
 is set. A worker's other temporary files (a group's hostfile, the BLAS
