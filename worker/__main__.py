@@ -280,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
     try:
-        channel = set_up_process(args)
+        channel, cpu_kernels = set_up_process(args)
         server, group = start_server(args, argv, channel)
+        if cpu_kernels:
+            build_kernel_header(cpu_kernels)
         loaded, codec = load_model(args, server, group)
         args.prefix_cache_bytes = prefix_cache_budget(args)
         prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def set_up_process(args: argparse.Namespace):
     """Logging, the limits mlx-lm needs, the BLAS and kernel caches (before
-    anything imports mlx), stdout kept for events, and the lifeline."""
+    anything imports mlx), stdout kept for events, and the lifeline; the
+    event channel and the CPU kernels' directory (None: not kept)."""
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     logging.basicConfig(
         level=os.environ.get("LATTICE_LOG_LEVEL", "INFO").upper(),
@@ -334,14 +337,6 @@ def set_up_process(args: argparse.Namespace):
     kernels = keep_kernels()
     if kernels:
         log.info("CUDA kernels compiled at run time are kept in %s", kernels)
-    if cpu_kernels:
-        import mlx.core as mx
-
-        from worker.runtime.kernel_header import build_header
-
-        if mx.default_device() == mx.cpu:
-            header = build_header(cpu_kernels, mx.__version__, Path(mx.__file__).parent / "include", os.environ)
-            log.info("CPU kernels' precompiled header: %s", header)
 
     from worker.shell.channel import EventChannel
     from worker.shell.lifeline import bind_to_parent
@@ -349,7 +344,20 @@ def set_up_process(args: argparse.Namespace):
     channel = EventChannel.take_stdout()
     ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
     bind_to_parent(int(ppid) if ppid else None)
-    return channel
+    return channel, cpu_kernels
+
+
+def build_kernel_header(cpu_kernels: Path) -> None:
+    """On the CPU, g++'s precompiled header for the kernels mlx will compile
+    into cpu_kernels. Built while the heartbeats run: the supervisor's
+    stall_timeout also counts a start."""
+    import mlx.core as mx
+
+    from worker.runtime.kernel_header import build_header
+
+    if mx.default_device() == mx.cpu:
+        header = build_header(cpu_kernels, mx.__version__, Path(mx.__file__).parent / "include", os.environ)
+        log.info("CPU kernels' precompiled header: %s", header)
 
 
 def start_server(args: argparse.Namespace, argv: list[str] | None, channel):

@@ -12,8 +12,8 @@ the preamble with quotes, so the first directory searched is the kernel
 source's: mlx's kernel directory. A CPU worker builds the preamble's
 precompiled header there once (1.7 s on that machine; about 50 MB), and each
 kernel then compiles in 0.17 s, to the same machine code (objdump of four
-kernels, with and without it). That worker's first start went from 36.5 s
-to 10.9 s to `ready` (docs/performance.md).
+kernels, with and without it). That worker's first start went from 34.0 s
+to 10.8 s to `ready` (medians of 5 rounds, bench/kernel_cache.py).
 
 g++ checks a precompiled header against the compiler and the options that
 built it and reads the text header where they differ: an mlx that changes
@@ -39,8 +39,9 @@ PREAMBLE = Path("mlx", "backend", "cpu", "compiled_preamble.h")
 # mlx 0.32's command for a kernel, less -shared (no bearing on a header):
 # the header is used only where these match it.
 FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
-# The most a build may take; past it the worker starts without the header.
-BUILD_TIMEOUT_S = 120.0
+# The most a build may take; past it the worker starts without the header
+# (the build takes seconds; this bounds a compiler that hangs).
+BUILD_TIMEOUT_S = 60.0
 
 
 def header_path(kernel_dir: Path, mlx_version: str) -> Path:
