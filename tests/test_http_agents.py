@@ -604,6 +604,11 @@ def ollama_calls(agents, c) -> None:
     whole = c.chat(model="tiny", messages=ASK, options=options, think=True)
     parts = list(c.chat(model="tiny", messages=ASK, options=options, think=True, stream=True))
     assert whole.done and whole.done_reason == "length" and whole.eval_count == 10 and whole.prompt_eval_count > 0
+    # Rates a client shows (tokens over durations) have durations to divide
+    # by, and the parts make up the whole.
+    for done in (whole, parts[-1]):
+        assert done.prompt_eval_duration > 0 and done.eval_duration > 0 and done.load_duration >= 0
+        assert done.load_duration + done.prompt_eval_duration + done.eval_duration == done.total_duration
     # (Cut short inside its thinking: the whole reply is content, the stream's was thinking.)
     assert "".join((p.message.thinking or "") + p.message.content for p in parts) == (whole.message.thinking or "") + whole.message.content
     assert parts[-1].done and not any(p.done for p in parts[:-1])

@@ -234,6 +234,11 @@ class Exchange:
         if self._calls and self.finish_reason != "length":
             self.finish_reason = "tool_calls"
         self.usage = usage(event.prompt_tokens, event.gen_tokens, event.cached_tokens)
+        # Only Ollama's answers carry durations; the worker's timings are the
+        # part of them the HTTP side cannot see.
+        timed = getattr(self.reply, "timed", None)
+        if timed is not None:
+            timed(event.ttft_ms, event.total_ms)
         if self.stream and self._calls:
             self._put(self.reply.tool_calls(self._calls))
         if self.stream and self.logprobs:

@@ -223,6 +223,7 @@ class OllamaReply:
         self.stream = stream
         self.started = time.monotonic_ns()
         self.request_id = model
+        self.worker_ms = (0.0, 0.0)  # (first token, whole request) as its worker timed them
 
     def _line(self, data: dict) -> bytes:
         return _encode({"model": self.model, "created_at": _now(), **data}) + b"\n"
@@ -258,17 +259,28 @@ class OllamaReply:
     def tool_calls(self, calls: list[dict]) -> bytes:
         return self._line({**self._body("", None, calls), "done": False})
 
+    def timed(self, ttft_ms: float, total_ms: float) -> None:
+        self.worker_ms = (ttft_ms, total_ms)
+
     def _done(self, finish_reason: str, figures: dict) -> dict:
+        # Ollama's clients show prompt_eval_count / prompt_eval_duration and
+        # eval_count / eval_duration as rates. The worker's clock starts when
+        # the request reaches it: what came before (a load, a wait for a
+        # place in the batch) is the load's share, its first token's time the
+        # prompt's, the rest the reply's; the three add up to the total.
         total = time.monotonic_ns() - self.started
+        ttft_ms, worker_ms = self.worker_ms
+        worker = min(total, int(worker_ms * 1e6))
+        prompt = min(worker, int(ttft_ms * 1e6))
         return {
             "done": True,
             "done_reason": DONE_REASON.get(finish_reason, "stop"),
             "total_duration": total,
-            "load_duration": 0,
+            "load_duration": total - worker,
             "prompt_eval_count": figures.get("prompt_tokens", 0),
-            "prompt_eval_duration": 0,
+            "prompt_eval_duration": prompt,
             "eval_count": figures.get("completion_tokens", 0),
-            "eval_duration": total,
+            "eval_duration": worker - prompt,
         }
 
     def last(self, finish_reason: str, figures: dict | None, logprobs: list[dict] | None = None) -> bytes:
