@@ -14,13 +14,17 @@ from worker.runtime.kernel_cache import (
     CPU_ENV,
     ENV,
     THRASHING_CHECK,
+    UNUSED_FOR_DAYS,
     cpu_kernel_dir,
     cpu_model,
     keep_cpu_kernels,
     keep_kernels,
     kernel_cache_dir,
     no_thrashing_abort,
+    prune_versions,
 )
+
+DAY = 86400.0
 
 
 def test_kernels_go_to_the_users_cache_dir_per_mlx_version_and_gpu(tmp_path):
@@ -99,17 +103,52 @@ def test_a_worker_keeps_its_cpu_kernels_in_that_dir_and_mlx_compiles_into_it(tmp
     assert list((mine / "mlx" / mx.__version__ / "cpu").glob("*.so"))
 
 
-def test_a_worker_says_where_its_cpu_kernels_are(tiny_model):
+def test_a_worker_says_where_its_cpu_kernels_are_and_prunes_old_versions(tiny_model):
     from harness.procs import wait_for
     from harness.worker import WorkerProc
 
+    old = None
+    if sys.platform == "linux":
+        old = Path(os.environ[CPU_ENV]) / "mlx" / "0.0.1"
+        (old / "cpu").mkdir(parents=True, exist_ok=True)
+        (old / "cpu" / "kernel.so").write_bytes(b"x")
+        then = old.stat().st_mtime - (UNUSED_FOR_DAYS + 1) * DAY
+        os.utime(old, (then, then))
     w = WorkerProc.started(tiny_model)
     try:
-        if sys.platform == "linux":
+        if old is not None:
             # Logged before ready; its pipe is read by a thread of its own.
             needle = f"CPU kernels compiled at run time are kept in {os.environ[CPU_ENV]}".encode()
             assert wait_for(lambda: needle in w.stderr, 30), w.stderr.decode(errors="replace")
             if not mx.cuda.is_available():
                 assert wait_for(lambda: b"CPU kernels' precompiled header: " in w.stderr, 30), w.stderr.decode(errors="replace")
+            assert wait_for(lambda: f"removed {old}: ".encode() in w.stderr, 30), w.stderr.decode(errors="replace")
+            assert not old.exists()
+            assert (old.parent / mx.__version__).is_dir()
     finally:
         w.close()
+
+
+def test_versions_unused_for_long_are_removed_the_running_one_marked_used(tmp_path):
+    now = 1_000_000_000.0
+    ages = {"0.30.0": 40, "0.31.1": 10, "0.32.4": 90, "0.29.0rc1": 31, "cpu-AMD-EPYC": 90, "notes": 90}
+    for name, days in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - days * DAY, now - days * DAY))
+    (tmp_path / "0.28.0").write_text("a file, not a version's directory")
+    (tmp_path / "0.27.0").symlink_to(tmp_path / "notes")
+    os.utime(tmp_path / "0.27.0", (now - 90 * DAY, now - 90 * DAY), follow_symlinks=False)
+
+    removed = prune_versions(tmp_path, "0.32.4", now=now)
+
+    assert sorted(p.name for p in removed) == ["0.29.0rc1", "0.30.0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.27.0", "0.28.0", "0.31.1", "0.32.4", "cpu-AMD-EPYC", "notes"]
+    assert (tmp_path / "0.32.4").stat().st_mtime == now
+    # A later start of the same version keeps what it marked.
+    assert prune_versions(tmp_path, "0.31.1", now=now + (UNUSED_FOR_DAYS - 1) * DAY) == []
+
+
+def test_a_root_that_cannot_be_made_prunes_nothing_and_raises_nothing(tmp_path, caplog):
+    (tmp_path / "file").write_text("not a directory")
+    assert prune_versions(tmp_path / "file" / "mlx", "0.32.4") == []
+    assert "cannot prune old mlx versions' kernels" in caplog.text

@@ -280,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
     try:
-        channel, cpu_kernels = set_up_process(args)
+        channel, cpu_kernels, cuda_kernels = set_up_process(args)
         server, group = start_server(args, argv, channel)
-        if cpu_kernels:
-            build_kernel_header(cpu_kernels)
+        tend_kernels(cpu_kernels, cuda_kernels)
         loaded, codec = load_model(args, server, group)
         args.prefix_cache_bytes = prefix_cache_budget(args)
         prefix_disk = open_prefix_disk(args, loaded, server.wake) if group is None else None
@@ -308,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
 def set_up_process(args: argparse.Namespace):
     """Logging, the limits mlx-lm needs, the BLAS and kernel caches (before
     anything imports mlx), stdout kept for events, and the lifeline; the
-    event channel and the CPU kernels' directory (None: not kept)."""
+    event channel and the CPU and CUDA kernels' directories (None: not
+    kept)."""
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     logging.basicConfig(
         level=os.environ.get("LATTICE_LOG_LEVEL", "INFO").upper(),
@@ -344,20 +344,30 @@ def set_up_process(args: argparse.Namespace):
     channel = EventChannel.take_stdout()
     ppid = os.environ.get("LATTICE_SUPERVISOR_PID")
     bind_to_parent(int(ppid) if ppid else None)
-    return channel, cpu_kernels
+    return channel, cpu_kernels, kernels
 
 
-def build_kernel_header(cpu_kernels: Path) -> None:
+def tend_kernels(cpu_kernels: Path | None, cuda_kernels: Path | None) -> None:
     """On the CPU, g++'s precompiled header for the kernels mlx will compile
-    into cpu_kernels. Built while the heartbeats run: the supervisor's
-    stall_timeout also counts a start."""
+    into cpu_kernels; in both directories, the kernels of mlx versions no
+    worker has used for a while removed. Done while the heartbeats run: the
+    supervisor's stall_timeout also counts a start."""
     import mlx.core as mx
 
+    from worker.runtime.kernel_cache import UNUSED_FOR_DAYS, prune_versions
     from worker.runtime.kernel_header import build_header
 
-    if mx.default_device() == mx.cpu:
-        header = build_header(cpu_kernels, mx.__version__, Path(mx.__file__).parent / "include", os.environ)
-        log.info("CPU kernels' precompiled header: %s", header)
+    roots = []
+    if cpu_kernels:
+        if mx.default_device() == mx.cpu:
+            header = build_header(cpu_kernels, mx.__version__, Path(mx.__file__).parent / "include", os.environ)
+            log.info("CPU kernels' precompiled header: %s", header)
+        roots.append(cpu_kernels / "mlx")  # mlx's own layout: <temp dir>/mlx/<version>
+    if cuda_kernels:
+        roots.append(cuda_kernels.parent.parent)  # worker.runtime.kernel_cache: <root>/<version>/<GPU>
+    for root in roots:
+        for gone in prune_versions(root, mx.__version__):
+            log.info("removed %s: the kernels of an mlx version no worker has used for %d days", gone, UNUSED_FOR_DAYS)
 
 
 def start_server(args: argparse.Namespace, argv: list[str] | None, channel):

@@ -21,6 +21,13 @@ which instructions a kernel uses), or in `LATTICE_CPU_KERNELS` where that
 is set. A worker's other temporary files (a group's hostfile, the BLAS
 links) are made and removed there too.
 
+Both keep one directory per mlx version, and an upgrade of mlx leaves the
+old one behind (a CPU one holds a 50 MB precompiled header). A worker marks
+its own version's directories as used when it starts and removes the other
+versions' that no worker has used for UNUSED_FOR_DAYS days
+(prune_versions), so the kernels of a version still run from another
+environment stay.
+
 The same goes for mlx's check on its CUDA caches of compiled graphs, which
 a long-lived worker would trip (no_thrashing_abort).
 """
@@ -31,8 +38,10 @@ import logging
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
@@ -43,6 +52,8 @@ log = logging.getLogger("worker")
 ENV = "MLX_PTX_CACHE_DIR"
 CPU_ENV = "LATTICE_CPU_KERNELS"
 THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
+UNUSED_FOR_DAYS = 30
+_VERSION = re.compile(r"\d+\.\d+(\.\d+)?([.+-][A-Za-z0-9.+-]*)?")
 
 
 def kernel_cache_dir(env: Mapping[str, str], mlx_version: str, gpu: str) -> Path | None:
@@ -138,3 +149,32 @@ def no_thrashing_abort(env: MutableMapping[str, str]) -> bool:
         return False
     env[THRASHING_CHECK] = "0"
     return True
+
+
+def prune_versions(root: Path, version: str, now: float | None = None, unused_for_s: float = UNUSED_FOR_DAYS * 86400) -> list[Path]:
+    """Marks `root/<version>` as used now and removes the other versions'
+    directories under `root` unused for `unused_for_s`; returns those it
+    removed. Only names that read as versions are touched (the CUDA
+    directories' root also holds the CPU ones). Never raises: what cannot
+    be read or removed stays."""
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        mine = root / version
+        mine.mkdir(parents=True, exist_ok=True)
+        os.utime(mine, (now, now))
+        entries = list(os.scandir(root))
+    except OSError as exc:
+        log.warning("cannot prune old mlx versions' kernels in %s (%s)", root, exc.strerror)
+        return removed
+    for entry in entries:
+        try:
+            if entry.name == version or not _VERSION.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+                continue
+            if now - entry.stat(follow_symlinks=False).st_mtime < unused_for_s:
+                continue
+            shutil.rmtree(entry.path)
+            removed.append(Path(entry.path))
+        except OSError as exc:
+            log.warning("cannot remove old mlx kernels in %s (%s)", entry.path, exc.strerror)
+    return removed
