@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object, optional_object
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, json_object, optional_object, translated_chat_request
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "msg_"
@@ -186,12 +186,7 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
         if data.get(name) is not None:
             chat[name] = data[name]
     _tools(data, chat)
-    try:
-        msg, opts = chat_request(chat, request_id, model_name, template)
-    except HttpError as exc:
-        raise exc.renamed({ours: theirs for ours, theirs in NAMES.items() if ours not in data}) from None
-    opts.include_usage = True
-    return msg, opts
+    return translated_chat_request(data, chat, request_id, model_name, template, NAMES)
 
 
 # -- the answer -------------------------------------------------------------------------

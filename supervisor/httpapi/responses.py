@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, chat_request, json_object, optional_bool, optional_object
+from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, json_object, optional_bool, optional_object, translated_chat_request
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "resp_"
@@ -181,11 +181,7 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     _tools(data, chat)
-    try:
-        msg, opts = chat_request(chat, request_id, model_name, template)
-    except HttpError as exc:
-        raise exc.renamed({ours: theirs for ours, theirs in NAMES.items() if ours not in data}) from None
-    opts.include_usage = True
+    msg, opts = translated_chat_request(data, chat, request_id, model_name, template, NAMES)
     opts.extra = {
         "conversation": conversation,
         "store": store,

@@ -360,6 +360,21 @@ def chat_request(
     return _client_line(line), options
 
 
+def translated_chat_request(
+    data: dict, chat: dict, request_id: str, model_name: Callable[[object], str], template: Callable[[str], TemplateInfo], names: dict[str, str]
+) -> tuple[ClientLine, Options]:
+    """chat_request for a body of another API (`data`, Anthropic's or
+    Responses') made into a chat body (`chat`): its errors call the chat
+    fields by that API's names (`names`: ours to theirs, for fields `data`
+    does not name itself), and the answer always counts its tokens."""
+    try:
+        msg, opts = chat_request(chat, request_id, model_name, template)
+    except HttpError as exc:
+        raise exc.renamed({ours: theirs for ours, theirs in names.items() if ours not in data}) from None
+    opts.include_usage = True
+    return msg, opts
+
+
 def completion_request(data: dict, request_id: str, model_name: Callable[[object], str]) -> tuple[ClientLine, Options]:
     """A /v1/completions body (decoded): its prompt is used verbatim, like a stdin `prompt`."""
     fields = _http_fields(data, chat=False)
