@@ -21,15 +21,15 @@ which instructions a kernel uses), or in `LATTICE_CPU_KERNELS` where that
 is set. A worker's other temporary files (a group's hostfile, the BLAS
 links) are made and removed there too.
 
-Both keep one directory per mlx version, and an upgrade of mlx leaves the
-old one behind (a CPU one holds a 50 MB precompiled header). A worker marks
-its own version's directories as used when it starts and removes the other
-versions' that no worker has used for UNUSED_FOR_DAYS days
-(prune_versions), so the kernels of a version still run from another
-environment stay.
-
 The same goes for mlx's check on its CUDA caches of compiled graphs, which
 a long-lived worker would trip (no_thrashing_abort).
+
+The CUDA and the CPU kernels are kept in a directory per mlx version, and
+an upgrade of mlx leaves the old one behind (a CPU one holds a 50 MB
+precompiled header). A worker marks its own version's directories as used
+when it starts and removes the other versions' that no worker has used for
+UNUSED_FOR_DAYS days (prune_versions), so the kernels of a version still
+run from another environment stay.
 """
 
 from __future__ import annotations
