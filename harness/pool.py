@@ -70,7 +70,7 @@ class PoolProc:
     def send(self, request: dict | bytes) -> None:
         """A request (counted for check_terminals) or raw bytes (not counted)."""
         if isinstance(request, dict):
-            if request.get("op") in (None, "embed"):  # a request: it ends with one terminal line
+            if request.get("op") in (None, "embed", "count"):  # a request: it ends with one terminal line
                 if request.get("id") is None:
                     self.idless_sent += 1
                 else:

@@ -92,6 +92,10 @@ class Generate(Sampling, tag="generate", frozen=True):
     # token's log-probability and its k likeliest alternatives ride on the
     # token lines (docs/protocol.md); computed only for rows that ask.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # The `count` op: the prompt is rendered and tokenized as a generation's
+    # would be, and the worker answers at once with the final line alone
+    # (its prompt_tokens), generating nothing and holding no place in the batch.
+    count_only: bool = False
 
 
 # -- response_format (docs/structured-output.md): OpenAI's shape plus regex and Lark grammar --

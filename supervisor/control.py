@@ -41,7 +41,7 @@ from supervisor.child import RESOURCE_ERRNOS
 from supervisor.config import Config, ConfigError, parse_duration
 from supervisor.endpoint import LineSplitter, internal_error, read_line
 from supervisor.pool import Pool
-from supervisor.requests import BadRequest
+from supervisor.requests import REQUEST_OPS, BadRequest
 
 log = logging.getLogger("lattice.control")
 
@@ -339,7 +339,7 @@ class ControlServer:
                     encode_error('a generation request on the control socket is an op: {"op":"generate", ...}; or send it on stdin', BAD_REQUEST, id_json)
                 )
                 return
-            if msg.op in ("generate", "embed"):
+            if msg.op in REQUEST_OPS:
                 self._generate(client, msg)
                 return
             task = self.pool.ops.op(msg, client.write)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ipc.events import BAD_REQUEST, INTERNAL, SHUTTING_DOWN, UNKNOWN_MODEL, encode_error
 from supervisor.job import Job, Sink
-from supervisor.requests import ClientLine
+from supervisor.requests import REQUEST_OPS, ClientLine
 from supervisor.resolve import AdapterRefused, Resolver, UnknownModel
 from supervisor.slot import WorkerSlot
 from supervisor.spec import ModelSpec
@@ -75,7 +75,7 @@ class Ops:
         stdin; lifecycle events (loading, ready, unloaded...) always go to
         stdout. Returns the task that will still write a reply, if any."""
         id_json = msg.id_json
-        if msg.op in ("generate", "embed"):
+        if msg.op in REQUEST_OPS:
             self.pool.submit(msg, None if answer is None else _Answering(answer))
             return None
         if msg.op == "status":

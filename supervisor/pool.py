@@ -253,6 +253,7 @@ class Pool:
             speculative=msg.speculative is not False,
             clip_max_tokens="max_tokens" not in fields,
             logprobs=logprobs_count(msg),
+            count_only=msg.op == "count",
             **fields,
         )
 

@@ -27,7 +27,9 @@ log = logging.getLogger("lattice.requests")
 # line without op is refused (its lines go back to that connection alone).
 # `embed`: embeddings of `input` (supervisor.embeddings), for a model of
 # kind "embedding"; its lines are one `embedding` line per input, then done.
-OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate", "embed"})
+OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate", "embed", "count"})
+# Ops that are requests: they queue and end as a generation does.
+REQUEST_OPS = frozenset({"generate", "embed", "count"})
 
 StopString = Annotated[str, Meta(min_length=1, max_length=1000)]
 
@@ -278,10 +280,10 @@ def _checked(msg: ClientLine) -> ClientLine:
             raise BadRequest('op "cancel" needs the "id" of the request to cancel')
         if msg.op == "embed" and msg.id is None:
             raise BadRequest('op "embed" needs an "id": its lines carry it')
-        if msg.op != "generate":
+        if msg.op not in ("generate", "count"):
             return msg
         if msg.id is None:
-            raise BadRequest('op "generate" needs an "id": its lines carry it')
+            raise BadRequest(f'op "{msg.op}" needs an "id": its lines carry it')
     if msg.prompt is None and msg.messages is None:
         raise BadRequest('missing "prompt" field', id_json)
     if msg.prompt is not None and msg.messages is not None:

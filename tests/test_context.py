@@ -51,6 +51,11 @@ def test_worker_refuses_or_clips_past_the_limit(tiny_model):
         w.send(Generate(rid=4, prompt=PROMPT * 2, max_tokens=1, clip_max_tokens=True, id_json='"long"'))
         error = terminal(w.collect())
         assert error["code"] == "bad_request" and "the model's context is 64 tokens" in error["msg"]
+        # A count is answered whatever the length: it asks whether the prompt fits.
+        w.send(Generate(rid=5, prompt=PROMPT * 2, max_tokens=1, count_only=True, id_json='"count"'))
+        lines = w.collect()
+        assert [line["ev"] for line in lines] == ["gen_token"]
+        assert lines[0]["done"] and lines[0]["prompt_tokens"] > 64 and lines[0]["gen_tokens"] == 0 and lines[0]["id"] == "count"
     finally:
         assert w.close() == 0
 
@@ -72,6 +77,16 @@ def test_pool_shows_and_enforces_max_context(tiny_model, tmp_path, spawn_pool):
     pool.send({"model": "short", "id": "clip", "prompt": PROMPT, "temperature": 0, "stop": []})
     done = pool.terminal("clip")
     assert done["ev"] == "gen_token" and done["prompt_tokens"] + done["gen_tokens"] <= 64
+    # The count op: the prompt's tokens as a generation would run it, nothing
+    # generated, past the context too; its lines carry the id it needs.
+    pool.send({"op": "count", "model": "short", "id": "count", "prompt": PROMPT})
+    counted = pool.terminal("count")
+    assert counted["ev"] == "gen_token" and counted["prompt_tokens"] == done["prompt_tokens"] and counted["gen_tokens"] == 0
+    pool.send({"op": "count", "model": "short", "id": "long", "prompt": PROMPT * 3})
+    assert pool.terminal("long")["prompt_tokens"] > 64
+    pool.send(pool.line({"op": "count", "model": "short", "prompt": PROMPT}))  # as bytes: a bad line, no request
+    refused = pool.wait_ev("error")
+    assert refused["code"] == "bad_request" and 'op "count" needs an "id"' in refused["msg"]
     pool.send({"op": "status"})
     rows = {r["model"]: r for r in pool.wait_ev("status")["models"]}
     assert rows["short"]["max_context"] == 64

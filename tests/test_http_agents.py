@@ -491,6 +491,25 @@ def test_anthropic_tool_use_round_trip(agents):
     assert after.stop_reason == "max_tokens" and after.usage.input_tokens > first.usage.input_tokens
 
 
+def test_anthropic_count_tokens_is_the_prompt_a_message_would_run(agents):
+    import anthropic
+
+    tools = [{"name": "get_time", "description": "The time", "input_schema": CLOCK["function"]["parameters"]}]
+    with anthropic_client(agents) as c:
+        for extra in ({}, {"system": "Be brief."}, {"system": "Be brief.", "tools": tools}):
+            counted = c.messages.count_tokens(model="tiny", messages=ASK, **extra)
+            ran = c.messages.create(model="tiny", max_tokens=1, messages=ASK, **extra)
+            assert counted.input_tokens == ran.usage.input_tokens > 0, extra
+        plain = c.messages.count_tokens(model="tiny", messages=ASK).input_tokens
+        assert c.messages.count_tokens(model="tiny", messages=ASK, tools=tools).input_tokens > plain
+        with pytest.raises(anthropic.NotFoundError) as exc:
+            c.messages.count_tokens(model="no-such-model", messages=ASK)
+        assert exc.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            c.messages.count_tokens(model="tiny", messages=[])
+        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
+
+
 def test_anthropic_errors_in_its_shape(agents):
     import anthropic
 

@@ -329,7 +329,13 @@ class App:
         self.local_names = {"localhost", *local_names}
         # Other APIs on the same pool, by route: each reads its body as a chat
         # request and writes its own answers and errors.
-        self.apis = {"/v1/responses": responses, "/v1/messages": anthropic, "/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE}
+        self.apis = {
+            "/v1/responses": responses,
+            "/v1/messages": anthropic,
+            "/v1/messages/count_tokens": anthropic,
+            "/api/chat": ollama.CHAT,
+            "/api/generate": ollama.GENERATE,
+        }
         self.stored = responses.ResponseStore()
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -433,6 +439,7 @@ class App:
             "/v1/completions": ("POST", self._completions),
             "/v1/responses": ("POST", self._other_api),
             "/v1/messages": ("POST", self._other_api),
+            "/v1/messages/count_tokens": ("POST", self._count_tokens),
             "/api/chat": ("POST", self._other_api),
             "/api/generate": ("POST", self._other_api),
             "/api/tags": ("GET", self._ollama_info),
@@ -508,6 +515,22 @@ class App:
         finally:
             if parsed and hasattr(api, "after"):
                 api.after(self, *parsed[0])
+
+    async def _count_tokens(self, scope, receive, send) -> None:
+        """Anthropic's /v1/messages/count_tokens: the body read as a Messages
+        request's, its prompt rendered and tokenized by the model's worker
+        (the `count` op), nothing generated."""
+
+        def parse(body: bytes, request_id: str):
+            msg, opts = anthropic.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self)
+            msg.op = "count"
+            opts.stream, opts.n = False, 1
+            return msg, opts
+
+        try:
+            await self._generate(scope, receive, send, anthropic.PREFIX, parse, anthropic.count_reply_maker(self))
+        except HttpError as exc:
+            raise anthropic.error(exc) from None
 
     async def _ollama_info(self, scope, receive, send) -> None:
         body = b""

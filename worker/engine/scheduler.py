@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_error
+from ipc.events import ADAPTER_ERROR, BAD_REQUEST, OVERLOADED, WORKER_CRASHED, encode_cancelled_done, encode_done, encode_error
 from ipc.messages import DEFAULT_MAX_PROMPT_BYTES, Generate
 from ipc.sampling import Sampling
 from worker.cache.disk_rates import DiskRates
@@ -253,6 +253,10 @@ class Scheduler:
             return
         try:
             ids = self.prompts.ids(req)
+            if req.count_only:
+                total_ms = int((time.perf_counter() - arrived) * 1000)
+                self._write(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=len(ids), gen_tokens=0, total_ms=total_ms, finish_reason="stop", id_json=req.id_json))
+                return
             req = self.prompts.fit(req, ids)
             constraint = self._constraint(req, ids)
         except RequestError as exc:

@@ -35,7 +35,8 @@ class PromptReader:
 
     def ids(self, req: Generate) -> list[int]:
         """The prompt's token ids; RequestError when there is none, the chat
-        template fails, or the prompt or the model's context is too small for it."""
+        template fails, or the prompt or the model's context is too small for
+        it (a count is of any length: it asks whether the prompt fits)."""
         kept_as_text: list[tuple[int, int]] = []
         if req.prompt is not None:
             text = req.prompt  # the client's own template: its special tokens are meant
@@ -57,7 +58,7 @@ class PromptReader:
         ids = self.codec.encode_keeping_text(text, kept_as_text)
         if not ids:
             raise RequestError(BAD_REQUEST, "prompt is empty after tokenization")
-        if self.max_context and len(ids) >= self.max_context:
+        if self.max_context and len(ids) >= self.max_context and not req.count_only:
             raise RequestError(BAD_REQUEST, f"prompt has {len(ids)} tokens; the model's context is {self.max_context} tokens")
         return ids
 
