@@ -255,7 +255,9 @@ class Scheduler:
             ids = self.prompts.ids(req)
             if req.count_only:
                 total_ms = int((time.perf_counter() - arrived) * 1000)
-                self._write(encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=len(ids), gen_tokens=0, total_ms=total_ms, finish_reason="stop", id_json=req.id_json))
+                self._write(
+                    encode_done(tok_s=0.0, ttft_ms=0.0, prompt_tokens=len(ids), gen_tokens=0, total_ms=total_ms, finish_reason="stop", id_json=req.id_json)
+                )
                 return
             req = self.prompts.fit(req, ids)
             constraint = self._constraint(req, ids)
