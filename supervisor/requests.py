@@ -27,6 +27,8 @@ log = logging.getLogger("lattice.requests")
 # line without op is refused (its lines go back to that connection alone).
 # `embed`: embeddings of `input` (supervisor.embeddings), for a model of
 # kind "embedding"; its lines are one `embedding` line per input, then done.
+# `count`: a generation request's prompt tokenized, nothing generated; its
+# one line is the done line with prompt_tokens.
 OPS = frozenset({"load", "unload", "cancel", "status", "reload", "shutdown", "generate", "embed", "count"})
 # Ops that are requests: they queue and end as a generation does.
 REQUEST_OPS = frozenset({"generate", "embed", "count"})
