@@ -63,6 +63,9 @@ MAX_WARM_TEXT = 64 * 1024
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
+    # Other names that mean this model (an agent asking for a hosted model
+    # by its name, say): each resolves to this entry and its one worker.
+    aliases: Annotated[list[Annotated[str, Meta(min_length=1, max_length=200)]], Meta(max_length=64)] = []
     # What the name serves: "chat" (generation) or "embedding" (vectors:
     # /v1/embeddings, Ollama's /api/embed, the `embed` op; docs/http.md).
     kind: Literal["chat", "embedding"] = "chat"
@@ -217,10 +220,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     models: list[ModelEntry] = []
 
     def __post_init__(self) -> None:
-        names = [m.name for m in self.models]
+        names = [n for m in self.models for n in (m.name, *m.aliases)]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"model names and aliases must be unique; repeated: {', '.join(dupes)}")
         # Parse once so a bad value fails at start-up, not at first use.
         parse_size(self.memory_budget)
         parse_size(self.prefix_cache_bytes)

@@ -52,7 +52,8 @@ class Resolver:
     def __init__(self, config: Config):
         self.config = config
         self.cache = model_cache_dir(config)
-        self.by_name: dict[str, ModelEntry] = {m.name: m for m in config.models}
+        # Names and aliases alike (the config keeps them all distinct).
+        self.by_name: dict[str, ModelEntry] = {n: m for m in config.models for n in (m.name, *m.aliases)}
         self.default_keep_alive = parse_duration(config.keep_alive)
         self.adapters = AdapterPolicy(config, expand)
         # A configured model keeps the paths it first resolved to: its worker

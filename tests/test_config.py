@@ -83,6 +83,21 @@ def test_names_on_one_base_share_a_worker_key_unless_their_worker_settings_diffe
     assert len({specs[n].key for n in "acd"}) == 3 and specs["c"].max_adapters == 2
 
 
+def test_aliases_resolve_to_their_entry_and_clash_with_no_name(tmp_path):
+    from supervisor.resolve import Resolver
+
+    (tmp_path / "m").mkdir()
+    entry = f'[[models]]\nname = "a"\npath = "{tmp_path / "m"}"\naliases = ["x", "y"]\n[[models]]\nname = "b"\npath = "{tmp_path / "m"}"\n'
+    (tmp_path / "c.toml").write_text(entry)
+    resolver = Resolver(load_config(tmp_path / "c.toml"))
+    assert resolver.resolve("x") is resolver.resolve("a") and resolver.resolve("y").name == "a"
+    assert resolver.resolve("b").name == "b"
+    for clash, repeated in (('aliases = ["b"]', "b"), ('aliases = ["x"]', "x"), ('aliases = ["z", "z"]', "z")):
+        (tmp_path / "d.toml").write_text(entry + clash + "\n")
+        with pytest.raises(ConfigError, match=f"names and aliases must be unique; repeated: {repeated}"):
+            load_config(tmp_path / "d.toml")
+
+
 @pytest.mark.parametrize("value, flag", [(None, "60.0"), ('"10s"', "10.0"), ('"never"', "inf"), ("0", "0.0")])
 def test_idle_release_becomes_the_workers_flag(tmp_path, value, flag):
     from supervisor.child import worker_command

@@ -27,7 +27,7 @@ def agents(tiny_model, second_model, tmp_path_factory):
     (cache / "tiny2").symlink_to(second_model)
     (root / "hub").mkdir()
     config = root / "pool.toml"
-    config.write_text(f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\n')
+    config.write_text(f'[[models]]\nname = "tiny"\npath = "{tiny_model}"\npreload = true\naliases = ["claude-sonnet-4-5", "gpt-4o"]\n')
     yield from shared_http_pool(config, "tiny", env={"LATTICE_MODEL_CACHE": str(cache), "HF_HUB_CACHE": str(root / "hub")})
 
 
@@ -489,6 +489,20 @@ def test_anthropic_tool_use_round_trip(agents):
         ]
         after = c.messages.create(model="tiny", max_tokens=4, messages=history, tools=tools, extra_body={"temperature": 0})
     assert after.stop_reason == "max_tokens" and after.usage.input_tokens > first.usage.input_tokens
+
+
+def test_an_alias_is_served_by_its_models_worker_under_the_name_asked_for(agents):
+    with anthropic_client(agents) as c:
+        by_alias = c.messages.create(model="claude-sonnet-4-5", max_tokens=6, messages=ASK, extra_body={"temperature": 0})
+        by_name = c.messages.create(model="tiny", max_tokens=6, messages=ASK, extra_body={"temperature": 0})
+    chat = client(agents).chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=6, temperature=0)
+    assert by_alias.model == "claude-sonnet-4-5" and chat.model == "gpt-4o"
+    assert [b.text for b in by_alias.content if b.type == "text"] == [b.text for b in by_name.content if b.type == "text"]
+    listed = [m["id"] for m in get(agents, "/models")["data"]]
+    assert "tiny" in listed and "claude-sonnet-4-5" not in listed
+    agents.send({"op": "status"})
+    rows = [row["model"] for row in agents.wait_ev("status")["models"]]
+    assert rows.count("tiny") == 1 and not {"claude-sonnet-4-5", "gpt-4o"} & set(rows)
 
 
 def test_anthropic_count_tokens_is_the_prompt_a_message_would_run(agents):
