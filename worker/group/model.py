@@ -45,6 +45,11 @@ log = logging.getLogger("worker")
 def abort(cause: str, code: int = EX_TEMPFAIL) -> None:
     """Ends this rank at once, from any thread, its cause the last line on
     stderr (the pool quotes it); the other ranks follow (worker.group.launch)."""
+    # Another thread may be logging the same failure (a step's traceback
+    # while a rank's reader ends the process): with the handlers' locks
+    # held, no record can land after the cause before the exit.
+    for handler in logging.getLogger().handlers:
+        handler.acquire()
     print(FATAL_PREFIX + " ".join(cause.split()), file=sys.stderr, flush=True)
     os._exit(code)
 
