@@ -156,6 +156,7 @@ def test_ollama_embed(pool, reference):
             c.embed(model="emb", input=["Hi"] * 2049)
         assert c.show("emb").capabilities == ["embedding"]
     assert got.model == "emb" and got.prompt_eval_count == sum(reference(t)[1] for t in TEXTS[:2])
+    assert 0 < got.load_duration <= got.total_duration
     for vector, w in zip(got.embeddings, want):
         assert np.abs(np.array(vector) - w).max() < TOLERANCE
     assert np.abs(np.array(one.embeddings[0]) - unit(want[0], 8)).max() < TOLERANCE

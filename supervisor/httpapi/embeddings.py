@@ -39,6 +39,7 @@ class _Vector(msgspec.Struct, tag_field="ev", tag="embedding"):
 
 class _Done(msgspec.Struct, tag_field="ev", tag="gen_token"):
     prompt_tokens: int = 0
+    total_ms: float = 0.0
     finish_reason: str | None = None
 
 
@@ -69,6 +70,7 @@ class Vectors:
         self.ended = False
         self.error: HttpError | None = None
         self.prompt_tokens = 0
+        self.worker_ms = 0.0  # the request's time in its worker
 
     def write(self, data: bytes) -> None:
         for line in data.splitlines():
@@ -92,6 +94,7 @@ class Vectors:
                 self._end(HttpError(500, "internal error: the model left inputs without a vector", "server_error", INTERNAL))
             else:
                 self.prompt_tokens = event.prompt_tokens
+                self.worker_ms = event.total_ms
                 self._end(None)
         self.changed.set()
 
@@ -161,6 +164,14 @@ def answer(request: Request, vectors: Vectors) -> bytes:
     if request.shape == "legacy":
         return _encode({"embedding": floats(vectors.vectors[0])})
     total = time.monotonic_ns() - request.started
+    # As on /api/chat: what came before the worker began (a load, a wait).
+    load = total - min(total, int(vectors.worker_ms * 1e6))
     return _encode(
-        {"model": request.model, "embeddings": [floats(v) for v in vectors.vectors], "total_duration": total, "load_duration": 0, "prompt_eval_count": tokens}
+        {
+            "model": request.model,
+            "embeddings": [floats(v) for v in vectors.vectors],
+            "total_duration": total,
+            "load_duration": load,
+            "prompt_eval_count": tokens,
+        }
     )
