@@ -672,6 +672,25 @@ def ollama_calls(agents, c) -> None:
     assert version["version"]
 
 
+def test_ollama_loads_with_an_empty_request_and_unloads_with_keep_alive_zero(agents):
+    import ollama
+
+    with ollama_client(agents) as c:
+        loaded = c.generate(model="tiny2")
+        assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+        assert "tiny2" in [m.model for m in c.ps().models]
+        again = c.chat(model="tiny2", messages=[])
+        assert again.done and again.done_reason == "load" and again.message.content == ""
+        gone = c.generate(model="tiny2", keep_alive=0)
+        assert gone.done and gone.done_reason == "unload"
+        assert "tiny2" not in [m.model for m in c.ps().models]
+        # Unloading what is not loaded is no fault; an unknown name is.
+        assert c.chat(model="tiny2", messages=[], keep_alive=0).done_reason == "unload"
+        with pytest.raises(ollama.ResponseError) as exc:
+            c.generate(model="no-such-model", keep_alive=0)
+        assert exc.value.status_code == 404
+
+
 def test_ollama_keep_alive_zero_unloads_after_the_request(agents):
     with ollama_client(agents) as c:
         c.generate(model="tiny2", prompt="Hi", options={"num_predict": 2, "temperature": 0}, keep_alive=0)

@@ -139,6 +139,25 @@ def _messages(raw: Any) -> list[dict]:
     return out
 
 
+class Unload(Exception):
+    """A body with nothing to generate and keep_alive 0: Ollama's way to
+    unload a model now (`ollama stop`); the route answers it without a
+    request."""
+
+    def __init__(self, model: str, generate: bool):
+        super().__init__(model)
+        self.model = model
+        self.generate = generate
+
+
+def unloaded_body(model: str, generate: bool) -> bytes:
+    return _encode({"model": model, "created_at": _now(), **_empty(generate), "done_reason": "unload", "done": True})
+
+
+def _empty(generate: bool) -> dict:
+    return {"response": ""} if generate else {"message": {"role": "assistant", "content": ""}}
+
+
 class _Api:
     """One of the two generating routes."""
 
@@ -152,6 +171,19 @@ class _Api:
         data = json_object(body)
         keep = keep_alive_seconds(data.get("keep_alive"))
         raw = False
+        # Ollama's clients load a model with a body that asks for nothing
+        # (no prompt, no messages) and unload it with that and keep_alive 0.
+        load = data.get("prompt" if self.generate else "messages") in (None, "", [])
+        if load and keep is not False and keep == 0:
+            raise Unload(model_name(data.get("model")), self.generate)
+        if load:
+            # Counted, not generated (the `count` op): it waits for the
+            # worker as a request does, and fails as one does.
+            msg, opts = chat_request({"model": data.get("model"), "messages": [{"role": "user", "content": ""}]}, request_id, model_name, template)
+            msg.op = "count"
+            opts.stream = False
+            opts.extra = {"keep_alive": keep, "raw": False, "load": True}
+            return msg, opts
         if self.generate:
             prompt = data.get("prompt") or ""
             if not isinstance(prompt, str):
@@ -198,7 +230,7 @@ class _Api:
         generate = self.generate
 
         def make(request_id: str, created: int, opts: Options, index: int) -> OllamaReply:
-            return OllamaReply(opts.model, generate, opts.extra["raw"], opts.stream)
+            return OllamaReply(opts.model, generate, opts.extra["raw"], opts.stream, opts.extra.get("load", False))
 
         make.chat = True  # type: ignore[attr-defined]
         return make
@@ -216,11 +248,12 @@ class OllamaReply:
     include_usage = True
     headers = NDJSON_HEADERS
 
-    def __init__(self, model: str, generate: bool, raw: bool, stream: bool):
+    def __init__(self, model: str, generate: bool, raw: bool, stream: bool, load: bool = False):
         self.model = model
         self.generate = generate
         self.raw = raw
         self.stream = stream
+        self.load = load  # a body that asked for nothing: the model loaded, nothing generated
         self.started = time.monotonic_ns()
         self.request_id = model
         self.worker_ms = (0.0, 0.0)  # (first token, whole request) as its worker timed them
@@ -290,6 +323,8 @@ class OllamaReply:
     def whole(
         self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None
     ) -> bytes:
+        if self.load:
+            return _encode({"model": self.model, "created_at": _now(), **_empty(self.generate), "done_reason": "load", "done": True})
         if self.raw and reasoning:
             text, reasoning = reasoning + text, None
         if tool_calls:

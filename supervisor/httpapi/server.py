@@ -39,7 +39,7 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED
+from ipc.events import BAD_REQUEST, INTERNAL, OVERLOADED, UNKNOWN_MODEL
 from supervisor.config import Config, ConfigError, parse_duration, parse_size, split_address
 from supervisor.httpapi import anthropic, embeddings, ollama, responses
 from supervisor.httpapi.choices import Choices
@@ -512,6 +512,15 @@ class App:
             await self._generate(scope, receive, send, api.PREFIX, parse, api.reply_maker(self))
         except HttpError as exc:
             raise api.error(exc) from None
+        except ollama.Unload as unload:
+            try:
+                spec = self.pool.resolve(unload.model, paths=False)
+            except UnknownModel as exc:
+                raise api.error(HttpError(404, str(exc), code=UNKNOWN_MODEL, param="model")) from None
+            # Its `unloaded` line goes to stdout as any unload's; a model not
+            # running has nothing to unload and says so to no one.
+            self.pool.unload(spec, "unloaded by an Ollama request (keep_alive 0)", answer=_ignore)
+            await _send_json(send, 200, ollama.unloaded_body(unload.model, unload.generate))
         finally:
             if parsed and hasattr(api, "after"):
                 api.after(self, *parsed[0])
