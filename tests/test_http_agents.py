@@ -625,12 +625,12 @@ def ollama_client(pool):
     return ollama.Client(host=pool.url.removesuffix("/v1"), timeout=120)
 
 
-def test_ollama_chat_generate_and_listing(agents):
+def test_ollama_chat_generate_and_listing(agents, tiny_model):
     with ollama_client(agents) as c:
-        ollama_calls(agents, c)
+        ollama_calls(agents, c, tiny_model)
 
 
-def ollama_calls(agents, c) -> None:
+def ollama_calls(agents, c, tiny_model) -> None:
     import ollama
 
     options = {"temperature": 0, "num_predict": 10}
@@ -661,9 +661,13 @@ def ollama_calls(agents, c) -> None:
         options={"num_predict": 40, "temperature": 0},
     )
     assert set(json.loads(forced.message.content)) == {"a"}
-    names = [m.model for m in c.list().models]
-    assert names[:1] == ["tiny"] and "tiny2" in names
-    assert "tiny" in [m.model for m in c.ps().models]
+    listed = {m.model: m for m in c.list().models}
+    assert list(listed)[:1] == ["tiny"] and "tiny2" in listed
+    # Sizes as Ollama gives them: the weight files on disk, the memory the
+    # running worker holds (on the GPU when it computes there).
+    assert listed["tiny"].size == sum(f.stat().st_size for f in tiny_model.glob("*.safetensors")) > 0
+    [running] = [m for m in c.ps().models if m.model == "tiny"]
+    assert running.size >= listed["tiny"].size and running.size_vram in (0, running.size)
     assert "tools" in c.show("tiny").capabilities
     with pytest.raises(ollama.ResponseError) as exc:
         c.chat(model="no-such-model", messages=ASK)

@@ -360,7 +360,31 @@ def _expires(pool, name: str) -> str:
 
 
 def _entry(name: str, pool, extra: dict | None = None) -> dict:
-    return {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "", "details": _details(name, pool), **(extra or {})}
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": _now(),
+        "size": _weights_on_disk(name, pool),
+        "digest": "",
+        "details": _details(name, pool),
+        **(extra or {}),
+    }
+
+
+def _weights_on_disk(name: str, pool) -> int:
+    """Bytes of the model's weight files (Ollama's `size` in its list)."""
+    try:
+        return sum(f.stat().st_size for f in pool.resolve(name).path.glob("*.safetensors"))
+    except Exception:  # a path that broke meanwhile: no size, not a failed listing
+        return 0
+
+
+def _in_memory(row) -> dict:
+    """Ollama's `size` and `size_vram` in its running list: the worker's
+    measured memory (mlx's arrays, weights included), all of it on the
+    device when it computes on a GPU."""
+    size = max(row.mlx_active_bytes, row.weights_bytes)
+    return {"size": size, "size_vram": size if row.processor in ("cuda", "metal") else 0}
 
 
 def _version() -> str:
@@ -378,7 +402,15 @@ async def info(app, path: str, body: bytes) -> bytes:
         return _encode({"models": [_entry(m["id"], pool) for m in await list_models(pool)]})
     if path == "/api/ps":
         live = [m for m in await list_models(pool) if m["loaded"]]
-        return _encode({"models": [_entry(m["id"], pool, {"expires_at": _expires(pool, m["id"]), "size_vram": 0}) for m in live]})
+        rows = {row.model: row for row in (await pool.status()).models if row.lora is None} if live else {}
+        return _encode(
+            {
+                "models": [
+                    _entry(m["id"], pool, {"expires_at": _expires(pool, m["id"]), **(_in_memory(rows[m["id"]]) if m["id"] in rows else {"size_vram": 0})})
+                    for m in live
+                ]
+            }
+        )
     # /api/show
     data = json_object(body)
     name = data.get("model", data.get("name"))
