@@ -591,6 +591,19 @@ def test_responses_text_streaming_and_previous_response(agents):
     assert agents.terminal("stdin-follow")["prompt_tokens"] == follow.usage.input_tokens
 
 
+def test_responses_input_tokens_is_the_prompt_a_response_would_run(agents):
+    import openai as openai_module
+
+    tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
+    with client(agents) as c:
+        for extra in ({}, {"instructions": "Be brief."}, {"instructions": "Be brief.", "tools": tools}):
+            counted = c.responses.input_tokens.count(model="tiny", input="What is the river?", **extra)
+            ran = c.responses.create(model="tiny", input="What is the river?", max_output_tokens=2, store=False, **extra)
+            assert counted.object == "response.input_tokens" and counted.input_tokens == ran.usage.input_tokens > 0, extra
+        with pytest.raises(openai_module.NotFoundError):
+            c.responses.input_tokens.count(model="no-such-model", input="Hi")
+
+
 def test_responses_function_calls_round_trip(agents):
     tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
     with client(agents) as c:

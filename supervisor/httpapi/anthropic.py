@@ -200,24 +200,9 @@ def reply_maker(app):
     return make
 
 
-def count_reply_maker(app):
-    def make(request_id: str, created: int, opts: Options, index: int) -> CountReply:
-        return CountReply()
-
-    make.chat = False  # type: ignore[attr-defined]
-    return make
-
-
-class CountReply:
-    """The answer of /v1/messages/count_tokens: the tokens of the prompt a
-    Messages request with the same body would run (the Exchange's Reply
-    interface; a count is never streamed)."""
-
-    chat = False
-    include_usage = True
-
-    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
-        return _encode({"input_tokens": figures["prompt_tokens"]})
+def counted(tokens: int) -> dict:
+    """/v1/messages/count_tokens's answer."""
+    return {"input_tokens": tokens}
 
 
 def _event(name: str, data: dict) -> bytes:

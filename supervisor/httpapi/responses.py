@@ -213,6 +213,11 @@ def reply_maker(app):
     return make
 
 
+def counted(tokens: int) -> dict:
+    """/v1/responses/input_tokens's answer."""
+    return {"object": "response.input_tokens", "input_tokens": tokens}
+
+
 def _usage(figures: dict) -> dict:
     cached = (figures.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {

@@ -45,7 +45,7 @@ from supervisor.httpapi import anthropic, embeddings, ollama, responses
 from supervisor.httpapi.choices import Choices
 from supervisor.httpapi.exchange import Exchange
 from supervisor.httpapi.models import chat_template, list_models, model_name, one_model
-from supervisor.httpapi.shapes import HttpError, Reply, chat_request, completion_request, error_body, json_object
+from supervisor.httpapi.shapes import CountReply, HttpError, Reply, chat_request, completion_request, error_body, json_object
 from supervisor.httpapi.tools import ToolReader
 from supervisor.pool import Pool
 from supervisor.requests import ClientLine
@@ -333,6 +333,7 @@ class App:
             "/v1/responses": responses,
             "/v1/messages": anthropic,
             "/v1/messages/count_tokens": anthropic,
+            "/v1/responses/input_tokens": responses,
             "/api/chat": ollama.CHAT,
             "/api/generate": ollama.GENERATE,
         }
@@ -440,6 +441,7 @@ class App:
             "/v1/responses": ("POST", self._other_api),
             "/v1/messages": ("POST", self._other_api),
             "/v1/messages/count_tokens": ("POST", self._count_tokens),
+            "/v1/responses/input_tokens": ("POST", self._count_tokens),
             "/api/chat": ("POST", self._other_api),
             "/api/generate": ("POST", self._other_api),
             "/api/tags": ("GET", self._ollama_info),
@@ -526,20 +528,22 @@ class App:
                 api.after(self, *parsed[0])
 
     async def _count_tokens(self, scope, receive, send) -> None:
-        """Anthropic's /v1/messages/count_tokens: the body read as a Messages
-        request's, its prompt rendered and tokenized by the model's worker
-        (the `count` op), nothing generated."""
+        """Anthropic's /v1/messages/count_tokens and OpenAI's
+        /v1/responses/input_tokens: the body read as that API's request, its
+        prompt rendered and tokenized by the model's worker (the `count`
+        op), nothing generated."""
+        api = self.apis[scope["path"]]
 
         def parse(body: bytes, request_id: str):
-            msg, opts = anthropic.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self)
+            msg, opts = api.request(body, request_id, self._model_name, lambda name: chat_template(self.pool, name), self)
             msg.op = "count"
             opts.stream, opts.n = False, 1
             return msg, opts
 
         try:
-            await self._generate(scope, receive, send, anthropic.PREFIX, parse, anthropic.count_reply_maker(self))
+            await self._generate(scope, receive, send, api.PREFIX, parse, CountReply.maker(api.counted))
         except HttpError as exc:
-            raise anthropic.error(exc) from None
+            raise api.error(exc) from None
 
     async def _ollama_info(self, scope, receive, send) -> None:
         body = b""

@@ -404,6 +404,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
+class CountReply:
+    """The answer of a token count route (the `count` op under another
+    API's body): `body(tokens)` as JSON, never streamed (the Exchange's
+    Reply interface)."""
+
+    chat = False
+    include_usage = True
+
+    def __init__(self, body: Callable[[int], dict]):
+        self.body = body
+
+    def whole(self, text: str, reasoning: str | None, finish_reason: str, figures: dict, tool_calls: list[dict] | None = None) -> bytes:
+        return msgspec.json.encode(self.body(figures["prompt_tokens"]))
+
+    @staticmethod
+    def maker(body: Callable[[int], dict]):
+        def make(request_id: str, created: int, opts: Options, index: int) -> CountReply:
+            return CountReply(body)
+
+        make.chat = False  # type: ignore[attr-defined]
+        return make
+
+
 class Reply:
     """The JSON of one request's answer, as OpenAI writes it for one of the
     two endpoints: whole (`message`), or as SSE chunks."""
