@@ -604,6 +604,17 @@ def test_responses_input_tokens_is_the_prompt_a_response_would_run(agents):
             c.responses.input_tokens.count(model="no-such-model", input="Hi")
 
 
+def test_responses_leave_out_hosted_tools_an_agent_sends_with_its_functions(agents):
+    functions = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
+    hosted = [{"type": "web_search"}, {"type": "image_generation"}, {"type": "custom", "name": "apply_patch", "format": {"type": "text"}}]
+    with client(agents) as c:
+        mixed = c.responses.create(model="tiny", input=ASK, tools=functions + hosted, tool_choice="required", max_output_tokens=200, temperature=0, store=False)
+        plain = c.responses.create(model="tiny", input=ASK, tools=functions, tool_choice="required", max_output_tokens=200, temperature=0, store=False)
+        assert mixed.usage.input_tokens == plain.usage.input_tokens
+        assert [(i.type, getattr(i, "name", None)) for i in mixed.output] == [(i.type, getattr(i, "name", None)) for i in plain.output]
+        assert any(i.type == "function_call" and i.name == "get_time" for i in mixed.output)
+
+
 def test_responses_function_calls_round_trip(agents):
     tools = [{"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK["function"]["parameters"]}]
     with client(agents) as c:

@@ -19,6 +19,7 @@ response made with `"store": false` is not kept.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -31,6 +32,8 @@ from supervisor.httpapi.shapes import SSE_HEADERS, HttpError, Options, bad, json
 from supervisor.httpapi.tools import TemplateInfo
 
 PREFIX = "resp_"
+
+log = logging.getLogger("lattice.http")
 MAX_RESPONSES = 256
 MAX_BYTES = 64 * 1024 * 1024
 _encode = msgspec.json.Encoder().encode
@@ -115,18 +118,28 @@ def _input_messages(value: Any) -> list[dict]:
     return out
 
 
-def _tools(data: dict, chat: dict) -> None:
+def _tools(data: dict, chat: dict) -> list[str]:
+    """The body's function tools into `chat`; returns the types of the
+    other tools it gave, which are left out: OpenAI's hosted tools
+    (web_search, file_search, image_generation, ...) and Codex's own kinds
+    run on OpenAI's side or in the client's, and an agent sends them with
+    its function tools in every request (refusing them refused the agent)."""
     tools = data.get("tools")
+    skipped: list[str] = []
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("tools must be a list", "tools")
         converted = []
         for tool in tools:
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                raise bad(f"tools of type {tool.get('type') if isinstance(tool, dict) else None!r} are not supported: function only", "tools")
+            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+                raise bad("each tool must be an object with a type", "tools")
+            if tool["type"] != "function":
+                skipped.append(tool["type"][:40])
+                continue
             function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
             converted.append({"type": "function", "function": function})
-        chat["tools"] = converted
+        if converted or not skipped:
+            chat["tools"] = converted
     choice = data.get("tool_choice")
     if isinstance(choice, dict):
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if choice.get("type") == "function" else "invalid"
@@ -134,6 +147,7 @@ def _tools(data: dict, chat: dict) -> None:
         chat["tool_choice"] = choice
     if data.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = data["parallel_tool_calls"]
+    return skipped
 
 
 # Chat fields as this API names them, for its errors.
@@ -180,7 +194,9 @@ def request(body: bytes, request_id: str, model_name: Callable, template: Callab
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
-    _tools(data, chat)
+    skipped = _tools(data, chat)
+    if skipped:
+        log.info("http: request %s: tools of type %s left out (function tools only)", request_id, ", ".join(sorted(set(skipped))))
     msg, opts = translated_chat_request(data, chat, request_id, model_name, template, NAMES)
     opts.extra = {
         "conversation": conversation,
