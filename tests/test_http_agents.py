@@ -613,6 +613,15 @@ def test_responses_leave_out_hosted_tools_an_agent_sends_with_its_functions(agen
         assert mixed.usage.input_tokens == plain.usage.input_tokens
         assert [(i.type, getattr(i, "name", None)) for i in mixed.output] == [(i.type, getattr(i, "name", None)) for i in plain.output]
         assert any(i.type == "function_call" and i.name == "get_time" for i in mixed.output)
+        # Codex opens its input with an item of its own tool namespaces.
+        codex_input = [
+            {"type": "additional_tools", "role": "developer", "id": "at_1", "tools": [{"type": "namespace", "name": "collaboration", "tools": []}]},
+            *ASK,
+        ]
+        codex = c.responses.create(
+            model="tiny", input=codex_input, tools=functions + hosted, tool_choice="required", max_output_tokens=200, temperature=0, store=False
+        )
+        assert codex.usage.input_tokens == plain.usage.input_tokens
 
 
 def test_responses_function_calls_round_trip(agents):

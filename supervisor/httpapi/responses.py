@@ -113,6 +113,10 @@ def _input_messages(value: Any) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output if isinstance(output, str) else _text(output)})
         elif kind == "reasoning":
             continue  # earlier turns' reasoning: chat templates drop it too
+        elif kind == "additional_tools":
+            # Codex's leading item of its own tool namespaces, run on its
+            # side; the pool serves the request's function tools.
+            continue
         else:
             raise bad(f"input items of type {kind!r} are not supported", "input")
     return out
