@@ -280,12 +280,10 @@ def _checked(msg: ClientLine) -> ClientLine:
             raise BadRequest(f'op {msg.op!r} needs a "model" field', id_json)
         if msg.op == "cancel" and msg.id is None:
             raise BadRequest('op "cancel" needs the "id" of the request to cancel')
-        if msg.op == "embed" and msg.id is None:
-            raise BadRequest('op "embed" needs an "id": its lines carry it')
+        if msg.op in REQUEST_OPS and msg.id is None:
+            raise BadRequest(f'op "{msg.op}" needs an "id": its lines carry it')
         if msg.op not in ("generate", "count"):
             return msg
-        if msg.id is None:
-            raise BadRequest(f'op "{msg.op}" needs an "id": its lines carry it')
     if msg.prompt is None and msg.messages is None:
         raise BadRequest('missing "prompt" field', id_json)
     if msg.prompt is not None and msg.messages is not None:

@@ -359,16 +359,8 @@ def _expires(pool, name: str) -> str:
     return datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _entry(name: str, pool, extra: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "model": name,
-        "modified_at": _now(),
-        "size": _weights_on_disk(name, pool),
-        "digest": "",
-        "details": _details(name, pool),
-        **(extra or {}),
-    }
+def _entry(name: str, pool, size: int, extra: dict | None = None) -> dict:
+    return {"name": name, "model": name, "modified_at": _now(), "size": size, "digest": "", "details": _details(name, pool), **(extra or {})}
 
 
 def _weights_on_disk(name: str, pool) -> int:
@@ -379,12 +371,14 @@ def _weights_on_disk(name: str, pool) -> int:
         return 0
 
 
-def _in_memory(row) -> dict:
-    """Ollama's `size` and `size_vram` in its running list: the worker's
-    measured memory (mlx's arrays, weights included), all of it on the
-    device when it computes on a GPU."""
-    size = max(row.mlx_active_bytes, row.weights_bytes)
-    return {"size": size, "size_vram": size if row.processor in ("cuda", "metal") else 0}
+def _running(name: str, pool, row) -> dict:
+    """An entry of Ollama's running list: `size` and `size_vram` are the
+    worker's measured memory (mlx's arrays, weights included), all of it on
+    the device when it computes on a GPU (with no row, not measured: the
+    weight files' size, as in the list of models)."""
+    size = max(row.mlx_active_bytes, row.weights_bytes) if row is not None else _weights_on_disk(name, pool)
+    on_gpu = row is not None and row.processor in ("cuda", "metal")
+    return _entry(name, pool, size, {"expires_at": _expires(pool, name), "size_vram": size if on_gpu else 0})
 
 
 def _version() -> str:
@@ -399,18 +393,11 @@ async def info(app, path: str, body: bytes) -> bytes:
     if path == "/api/version":
         return _encode({"version": _version()})
     if path == "/api/tags":
-        return _encode({"models": [_entry(m["id"], pool) for m in await list_models(pool)]})
+        return _encode({"models": [_entry(m["id"], pool, _weights_on_disk(m["id"], pool)) for m in await list_models(pool)]})
     if path == "/api/ps":
         live = [m for m in await list_models(pool) if m["loaded"]]
         rows = {row.model: row for row in (await pool.status()).models if row.lora is None} if live else {}
-        return _encode(
-            {
-                "models": [
-                    _entry(m["id"], pool, {"expires_at": _expires(pool, m["id"]), **(_in_memory(rows[m["id"]]) if m["id"] in rows else {"size_vram": 0})})
-                    for m in live
-                ]
-            }
-        )
+        return _encode({"models": [_running(m["id"], pool, rows.get(m["id"])) for m in live]})
     # /api/show
     data = json_object(body)
     name = data.get("model", data.get("name"))
